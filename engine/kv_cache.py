@@ -1,0 +1,97 @@
+"""KV-cache sizing and allocation.
+
+bytes per token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes. The number of blocks is
+the memory budget divided by block_size x bytes per token; every layer gets one K and one V tensor
+of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+GiB = 1 << 30
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes(dtype)
+
+
+def default_cpu_kv_memory() -> int:
+    """A sensible CPU budget: 4 GiB (vLLM's CPU default), at most a quarter of physical RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(4 * GiB, total // 4)
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len tokens fit at once."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_blocks / blocks_per_seq
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+            f"{self.bytes_per_token} bytes/token, {self.total_bytes / GiB:.2f} GiB; "
+            f"max concurrency at {self.max_model_len} tokens: {self.max_concurrency:.2f}x"
+        )
+
+
+def plan_kv_cache(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    max_model_len: int,
+    memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+) -> KVCachePlan:
+    """Blocks for a memory budget (or an explicit block count). Raises ValueError when not even one
+    sequence of max_model_len tokens would fit, saying how much memory that needs."""
+    per_token = kv_bytes_per_token(config, dtype)
+    if num_blocks is None:
+        budget = default_cpu_kv_memory() if memory_bytes is None else memory_bytes
+        num_blocks = budget // (per_token * block_size)
+    blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks < blocks_per_seq:
+        need = blocks_per_seq * block_size * per_token
+        raise ValueError(
+            f"KV cache of {num_blocks} blocks cannot hold one sequence of max_model_len="
+            f"{max_model_len} tokens ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB); "
+            "raise --kv-cache-memory or lower --max-model-len"
+        )
+    return KVCachePlan(num_blocks, block_size, per_token, max_model_len)
+
+
+def allocate_kv_caches(
+    config: ModelConfig, plan: KVCachePlan, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Zeroed, not empty: attention reads whole blocks and masks the tail, and masked garbage that
+    # happens to be NaN or inf would still poison the weighted sum.
+    shape = (plan.num_blocks, plan.block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]

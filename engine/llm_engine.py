@@ -1,0 +1,316 @@
+"""LLMEngine: add requests, step, collect outputs. One step = schedule -> run model -> update.
+
+Each user request fans out into n scheduler requests (its samples). Token-level stops (EOS, stop
+token ids, max_tokens, max_model_len) are the scheduler's; stop *strings* need text, so they are
+checked here after detokenizing and end the sample through Scheduler.finish_request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from engine.engine_config import EngineConfig
+from engine.kv_cache import KVCachePlan, allocate_kv_caches, plan_kv_cache
+from engine.model import LlamaForCausalLM
+from engine.model_runner import ModelRunner
+from engine.model_source import ModelSource, resolve_model
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.weights import load_weights
+from scheduler import (
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger("pagedserve")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one sample (one scheduler request)."""
+
+    parent: _Parent
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+    full_text: str = ""  # everything detokenized so far (may end in held-back text)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[_Sample] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def snapshot(self, finished: bool) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.output.index,
+                text=s.output.text,
+                token_ids=list(s.output.token_ids),
+                finish_reason=s.output.finish_reason,
+                stop_reason=s.output.stop_reason,
+                logprobs=None if s.output.logprobs is None else list(s.output.logprobs),
+                cumulative_logprob=s.output.cumulative_logprob,
+            )
+            for s in self.samples
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finished_time=time.time() if finished else None,
+        )
+
+
+class LLMEngine:
+    """The synchronous core: owns the scheduler, the model runner and the tokenizer."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.source: ModelSource = resolve_model(config.model)
+        self.model_config: ModelConfig = self.source.config
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context length "
+                f"{mc.max_position_embeddings}"
+            )
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
+
+        start = time.perf_counter()
+        self.model = self._build_model()
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(
+            "model %s (%s): %.1fM parameters, %s on %s, loaded in %.1f s",
+            config.model, mc.architecture, self.num_params / 1e6, _dtype_name(self.dtype),
+            self.device, time.perf_counter() - start,
+        )
+
+        self.kv_plan: KVCachePlan = plan_kv_cache(
+            mc, self.dtype, config.block_size, self.max_model_len,
+            memory_bytes=config.kv_cache_memory, num_blocks=config.num_kv_blocks,
+        )
+        logger.info(self.kv_plan.describe())
+        kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=self.kv_plan.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens
+                or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs),
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._samples: dict[str, _Sample] = {}
+
+    def _build_model(self) -> LlamaForCausalLM:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.model_config, self.max_model_len)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(load_weights(self.source, self.config.load_format))
+        return model.eval()
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"model {self.config.model!r} has no tokenizer; pass token ids or a --tokenizer"
+            )
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Raise ValueError for prompts the engine cannot serve (before anything is scheduled)."""
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}: it must be shorter to leave room for one output token"
+            )
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Queue a request (its n samples). Returns the prompt token ids.
+
+        `prompt` is text or token ids; callers that already tokenized the text pass the ids in
+        `prompt_token_ids` so it is not done twice."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is not None:
+            prompt_token_ids = list(prompt_token_ids)
+        elif isinstance(prompt, str):
+            prompt_token_ids = self.tokenize(prompt) if prompt else []
+        else:
+            prompt_token_ids = list(prompt)
+        self.validate_prompt(prompt_token_ids)
+
+        parent = _Parent(request_id, prompt_text, prompt_token_ids, params, arrival_time or time.time())
+        for k in range(params.n):
+            # Sample k of a seeded request gets seed + k, so the n samples differ but reproduce.
+            child_params = params if params.seed is None or k == 0 else params.clone(seed=params.seed + k)
+            child_params = child_params.clone(n=1) if params.n > 1 else child_params
+            child_id = _child_id(request_id, k)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+                )
+            output = CompletionOutput(index=k, logprobs=[] if params.logprobs is not None else None,
+                                      cumulative_logprob=0.0 if params.logprobs is not None else None)
+            sample = _Sample(parent, output, detok)
+            parent.samples.append(sample)
+            self._samples[child_id] = sample
+            self.scheduler.add_request(
+                Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, parent.arrival_time)
+            )
+        self._parents[request_id] = parent
+        return prompt_token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort every sample of a request in whatever state it is; its blocks are freed now."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for k, sample in enumerate(parent.samples):
+            child_id = _child_id(request_id, k)
+            self.scheduler.abort(child_id)
+            self._samples.pop(child_id, None)
+            if not sample.output.finished:
+                sample.output.finish_reason = "abort"
+        return parent.snapshot(finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- stepping --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return a snapshot of every request that got new tokens."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        runner_out = self.runner.execute(sched_out, self.scheduler.requests)
+        deltas = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        now = time.time()
+        touched: dict[str, _Parent] = {}
+        for delta in deltas:
+            sample = self._samples.get(delta.request_id)
+            if sample is None:
+                continue
+            parent = sample.parent
+            if delta.new_token_ids and parent.first_token_time is None:
+                parent.first_token_time = now
+            self._append(delta.request_id, sample, delta, runner_out.logprobs.get(delta.request_id))
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            finished = all(s.output.finished for s in parent.samples)
+            if finished:
+                self._release(parent)
+            results.append(parent.snapshot(finished))
+        return results
+
+    def _append(self, child_id: str, sample: _Sample, delta, logprobs) -> None:
+        out = sample.output
+        params = sample.parent.params
+        out.token_ids.extend(delta.new_token_ids)
+        if logprobs is not None and out.logprobs is not None:
+            chosen_lp, rank, top = logprobs
+            token = delta.new_token_ids[-1]
+            entry = {token: Logprob(chosen_lp, rank, self._decode_one(token))}
+            for rank_k, (tid, lp) in enumerate(top, start=1):
+                entry.setdefault(tid, Logprob(lp, rank_k, self._decode_one(tid)))
+            out.logprobs.append(entry)
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + chosen_lp
+
+        if delta.finished:
+            out.finish_reason = delta.finish_reason
+            last = delta.new_token_ids[-1] if delta.new_token_ids else None
+            if delta.status == RequestStatus.FINISHED_STOPPED and last in params.stop_token_ids:
+                out.stop_reason = last
+        if sample.detokenizer is None:
+            return
+        new_text = sample.detokenizer.add_tokens(list(delta.new_token_ids))
+        checked_from = len(sample.full_text)
+        sample.full_text += new_text
+        visible_end = len(sample.full_text)
+        if params.stop:
+            hit = find_stop(sample.full_text, params.stop, checked_from)
+            if hit is not None:
+                start, stop_str = hit
+                visible_end = start + len(stop_str) if params.include_stop_str_in_output else start
+                if not out.finished:
+                    self.scheduler.finish_request(child_id, RequestStatus.FINISHED_STOPPED)
+                # A stop string completed by the last allowed token still counts as a stop.
+                out.finish_reason, out.stop_reason = "stop", stop_str
+            elif not out.finished:
+                visible_end -= stop_holdback(sample.full_text, params.stop)
+        out.text = sample.full_text[: max(visible_end, len(out.text))]
+
+    def _release(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for k in range(len(parent.samples)):
+            self._samples.pop(_child_id(parent.request_id, k), None)
+
+    def _decode_one(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id])
+
+
+def _child_id(request_id: str, index: int) -> str:
+    return f"{index}:{request_id}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,202 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) reading its KV cache in pages.
+
+Reads top to bottom: embedding -> N x (RMSNorm -> attention -> RMSNorm -> SwiGLU MLP) -> norm.
+q/k/v and gate/up projections are stored stacked (one matmul each); `load_weights` maps Hugging
+Face parameter names onto the stacked tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from engine.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    # Parameters are filled by load_weights; skipping random init keeps start-up cheap.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _empty(hidden_size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_proj = _empty(config.hidden_size, self.q_size)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        # Write this step's K/V first: the new tokens attend to themselves through the cache.
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            sliding_window=self.sliding_window,
+        )
+        return F.linear(out.reshape(n, self.q_size), self.o_proj)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size)
+        self.down_proj = _empty(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. forward() returns hidden states of every token; compute_logits() projects
+    only the rows the sampler needs (one per sequence that samples this step)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling_dict()
+        )
+        self.embed_tokens = _empty(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (stacked) parameters; every parameter must be
+        written exactly once or a ValueError names what is missing or unexpected."""
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy of the embedding anyway
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param, offset = target
+            rows = tensor.shape[0]
+            dest = param.data.narrow(0, offset, rows) if param.dim() >= 1 else param.data
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def _weight_targets(self) -> dict[str, tuple[nn.Parameter, int]]:
+        """HF name -> (parameter, row offset inside it)."""
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        targets: dict[str, tuple[nn.Parameter, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0),
+            "model.norm.weight": (self.norm.weight, 0),
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = (self.lm_head, 0)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            targets[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0)
+            targets[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0)
+            for proj, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
+                targets[p + f"self_attn.{proj}.weight"] = (attn.qkv_proj, offset)
+                if attn.qkv_bias is not None:
+                    targets[p + f"self_attn.{proj}.bias"] = (attn.qkv_bias, offset)
+            targets[p + "self_attn.o_proj.weight"] = (attn.o_proj, 0)
+            targets[p + "mlp.gate_proj.weight"] = (mlp.gate_up_proj, 0)
+            targets[p + "mlp.up_proj.weight"] = (mlp.gate_up_proj, inter)
+            targets[p + "mlp.down_proj.weight"] = (mlp.down_proj, 0)
+        return targets

@@ -1,0 +1,121 @@
+"""Turns a SchedulerOutput into model inputs, runs the model and samples.
+
+The runner owns the model and the KV-cache tensors; it never decides what runs (the scheduler
+does) and never mutates requests (update_from_output does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.model import KVCache, LlamaForCausalLM
+from engine.sampler import Sampler, SamplingRow, needs_history
+from scheduler import Request, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_seqs] rows of the hidden states to sample from
+    sampling_request_ids: list[str]
+
+
+def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """Flatten the scheduled chunks into one token batch.
+
+        seq i: token_ids[i] at positions start_i .. start_i + len_i - 1
+        query_start_loc = cumsum([0, len_0, len_1, ...]); seq_lens_i = start_i + len_i
+        slot(token) = block_table[pos // block_size] * block_size + pos % block_size
+    """
+    scheduled = out.scheduled
+    q_lens = [len(s.token_ids) for s in scheduled]
+    starts = [s.start_position for s in scheduled]
+    max_blocks = max(len(s.block_table) for s in scheduled)
+    block_tables = torch.tensor(
+        [list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in scheduled],
+        dtype=torch.int32,
+    )
+    input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+    query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.long)
+    torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+    seq_idx = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)
+    offsets = torch.arange(input_ids.numel()) - query_start_loc[seq_idx]
+    positions = torch.tensor(starts, dtype=torch.long)[seq_idx] + offsets
+    slot_mapping = (
+        block_tables[seq_idx, positions // block_size].long() * block_size + positions % block_size
+    )
+    seq_lens = torch.tensor([st + q for st, q in zip(starts, q_lens, strict=True)], dtype=torch.int32)
+    sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+    logits_indices = query_start_loc[1:][sample_rows] - 1
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=seq_lens.to(device),
+        query_start_loc=query_start_loc.to(torch.int32).to(device),
+    )
+    return ModelInputs(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        meta=meta,
+        logits_indices=logits_indices.to(device),
+        sampling_request_ids=[scheduled[i].request_id for i in sample_rows],
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
+        if not out.scheduled:
+            return RunnerOutput({}, {})
+        inputs = prepare_inputs(out, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampling_request_ids:
+            return RunnerOutput({}, {})  # only partial prefill chunks this step
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        by_id = {s.request_id: s for s in out.scheduled}
+        rows = [_sampling_row(by_id[rid], requests.get(rid)) for rid in inputs.sampling_request_ids]
+        result = self.sampler(logits.cpu(), rows)
+        ids = inputs.sampling_request_ids
+        sampled = dict(zip(ids, result.token_ids, strict=True))
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp is not None}
+        return RunnerOutput(sampled, logprobs)
+
+
+def _sampling_row(scheduled, request: Request | None) -> SamplingRow:
+    params = scheduled.sampling_params
+    want_prompt, want_output = needs_history(params)
+    if request is None or not (want_prompt or want_output):
+        return SamplingRow(params, scheduled.num_output_tokens)
+    return SamplingRow(
+        params,
+        scheduled.num_output_tokens,
+        prompt_token_ids=request.prompt_token_ids if want_prompt else None,
+        output_token_ids=list(request.output_token_ids) if want_output else None,
+    )
