@@ -1,6 +1,6 @@
 """Offline throughput: random-token prompts with a fixed seed through the offline LLM API.
 
-    pagedserve bench throughput --model M --num-prompts 64 --input-len 128 --output-len 64
+pagedserve bench throughput --model M --num-prompts 64 --input-len 128 --output-len 64
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from scheduler import SamplingParams
 
 
 def random_token_prompts(
-    num_prompts: int, input_len: int, vocab_size: int, seed: int, special_ids: set[int] | None = None
+    num_prompts: int,
+    input_len: int,
+    vocab_size: int,
+    seed: int,
+    special_ids: set[int] | None = None,
 ) -> list[list[int]]:
     """Fixed-seed random prompts of exactly input_len ids, avoiding special tokens (ids < 1000 in
     most BPE vocabularies hold bytes and specials, so draw above them when the vocab allows)."""
@@ -37,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
 
 
@@ -50,8 +53,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, An
     prompts = random_token_prompts(
         args.num_prompts, args.input_len, engine.model_config.vocab_size, args.seed, special
     )
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True,
-                            seed=args.seed)
+    params = SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True, seed=args.seed
+    )
     # A short warm-up so one-time costs (allocator, kernel selection) are not timed.
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))
     start = time.perf_counter()

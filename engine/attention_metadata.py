@@ -13,8 +13,8 @@ class AttentionMetadata:
 
     For a step with sequences s0 (3 new tokens, 5 cached) and s1 (1 new token, 9 cached):
 
-        query_start_loc = [0, 3, 4]         new tokens of s_i are q[query_start_loc[i]:query_start_loc[i+1]]
-        seq_lens        = [8, 10]           cached + new tokens per sequence
+        query_start_loc = [0, 3, 4]     s_i's new tokens: q[query_start_loc[i]:query_start_loc[i+1]]
+        seq_lens        = [8, 10]       cached + new tokens per sequence
         slot_mapping    = [slot(s0, 5), slot(s0, 6), slot(s0, 7), slot(s1, 9)]
         slot(s, p)      = block_tables[s][p // block_size] * block_size + p % block_size
     """

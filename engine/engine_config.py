@@ -43,10 +43,18 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "kv_cache_memory", "num_kv_blocks"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "kv_cache_memory",
+            "num_kv_blocks",
+        ):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def torch_device(self) -> torch.device:
@@ -54,7 +62,9 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was requested but torch sees no CUDA device; use --device cpu")
+            raise ValueError(
+                "device 'cuda' was requested but torch sees no CUDA device; use --device cpu"
+            )
         return device
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

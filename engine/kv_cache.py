@@ -22,7 +22,13 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes(dtype)
+    return (
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * dtype_bytes(dtype)
+    )
 
 
 def default_cpu_kv_memory() -> int:
@@ -54,7 +60,8 @@ class KVCachePlan:
 
     def describe(self) -> str:
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens, "
             f"{self.bytes_per_token} bytes/token, {self.total_bytes / GiB:.2f} GiB; "
             f"max concurrency at {self.max_model_len} tokens: {self.max_concurrency:.2f}x"
         )
@@ -92,6 +99,9 @@ def allocate_kv_caches(
     # happens to be NaN or inf would still poison the weighted sum.
     shape = (plan.num_blocks, plan.block_size, config.num_key_value_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(config.num_hidden_layers)
     ]

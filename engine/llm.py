@@ -1,4 +1,4 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(conversations, params)`."""
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(conversations)`."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ class LLM:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         token_lists = [
-            apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt=add_generation_prompt)
+            apply_chat_template(
+                self.engine.tokenizer, conv, add_generation_prompt=add_generation_prompt
+            )
             for conv in conversations
         ]
         for ids in token_lists:
@@ -93,7 +95,10 @@ class LLM:
         for prompt, token_ids, params in zip(prompts, token_lists, params_list, strict=True):
             request_id = str(next(self._ids))
             self.engine.add_request(
-                request_id, token_ids if prompt is None else prompt, params, prompt_token_ids=token_ids
+                request_id,
+                token_ids if prompt is None else prompt,
+                params,
+                prompt_token_ids=token_ids,
             )
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}

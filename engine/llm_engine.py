@@ -106,17 +106,27 @@ class LLMEngine:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "model %s (%s): %.1fM parameters, %s on %s, loaded in %.1f s",
-            config.model, mc.architecture, self.num_params / 1e6, _dtype_name(self.dtype),
-            self.device, time.perf_counter() - start,
+            config.model,
+            mc.architecture,
+            self.num_params / 1e6,
+            _dtype_name(self.dtype),
+            self.device,
+            time.perf_counter() - start,
         )
 
         self.kv_plan: KVCachePlan = plan_kv_cache(
-            mc, self.dtype, config.block_size, self.max_model_len,
-            memory_bytes=config.kv_cache_memory, num_blocks=config.num_kv_blocks,
+            mc,
+            self.dtype,
+            config.block_size,
+            self.max_model_len,
+            memory_bytes=config.kv_cache_memory,
+            num_blocks=config.num_kv_blocks,
         )
         logger.info(self.kv_plan.describe())
         kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
+        self.runner = ModelRunner(
+            self.model, kv_caches, config.block_size, self.device, config.seed
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.kv_plan.num_blocks,
@@ -178,7 +188,9 @@ class LLMEngine:
         `prompt` is text or token ids; callers that already tokenized the text pass the ids in
         `prompt_token_ids` so it is not done twice."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -190,10 +202,14 @@ class LLMEngine:
             prompt_token_ids = list(prompt)
         self.validate_prompt(prompt_token_ids)
 
-        parent = _Parent(request_id, prompt_text, prompt_token_ids, params, arrival_time or time.time())
+        parent = _Parent(
+            request_id, prompt_text, prompt_token_ids, params, arrival_time or time.time()
+        )
         for k in range(params.n):
             # Sample k of a seeded request gets seed + k, so the n samples differ but reproduce.
-            child_params = params if params.seed is None or k == 0 else params.clone(seed=params.seed + k)
+            child_params = (
+                params if params.seed is None or k == 0 else params.clone(seed=params.seed + k)
+            )
             child_params = child_params.clone(n=1) if params.n > 1 else child_params
             child_id = _child_id(request_id, k)
             detok = None
@@ -201,13 +217,22 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
                 )
-            output = CompletionOutput(index=k, logprobs=[] if params.logprobs is not None else None,
-                                      cumulative_logprob=0.0 if params.logprobs is not None else None)
+            output = CompletionOutput(
+                index=k,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
             sample = _Sample(parent, output, detok)
             parent.samples.append(sample)
             self._samples[child_id] = sample
             self.scheduler.add_request(
-                Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, parent.arrival_time)
+                Request(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    self.eos_token_ids,
+                    parent.arrival_time,
+                )
             )
         self._parents[request_id] = parent
         return prompt_token_ids

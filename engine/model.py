@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the reference implementation does.
+        # Normalise in float32 and cast back before the weight, as transformers does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -126,9 +126,13 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling_dict()
         )
         self.embed_tokens = _empty(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)
+        )
 
     def forward(
         self,
@@ -160,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target = targets.get(name)
             if target is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
             param, offset = target
             rows = tensor.shape[0]
             dest = param.data.narrow(0, offset, rows) if param.dim() >= 1 else param.data
@@ -179,7 +185,11 @@ class LlamaForCausalLM(nn.Module):
     def _weight_targets(self) -> dict[str, tuple[nn.Parameter, int]]:
         """HF name -> (parameter, row offset inside it)."""
         c = self.config
-        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        q, kv, inter = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
+        )
         targets: dict[str, tuple[nn.Parameter, int]] = {
             "model.embed_tokens.weight": (self.embed_tokens, 0),
             "model.norm.weight": (self.norm.weight, 0),
@@ -190,7 +200,10 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             targets[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0)
-            targets[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0)
+            targets[p + "post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm.weight,
+                0,
+            )
             for proj, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
                 targets[p + f"self_attn.{proj}.weight"] = (attn.qkv_proj, offset)
                 if attn.qkv_bias is not None:

@@ -35,9 +35,9 @@ class ModelInputs:
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
     """Flatten the scheduled chunks into one token batch.
 
-        seq i: token_ids[i] at positions start_i .. start_i + len_i - 1
-        query_start_loc = cumsum([0, len_0, len_1, ...]); seq_lens_i = start_i + len_i
-        slot(token) = block_table[pos // block_size] * block_size + pos % block_size
+    seq i: token_ids[i] at positions start_i .. start_i + len_i - 1
+    query_start_loc = cumsum([0, len_0, len_1, ...]); seq_lens_i = start_i + len_i
+    slot(token) = block_table[pos // block_size] * block_size + pos % block_size
     """
     scheduled = out.scheduled
     q_lens = [len(s.token_ids) for s in scheduled]
@@ -57,7 +57,9 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     slot_mapping = (
         block_tables[seq_idx, positions // block_size].long() * block_size + positions % block_size
     )
-    seq_lens = torch.tensor([st + q for st, q in zip(starts, q_lens, strict=True)], dtype=torch.int32)
+    seq_lens = torch.tensor(
+        [st + q for st, q in zip(starts, q_lens, strict=True)], dtype=torch.int32
+    )
     sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
     logits_indices = query_start_loc[1:][sample_rows] - 1
     meta = AttentionMetadata(

@@ -11,18 +11,27 @@ GiB = 1 << 30
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="local HF folder, .gguf file, or smollm2-135m-instruct (embedded)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="local HF folder, .gguf file, or smollm2-135m-instruct (embedded)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument(
+        "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV cache budget in GiB (default on CPU: min(4, RAM/4))")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="KV cache budget in GiB (default on CPU: min(4, RAM/4))",
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
 
@@ -38,7 +47,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
-        "kv_cache_memory": None if args.kv_cache_memory is None else int(args.kv_cache_memory * GiB),
+        "kv_cache_memory": None
+        if args.kv_cache_memory is None
+        else int(args.kv_cache_memory * GiB),
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
     }
@@ -48,7 +59,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(**_engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -71,14 +84,20 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
     B, T = args.num_seqs, args.max_model_len
     total = 2 * B * L * T * H * D * s
     blocks_per_seq = -(-T // args.block_size)
-    print(f"model: {args.model} ({config.architecture}), {L} layers, {H} KV heads, head_dim {D}, "
-          f"dtype {args.dtype} ({s} bytes)")
+    print(
+        f"model: {args.model} ({config.architecture}), {L} layers, {H} KV heads, head_dim {D}, "
+        f"dtype {args.dtype} ({s} bytes)"
+    )
     print(f"per layer per token: 2 x {H} x {D} x {s} = {per_layer} bytes (K and V)")
     print(f"per token: {L} layers x {per_layer} = {per_token} bytes ({per_token / 1024:.1f} KiB)")
-    print(f"total for {B} sequences x {T} tokens: M = 2*B*L*T*H_kv*D*s = 2*{B}*{L}*{T}*{H}*{D}*{s} "
-          f"= {total} bytes ({total / GiB:.3f} GiB)")
-    print(f"blocks: {blocks_per_seq} per sequence of block_size {args.block_size}, "
-          f"{blocks_per_seq * B} in all")
+    print(
+        f"total for {B} sequences x {T} tokens: M = 2*B*L*T*H_kv*D*s = 2*{B}*{L}*{T}*{H}*{D}*{s} "
+        f"= {total} bytes ({total / GiB:.3f} GiB)"
+    )
+    print(
+        f"blocks: {blocks_per_seq} per sequence of block_size {args.block_size}, "
+        f"{blocks_per_seq * B} in all"
+    )
     return 0
 
 

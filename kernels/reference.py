@@ -1,0 +1,293 @@
+"""Pure-torch paged attention and KV-cache write.
+
+These are the engine's CPU path and the oracle the Triton kernels are tested against, so they
+share the kernels' signatures exactly. Both work on any device torch supports.
+
+Index arithmetic, for one sequence with block_size = 4, seq_len = 10 and q_len = 3 new tokens
+(7 cached), whose block-table row is [7, 2, 5, <pad>, ...]:
+
+    position p           0  1  2  3 | 4  5  6  7 | 8  9  -  -
+    logical block p//4        0     |     1      |     2
+    physical block            7     |     2      |     5        (block_table[i, p // 4])
+    slot                28 29 30 31 | 8  9 10 11 |20 21 22 23   (block * 4 + p % 4)
+
+Gathering k_cache[block_table[i, :3]] gives 12 keys whose index equals their position; slots 22
+and 23 are not written yet. New token j sits at position seq_len - q_len + j = 7 + j and sees
+every key at a position <= its own (and > its position - sliding_window, when set):
+
+    key position ->        0 1 2 3 4 5 6 7 8 9 10 11
+    new token 0 (pos 7)    x x x x x x x x . .  .  .
+    new token 1 (pos 8)    x x x x x x x x x .  .  .
+    new token 2 (pos 9)    x x x x x x x x x x  .  .
+
+Masked keys get exactly zero weight, but 0 * NaN is still NaN: cache slots that were never
+written must hold finite values (the engine allocates its caches with torch.zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.validation import check_paged_attention_args, check_reshape_and_cache_args
+
+__all__ = ["paged_attention", "reshape_and_cache"]
+
+# Padding keys not worth a separate SDPA call (its fixed cost is tens of microseconds on CPU).
+_MIN_PADDING = 128
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a token whose slot
+        is negative is padding and is not written.
+    """
+    check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    if key.shape[0] == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    lowest, highest = torch.stack(torch.aminmax(slot_mapping)).tolist()
+    if highest >= num_slots:
+        raise ValueError(
+            f"slot_mapping holds slot {highest}, but the cache has only {num_slots} slots "
+            f"({k_cache.shape[0]} blocks x {k_cache.shape[1]})"
+        )
+    if lowest < 0:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    # The validation guarantees the block and offset dims merge into one slot dim without a copy.
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged K/V.
+
+    q: [num_tokens, num_heads, head_dim], the new tokens of all sequences, concatenated
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; the new tokens' K/V must
+        already be written (`reshape_and_cache`)
+    block_tables: [num_seqs, max_blocks_per_seq] int32; entries past a sequence's last block are
+        ignored and may hold anything
+    seq_lens: [num_seqs] int32, context length including the new tokens
+    query_start_loc: [num_seqs + 1] int32, cumulative new-token counts
+    scale: multiplies q @ k^T (the model passes 1 / sqrt(head_dim))
+    sliding_window: when set, a token at position p sees keys at positions p - sliding_window + 1
+        .. p only
+    out: optional contiguous [num_tokens, num_heads, head_dim] tensor that receives the result
+
+    Returns the attention output, [num_tokens, num_heads, head_dim] (`out` when given). Query head
+    h reads kv head h // (num_heads // num_kv_heads).
+
+    Decode sequences (one new token) and prefill/extend sequences are attended to in separate
+    batched SDPA calls, each batch padded to its longest member; a kind is split into more
+    batches only when its context lengths differ by more than 2x (see `_buckets`). The only host
+    sync is one read of seq_lens and query_start_loc.
+    """
+    check_paged_attention_args(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
+    )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = block_tables.shape[0]
+    host = torch.cat([seq_lens, query_start_loc]).tolist()
+    seq_lens_h, query_start_h = host[:num_seqs], host[num_seqs:]
+    q_lens = _check_lengths(seq_lens_h, query_start_h, q.shape[0], block_tables, k_cache.shape[1])
+
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    extend = [i for i, n in enumerate(q_lens) if n > 1]
+    for kind in (decode, extend):
+        for seqs in _buckets(kind, seq_lens_h):
+            _attend(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                seqs,
+                [seq_lens_h[i] for i in seqs],
+                [query_start_h[i] for i in seqs],
+                [q_lens[i] for i in seqs],
+                scale,
+                sliding_window,
+                out,
+            )
+    return out
+
+
+def _check_lengths(
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    num_tokens: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> list[int]:
+    """Check the host copies of seq_lens / query_start_loc and return the per-sequence q_lens."""
+    if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must run from 0 to num_tokens = {num_tokens}, "
+            f"got {query_start_loc[0]} .. {query_start_loc[-1]}"
+        )
+    capacity = block_tables.shape[1] * block_size
+    q_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        if q_len < 0:
+            raise ValueError(
+                f"query_start_loc must be non-decreasing, but entry {i + 1} "
+                f"({query_start_loc[i + 1]}) < entry {i} ({query_start_loc[i]})"
+            )
+        if q_len > seq_len:
+            raise ValueError(f"sequence {i} has {q_len} new tokens but seq_len {seq_len}")
+        if seq_len > capacity:
+            raise ValueError(
+                f"sequence {i} has seq_len {seq_len}, but a block-table row holds only "
+                f"{block_tables.shape[1]} blocks x {block_size} = {capacity} tokens"
+            )
+    return q_lens
+
+
+def _buckets(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split `seqs` into batches whose contexts are alike, as every batch is padded to its longest.
+
+    A batch is cut when a context exceeds twice the batch's shortest plus _MIN_PADDING keys, so
+    padding at most about doubles the work, and short contexts are never split for a few keys.
+    The common case (one batch) keeps the caller's order.
+    """
+    if not seqs:
+        return []
+    lens = [seq_lens[i] for i in seqs]
+    if max(lens) <= 2 * min(lens) + _MIN_PADDING:
+        return [seqs]
+    batches: list[list[int]] = []
+    for i in sorted(seqs, key=seq_lens.__getitem__):
+        if not batches or seq_lens[i] > 2 * seq_lens[batches[-1][0]] + _MIN_PADDING:
+            batches.append([])
+        batches[-1].append(i)
+    return batches
+
+
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] cache, [B, nb] block ids -> [B, H, nb * block_size, D].
+
+    One copy (index_select, several times faster on CPU than advanced indexing); the result is a
+    transposed view, whose strides SDPA's CPU kernel takes as they are.
+    """
+    batch, num_blocks_per_seq = block_ids.shape
+    _, block_size, num_heads, head_dim = cache.shape
+    gathered = cache.index_select(0, block_ids.flatten())  # [B * nb, block_size, H, D]
+    return gathered.view(batch, num_blocks_per_seq * block_size, num_heads, head_dim).transpose(
+        1, 2
+    )
+
+
+def _attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seqs: list[int],
+    group_seq_lens: list[int],
+    group_starts: list[int],
+    group_q_lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Attend the new tokens of sequences `seqs` in one SDPA call, writing their rows of `out`.
+
+    Every sequence is padded to max_q new tokens and L = nb * block_size keys. Padding query rows
+    repeat the sequence's last real token (so no row is fully masked) and are dropped on output.
+    Query heads are folded into rows, [B, Hkv, max_q * G, D], so K/V are never repeated for GQA.
+    """
+    device = q.device
+    num_seqs = block_tables.shape[0]
+    batch = len(seqs)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    max_q = max(group_q_lens)
+    num_blocks = -(-max(group_seq_lens) // block_size)
+    num_keys = num_blocks * block_size
+    uniform = all(n == max_q for n in group_q_lens)
+    whole = batch == num_seqs and seqs == list(range(num_seqs))
+    # The whole step, every sequence with max_q new tokens: q already is [B, max_q, H, D].
+    dense = whole and uniform
+
+    if whole:
+        lens = seq_lens.long()
+        block_ids = block_tables[:, :num_blocks]
+    else:
+        lens = torch.tensor(group_seq_lens, device=device)
+        block_ids = block_tables[torch.tensor(seqs, device=device), :num_blocks]
+    # Entries past a sequence's last block may be garbage (even out of range): point them at
+    # block 0, whose keys the mask hides.
+    used = torch.arange(num_blocks, device=device) < (lens[:, None] + block_size - 1) // block_size
+    block_ids = torch.where(used, block_ids, 0)
+    k = _gather_kv(k_cache, block_ids)
+    v = _gather_kv(v_cache, block_ids)
+
+    steps = torch.arange(max_q, device=device)
+    if uniform:
+        q_lens = None
+        offsets = steps[None, :]  # [1, max_q]
+        positions = (lens - max_q)[:, None] + offsets
+    else:
+        q_lens = torch.tensor(group_q_lens, device=device)
+        offsets = torch.minimum(steps[None, :], q_lens[:, None] - 1)  # [B, max_q]
+        positions = (lens - q_lens)[:, None] + offsets
+    if dense:
+        q_padded = q.view(batch, max_q, num_heads, head_dim)
+        rows = None
+    else:
+        rows = torch.tensor(group_starts, device=device)[:, None] + offsets  # [B, max_q]
+        q_padded = q.index_select(0, rows.flatten()).view(batch, max_q, num_heads, head_dim)
+    key_positions = torch.arange(num_keys, device=device)
+    mask = key_positions <= positions[:, :, None]  # [B, max_q, L]
+    if sliding_window is not None:
+        mask &= key_positions > positions[:, :, None] - sliding_window
+
+    # Row r = t * G + g of kv head h holds query head h * G + g of new token t.
+    q_folded = (
+        q_padded.view(batch, max_q, num_kv_heads, group, head_dim)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(batch, num_kv_heads, max_q * group, head_dim)
+    )
+    if max_q == 1:
+        mask = mask.view(batch, 1, 1, num_keys)
+    else:
+        mask = (
+            mask[:, None, :, None, :]
+            .expand(batch, 1, max_q, group, num_keys)
+            .reshape(batch, 1, max_q * group, num_keys)
+        )
+    o = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=mask, scale=float(scale))
+    o = o.view(batch, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+
+    if rows is None:
+        out.view(batch, max_q, num_kv_heads, group, head_dim).copy_(o)
+    elif q_lens is None:
+        out.index_copy_(0, rows.flatten(), o.reshape(-1, num_heads, head_dim))
+    else:
+        real = (steps[None, :] < q_lens[:, None]).flatten().nonzero().squeeze(1)
+        o = o.reshape(-1, num_heads, head_dim).index_select(0, real)
+        out.index_copy_(0, rows.flatten().index_select(0, real), o)

@@ -1,0 +1,151 @@
+"""Argument checks shared by every backend of the attention kernels.
+
+They look only at shapes, dtypes, devices and strides, never at tensor values, so they cost a few
+microseconds and never synchronise with the device. Each failure is a ValueError that names the
+argument and says what was expected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_same_device(**tensors: torch.Tensor | None) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listed}")
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from "
+            f"k_cache shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}"
+        )
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # Slots are addressed as block_id * block_size + offset over the first two dims merged.
+        if cache.shape[0] > 1 and cache.stride(0) != cache.shape[1] * cache.stride(1):
+            raise ValueError(
+                f"{name} must have its block and offset dims contiguous with each other "
+                f"(stride {cache.stride()} for shape {tuple(cache.shape)})"
+            )
+
+
+def _check_index(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype) -> None:
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def check_reshape_and_cache_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Raise ValueError unless the arguments fit `reshape_and_cache`'s signature."""
+    if key.dim() != 3:
+        raise ValueError(
+            f"key must be [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(
+            f"value shape {tuple(value.shape)} differs from key shape {tuple(key.shape)}"
+        )
+    _check_cache_pair(k_cache, v_cache)
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key has {key.shape[1]} kv heads of dim {key.shape[2]}, but k_cache holds "
+            f"{k_cache.shape[2]} kv heads of dim {k_cache.shape[3]}"
+        )
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise ValueError(
+            f"key/value dtypes ({key.dtype}, {value.dtype}) must match the cache dtype "
+            f"{k_cache.dtype}"
+        )
+    _check_index("slot_mapping", slot_mapping, 1, torch.int64)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
+        )
+    _check_same_device(
+        key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
+    )
+
+
+def check_paged_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> None:
+    """Raise ValueError unless the arguments fit `paged_attention`'s signature."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    _check_cache_pair(k_cache, v_cache)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if head_dim != k_cache.shape[3]:
+        raise ValueError(f"q has head_dim {head_dim}, but k_cache has head_dim {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads, not a multiple of k_cache's {num_kv_heads} kv heads"
+        )
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_index("block_tables", block_tables, 2, torch.int32)
+    _check_index("seq_lens", seq_lens, 1, torch.int32)
+    _check_index("query_start_loc", query_start_loc, 1, torch.int32)
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens has {seq_lens.shape[0]} entries but block_tables has {num_seqs} rows"
+        )
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
+            f"got {query_start_loc.shape[0]}"
+        )
+    if not isinstance(scale, int | float) or isinstance(scale, bool):
+        raise ValueError(f"scale must be a Python float, got {type(scale).__name__}")
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int)
+        or isinstance(sliding_window, bool)
+        or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(
+                f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}"
+            )
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    _check_same_device(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        out=out,
+    )

@@ -1,0 +1,33 @@
+"""Content hashes of full KV blocks, chained so that a hash names a whole prefix."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class BlockHash(NamedTuple):
+    """Key of a full block in the prefix cache.
+
+    `digest` is sha256(parent digest || token ids), so equal digests mean equal prefixes
+    (sha256 rather than Python's hash(): a crafted collision of a weak hash would let one
+    request read another's KV). `token_ids` are kept in the key as well, so a dict lookup
+    also compares the block's own tokens: a digest collision alone can never produce a hit.
+    """
+
+    digest: bytes
+    token_ids: tuple[int, ...]
+
+
+# Parent digest of a sequence's first block (bytes are immutable: not module state).
+ROOT_DIGEST = bytes(32)
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Hash one full block given the hash of the block before it (None for block 0)."""
+    hasher = hashlib.sha256(ROOT_DIGEST if parent is None else parent.digest)
+    # Fixed-width int64 encoding: unambiguous, and far cheaper than pickle or repr.
+    hasher.update(array("q", token_ids).tobytes())
+    return BlockHash(hasher.digest(), tuple(token_ids))

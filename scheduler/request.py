@@ -1,0 +1,125 @@
+"""One generation request as the scheduler tracks it: tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Life-cycle state of a request.
+
+    Ordered on purpose: every status greater than PREEMPTED is a finished one, so
+    `status > RequestStatus.PREEMPTED` (or `status.is_finished`) is the finished test.
+    """
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three FINISHED_* states."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI `finish_reason` ("stop" | "length" | "abort"), None while unfinished."""
+        if self == RequestStatus.FINISHED_STOPPED:
+            return "stop"
+        if self == RequestStatus.FINISHED_LENGTH:
+            return "length"
+        if self == RequestStatus.FINISHED_ABORTED:
+            return "abort"
+        return None
+
+
+class Request:
+    """A single sequence being generated (the engine fans `n > 1` out into several).
+
+    Progress is one counter, `num_computed_tokens`: the number of leading tokens of
+    `all_token_ids` whose KV is in the cache (or is being computed in the current step).
+    Prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption are
+    all "advance num_computed_tokens to num_tokens".
+
+    Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, maintained by
+    `append_output_token_ids` so that reading it never costs a concatenation.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "status",
+        "num_computed_tokens",
+        "arrival_time",
+        "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Wall-clock seconds (time.time()), like vLLM, so it can be compared across processes.
+        self.arrival_time: float = time.time() if arrival_time is None else arrival_time
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output length: the target `num_computed_tokens` catches up to."""
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request stopped, hit a length limit or was aborted."""
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop" | "length" | "abort", or None while the request is live."""
+        return self.status.finish_reason
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append generated token(s) to both `output_token_ids` and `all_token_ids`."""
+        new_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self.output_token_ids.extend(new_ids)
+        self.all_token_ids.extend(new_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_prompt_tokens={self.num_prompt_tokens}, "
+            f"num_output_tokens={self.num_output_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )

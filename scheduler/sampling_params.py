@@ -1,0 +1,156 @@
+"""Per-request sampling parameters, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# OpenAI caps `logprobs` (number of alternatives per position) at 20.
+MAX_LOGPROBS = 20
+
+# Float fields: (name, low, low bound excluded, high, wording of the allowed range).
+_FLOAT_FIELDS: tuple[tuple[str, float, bool, float | None, str], ...] = (
+    ("temperature", 0.0, False, None, ">= 0"),
+    ("top_p", 0.0, True, 1.0, "in (0, 1]"),
+    ("min_p", 0.0, False, 1.0, "in [0, 1]"),
+    ("presence_penalty", -2.0, False, 2.0, "in [-2, 2]"),
+    ("frequency_penalty", -2.0, False, 2.0, "in [-2, 2]"),
+    ("repetition_penalty", 0.0, True, None, "> 0"),
+)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but `max_tokens=True` is a bug, not a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    range_text: str,
+) -> float:
+    """Check that `value` is a finite real number in a range; return it as a float.
+
+    `range_text` is the human wording of the allowed range, e.g. "in (0, 1]".
+    """
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number {range_text}, got {value!r}")
+    number = float(value)
+    ok = math.isfinite(number)
+    if ok and low is not None:
+        ok = number > low if low_open else number >= low
+    if ok and high is not None:
+        ok = number <= high
+    if not ok:
+        raise ValueError(f"{name} must be {range_text}, got {value!r}")
+    return number
+
+
+def _normalise_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items: Iterable[Any] = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Iterable):
+        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+    stop = tuple(items)
+    for item in stop:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+    return stop
+
+
+def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Iterable) or isinstance(value, str | bytes):
+        raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {value!r}")
+    ids = tuple(value)
+    for token_id in ids:
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"stop_token_ids must contain only ints >= 0, got {token_id!r}")
+    return ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    Validated in `__post_init__`: every invalid field raises ValueError naming the field,
+    the offending value and the allowed range. Numeric floats are stored as `float`,
+    `stop` and `stop_token_ids` as tuples (a single string or a list is accepted), so the
+    object is hashable and safe to share between requests.
+
+    `n` is carried for the engine, which fans a request out into `n` sequences; the
+    scheduler treats every `Request` as exactly one sequence.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off, else keep the k most likely tokens
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None = off; k = top-k alternatives besides the chosen token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # object.__setattr__ because the dataclass is frozen; normalising here keeps
+        # every consumer free of "str or list?" and "int or float?" checks.
+        set_field = object.__setattr__
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name, low, low_open, high, range_text in _FLOAT_FIELDS:
+            value = _check_number(
+                name,
+                getattr(self, name),
+                low=low,
+                low_open=low_open,
+                high=high,
+                range_text=range_text,
+            )
+            set_field(self, name, value)
+        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        set_field(self, "stop", _normalise_stop(self.stop))
+        set_field(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes` applied; the copy is validated like a new instance."""
+        return dataclasses.replace(self, **changes)

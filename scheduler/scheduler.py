@@ -1,0 +1,274 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import RequestDelta, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+
+__all__ = [
+    "RequestDelta",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+]
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests the model computes.
+
+    Every request catches its `num_computed_tokens` up to `num_tokens`; there is no separate
+    prefill or decode path. One step (vLLM v1 style):
+
+    1. Running requests, oldest first, each get min(tokens left, token budget left). When
+       the pool cannot give one of them slots, the latest-admitted running request is
+       preempted (blocks freed, progress reset, put at the front of the waiting queue) and
+       the allocation retried; a request may end up preempting itself.
+    2. Only if nothing was preempted, waiting requests are admitted in FIFO order while a
+       sequence slot and budget remain, reusing prefix-cache hits; admission stops at the
+       first request that does not fit (no overtaking).
+
+    `num_computed_tokens` advances at schedule() time: the runner computes those tokens in
+    this step. update_from_output() then appends sampled tokens and applies stop rules.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        # Live requests only (waiting, running, preempted); finished ones leave at once.
+        self.requests: dict[str, Request] = {}
+        # Preempted requests sit at the front, so they resume before newer arrivals.
+        self.waiting: deque[Request] = deque()
+        # Admission order: the tail is the first to be preempted.
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_since_schedule: list[str] = []
+
+    # --------------------------------------------------------------------- queries
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission, preempted ones included."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks."""
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, running or preempted."""
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ admission
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises ValueError if it can never be served."""
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request_id!r} is not new (status {request.status.name})")
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r} has a prompt of {num_prompt_tokens} tokens but "
+                f"max_model_len is {self.config.max_model_len}: the prompt must be shorter "
+                "than max_model_len to leave room for at least one generated token"
+            )
+        self.requests[request_id] = request
+        self.waiting.append(request)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens, allocate their KV slots and advance progress."""
+        token_budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                # Still waiting for the token sampled in a previous step: schedule() was called
+                # again before update_from_output(). Nothing to compute yet.
+                index += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                # Victims come from the tail, which lies after `index`: requests already
+                # scheduled this step are never preempted.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._commit(request, num_new_tokens))
+                token_budget -= num_new_tokens
+                index += 1
+
+        # Admitting while preempting would hand the blocks just freed to newer requests.
+        if not preempted:
+            while (
+                self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs
+            ):
+                request = self.waiting[0]
+                computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(
+                    request
+                )
+                num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
+                new_block_ids = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, computed_blocks
+                )
+                if new_block_ids is None:
+                    break  # FIFO: nobody overtakes the head of the queue
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_cached_tokens
+                self.running.append(request)
+                scheduled.append(self._commit(request, num_new_tokens))
+                token_budget -= num_new_tokens
+
+        finished_ids = tuple(self._finished_since_schedule)
+        self._finished_since_schedule.clear()
+        return SchedulerOutput(
+            scheduled=tuple(scheduled),
+            num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            preempted_request_ids=tuple(request.request_id for request in preempted),
+            finished_request_ids=finished_ids,
+        )
+
+    def _commit(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """Describe the request's share of the step and advance its progress counter."""
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            start_position=start,
+            block_table=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
+            sampling_params=request.sampling_params,
+            sample=end == request.num_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and requeue it first; it recomputes later."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------- results
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+    ) -> list[RequestDelta]:
+        """Append the tokens sampled for `output`, apply stop rules, free finished requests.
+
+        `sampled_token_ids` maps request id -> token for every scheduled request with
+        `sample=True`. Entries for requests aborted or finished since schedule() are
+        dropped. Returns one delta per request that got a token (partial prefill chunks get
+        none), in scheduling order.
+        """
+        deltas: list[RequestDelta] = []
+        num_finished = 0
+        for item in output.scheduled:
+            if not item.sample:
+                continue
+            request = self.requests.get(item.request_id)
+            end = item.start_position + len(item.token_ids)
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or request.num_computed_tokens != end
+                or request.num_tokens != end
+            ):
+                # Aborted (or aborted and re-added) since schedule(), or this output was
+                # already applied: the token has no request to go to.
+                continue
+            try:
+                token_id = sampled_token_ids[item.request_id]
+            except KeyError:
+                raise KeyError(
+                    f"no sampled token for request {item.request_id!r}, scheduled with sample=True"
+                ) from None
+            request.append_output_token_ids(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._release(request, status, remove_from_queues=False)
+                num_finished += 1
+            deltas.append(self._delta(request, (token_id,)))
+        if num_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return deltas
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """The finished status the newly appended `token_id` leads to, or None."""
+        params = request.sampling_params
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ------------------------------------------------------------- finishing early
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> RequestDelta | None:
+        """End a live request now (e.g. the engine matched a stop string) and free its blocks.
+
+        Returns its final delta (no new tokens), or None if the id is unknown or already
+        finished.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a FINISHED_* status, got {status.name}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._release(request, status, remove_from_queues=True)
+        return self._delta(request, ())
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """Abort a request in any state; None if the id is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _release(self, request: Request, status: RequestStatus, remove_from_queues: bool) -> None:
+        """Mark finished, free blocks, forget the request and tell the runner next step."""
+        if remove_from_queues:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_schedule.append(request.request_id)
+
+    @staticmethod
+    def _delta(request: Request, new_token_ids: tuple[int, ...]) -> RequestDelta:
+        return RequestDelta(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            status=request.status,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )

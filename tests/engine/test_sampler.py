@@ -1,0 +1,110 @@
+"""Sampler: exact masks, penalties, seeds and logprobs on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingRow, _filtered_probs
+from scheduler import SamplingParams
+
+
+def _row(num_output_tokens: int = 0, prompt=None, output=None, **kw) -> SamplingRow:
+    return SamplingRow(SamplingParams(**kw), num_output_tokens, prompt, output)
+
+
+def _logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs]).log()
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 0.0, 0.0, 0.0]])
+    out = Sampler()(logits, [_row(temperature=0), _row(top_k=1)])
+    assert out.token_ids == [1, 0]
+    assert out.logprobs == [None, None]
+
+
+def test_top_k_top_p_min_p_masks_are_exact():
+    logits = _logits([0.5, 0.3, 0.15, 0.05])
+    cases = [
+        (SamplingParams(top_k=2), [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),
+        (SamplingParams(top_p=0.5), [1.0, 0.0, 0.0, 0.0]),  # token 0 alone reaches 0.5
+        (SamplingParams(top_p=0.6), [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),
+        (SamplingParams(top_p=0.9), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+        (SamplingParams(min_p=0.2), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),  # 0.05 < 0.1
+        (SamplingParams(top_k=3, top_p=0.7), [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),
+    ]
+    for params, expected in cases:
+        probs = _filtered_probs(logits.clone(), [params])[0]
+        assert probs.tolist() == pytest.approx(expected, abs=1e-6), params
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = _logits([0.6, 0.4])
+    hot = _filtered_probs(logits.clone(), [SamplingParams(temperature=2.0)])[0]
+    cold = _filtered_probs(logits.clone(), [SamplingParams(temperature=0.5)])[0]
+    z_hot = math.sqrt(0.6) + math.sqrt(0.4)
+    assert hot.tolist() == pytest.approx([math.sqrt(0.6) / z_hot, math.sqrt(0.4) / z_hot], abs=1e-6)
+    assert cold.tolist() == pytest.approx([0.36 / 0.52, 0.16 / 0.52], abs=1e-6)
+
+
+def test_sampling_follows_the_distribution_and_respects_masks():
+    logits = _logits([0.7, 0.2, 0.1]).repeat(4000, 1)
+    rows = [_row(num_output_tokens=i, seed=i, top_k=2) for i in range(4000)]
+    tokens = Sampler()(logits, rows).token_ids
+    assert 2 not in tokens  # masked by top_k
+    share = tokens.count(0) / len(tokens)
+    assert abs(share - 0.7 / 0.9) < 0.03
+
+
+def test_seed_gives_the_same_token_whatever_the_batch():
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+    row = _row(num_output_tokens=5, seed=1234)
+    alone = Sampler(seed=1)(logits, [row]).token_ids[0]
+    others = torch.randn(6, 1000)
+    batch = torch.cat([others[:3], logits, others[3:]])
+    rows = [_row(num_output_tokens=0, temperature=1.0)] * 3 + [row] + [_row()] * 3
+    assert Sampler(seed=99)(batch, rows).token_ids[3] == alone
+    # The position enters the seed: another position draws independently.
+    draws = {
+        Sampler()(logits, [_row(num_output_tokens=k, seed=1234)]).token_ids[0] for k in range(20)
+    }
+    assert len(draws) > 1
+
+
+def test_repetition_penalty_is_exact():
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    row = _row(prompt=[0], output=[1], repetition_penalty=2.0)
+    out = sampler._apply_penalties(logits.clone(), [row])
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_frequency_and_presence_penalties_are_exact():
+    sampler = Sampler()
+    logits = torch.zeros(1, 4)
+    row = _row(output=[2, 2, 1], frequency_penalty=0.5, presence_penalty=0.25)
+    out = sampler._apply_penalties(logits, [row])
+    assert out.tolist() == [[0.0, -0.75, -1.25, 0.0]]
+
+
+def test_logprobs_of_chosen_and_top_k():
+    logits = _logits([0.5, 0.25, 0.125, 0.125])
+    out = Sampler()(logits, [_row(temperature=0, logprobs=2)])
+    chosen_lp, rank, top = out.logprobs[0]
+    assert out.token_ids == [0]
+    assert chosen_lp == pytest.approx(math.log(0.5))
+    assert rank == 1
+    assert [t for t, _ in top] == [0, 1]
+    assert [lp for _, lp in top] == pytest.approx([math.log(0.5), math.log(0.25)])
+
+
+def test_logprobs_describe_the_unpenalised_distribution():
+    logits = _logits([0.5, 0.5])
+    out = Sampler()(logits, [_row(output=[0], temperature=0, frequency_penalty=2.0, logprobs=0)])
+    chosen_lp, rank, top = out.logprobs[0]
+    assert out.token_ids == [1]  # the penalty moved the choice ...
+    assert chosen_lp == pytest.approx(math.log(0.5))  # ... but logprobs are the model's own
+    assert top == []

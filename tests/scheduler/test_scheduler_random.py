@@ -1,0 +1,376 @@
+"""Randomised scheduler runs against a simulated paged KV cache and a deterministic model.
+
+The "model" picks the next token as a function of the whole sequence, so a request's output
+is fixed by its prompt and parameters: whatever the batching, chunking, prefix sharing or
+preemption, a request that finishes by itself must produce exactly the reference output.
+The simulated runner writes, per scheduled token, a fingerprint of the prefix it ends into
+the token's KV slot, then checks that every live request reads back its own prefix through
+its block table: a wrong block id, a shared block written twice or a block freed while in
+use shows up as a fingerprint mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler import (
+    Request,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+VOCAB_SIZE = 16
+EOS_TOKEN_ID = 0
+MIN_OPS = 1500
+
+
+def model_token(token_ids: Sequence[int]) -> int:
+    """Deterministic next token from the last tokens and the length."""
+    last = token_ids[-1]
+    before = token_ids[-2] if len(token_ids) > 1 else 3
+    return (last * 5 + before * 3 + len(token_ids)) % VOCAB_SIZE
+
+
+def prefix_fingerprints(token_ids: Sequence[int]) -> list[int]:
+    """fingerprints[p] identifies token_ids[: p + 1] (what the KV at position p encodes)."""
+    fingerprints = []
+    running = 0
+    for position, token_id in enumerate(token_ids):
+        running = hash((running, position, token_id))
+        fingerprints.append(running)
+    return fingerprints
+
+
+def reference_output(request: Request, max_model_len: int) -> tuple[list[int], RequestStatus]:
+    """Tokens the request generates when nothing truncates it, and how it finishes."""
+    params = request.sampling_params
+    token_ids = list(request.prompt_token_ids)
+    output: list[int] = []
+    while True:
+        token_id = model_token(token_ids)
+        token_ids.append(token_id)
+        output.append(token_id)
+        if token_id in params.stop_token_ids:
+            return output, RequestStatus.FINISHED_STOPPED
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            return output, RequestStatus.FINISHED_STOPPED
+        if len(output) >= params.max_tokens or len(token_ids) >= max_model_len:
+            return output, RequestStatus.FINISHED_LENGTH
+
+
+class Choices:
+    """Source of random choices: a seeded Random or a hypothesis data stream."""
+
+    def __init__(self, rng: random.Random | None = None, data: st.DataObject | None = None):
+        self._rng = rng
+        self._data = data
+
+    def below(self, n: int) -> int:
+        """An int in [0, n)."""
+        if self._rng is not None:
+            return self._rng.randrange(n)
+        assert self._data is not None
+        return self._data.draw(st.integers(0, n - 1))
+
+    def chance(self, percent: int) -> bool:
+        return self.below(100) < percent
+
+
+@dataclass
+class Driver:
+    """Runs random operations on a Scheduler and checks its invariants after each one."""
+
+    choices: Choices
+    enable_prefix_caching: bool
+    scheduler: Scheduler = field(init=False)
+    config: SchedulerConfig = field(init=False)
+    kv_slots: dict[int, int] = field(default_factory=dict)  # slot -> prefix fingerprint
+    all_requests: dict[str, Request] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    truncated: set[str] = field(default_factory=set)  # aborted or finished early
+    shared_prefixes: list[list[int]] = field(default_factory=list)
+    num_steps: int = 0
+    num_ops: int = 0
+    next_id: int = 0
+
+    def __post_init__(self) -> None:
+        pick = self.choices.below
+        block_size = (1, 2, 4, 4)[pick(4)]
+        max_model_len = 8 + pick(40)
+        # Between one and two max-length sequences' worth of KV, so that requests compete.
+        min_num_blocks = math.ceil(max_model_len / block_size)
+        num_blocks = min_num_blocks + pick(min_num_blocks + 1)
+        self.config = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=(1, 4, 8, 16)[pick(4)],
+            max_num_batched_tokens=(1, 3, 8, 16, 64)[pick(5)],
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.config)
+        self.shared_prefixes = [
+            [1 + pick(VOCAB_SIZE - 1) for _ in range(2 + pick(10))] for _ in range(3)
+        ]
+
+    # ----------------------------------------------------------------------- operations
+
+    def random_op(self) -> None:
+        roll = self.choices.below(100)
+        if roll < 15:
+            self.add()
+        elif roll < 90:
+            self.step()
+        elif roll < 97:
+            self.end_random_request(RequestStatus.FINISHED_ABORTED)
+        else:
+            self.end_random_request(RequestStatus.FINISHED_STOPPED)
+        self.num_ops += 1
+        self.check_state()
+
+    def add(self) -> None:
+        pick = self.choices.below
+        max_prompt_len = self.config.max_model_len - 1
+        prompt: list[int] = []
+        if pick(2):
+            prompt.extend(self.shared_prefixes[pick(3)])
+        prompt.extend(1 + pick(VOCAB_SIZE - 1) for _ in range(pick(8)))
+        prompt = prompt[:max_prompt_len] or [1 + pick(VOCAB_SIZE - 1)]
+        params = SamplingParams(
+            max_tokens=1 + pick(16),
+            stop_token_ids=[pick(VOCAB_SIZE)] if self.choices.chance(30) else [],
+            ignore_eos=self.choices.chance(30),
+        )
+        request_id = f"req-{self.next_id}"
+        self.next_id += 1
+        request = Request(request_id, prompt, params, eos_token_ids=[EOS_TOKEN_ID])
+        self.scheduler.add_request(request)
+        self.all_requests[request_id] = request
+        self.outputs[request_id] = []
+
+    def end_random_request(self, status: RequestStatus) -> None:
+        live = sorted(self.scheduler.requests)
+        if not live:
+            return
+        request_id = live[self.choices.below(len(live))]
+        delta = self.scheduler.finish_request(request_id, status)
+        assert delta is not None
+        assert delta.new_token_ids == ()
+        assert delta.status is status
+        assert request_id not in self.scheduler.requests
+        assert self.scheduler.kv_cache_manager.get_block_ids(request_id) == []
+        self.truncated.add(request_id)
+
+    def step(self, allow_abort: bool = True) -> None:
+        scheduler = self.scheduler
+        waiting_before = {request.request_id for request in scheduler.waiting}
+        output = scheduler.schedule()
+        self.num_steps += 1
+        self.check_output(output, waiting_before)
+        self.run_model(output)
+
+        sampled = {
+            item.request_id: model_token(self.all_requests[item.request_id].all_token_ids)
+            for item in output.scheduled
+            if item.sample
+        }
+        # Sometimes the client goes away while the model runs: its token is dropped.
+        aborted_mid_step = None
+        if allow_abort and output.scheduled and self.choices.chance(5):
+            aborted_mid_step = output.scheduled[self.choices.below(len(output.scheduled))]
+            scheduler.abort(aborted_mid_step.request_id)
+            self.truncated.add(aborted_mid_step.request_id)
+
+        deltas = scheduler.update_from_output(output, sampled)
+        expected_ids = [
+            item.request_id
+            for item in output.scheduled
+            if item.sample and item is not aborted_mid_step
+        ]
+        assert [delta.request_id for delta in deltas] == expected_ids
+        for delta in deltas:
+            request = self.all_requests[delta.request_id]
+            assert delta.new_token_ids == (sampled[delta.request_id],)
+            self.outputs[delta.request_id].append(sampled[delta.request_id])
+            assert request.output_token_ids == self.outputs[delta.request_id]
+            assert delta.num_output_tokens == request.num_output_tokens
+            assert delta.status is request.status
+            assert delta.finished == (delta.request_id not in scheduler.requests)
+
+    def drain(self) -> None:
+        """Step until every request is finished (no random choices: nothing is aborted)."""
+        for _ in range(10_000):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step(allow_abort=False)
+            self.check_state()
+        raise AssertionError("scheduler did not drain")
+
+    # ---------------------------------------------------------------------- the runner
+
+    def run_model(self, output: SchedulerOutput) -> None:
+        """Write every scheduled token's KV, then check every scheduled request's reads.
+
+        All writes come before any read, like a runner that writes the whole batch's KV
+        before attention: a request may reuse a prefix block another request of the same
+        step is computing.
+        """
+        block_size = self.config.block_size
+        for item in output.scheduled:
+            request = self.all_requests[item.request_id]
+            fingerprints = prefix_fingerprints(request.all_token_ids)
+            for offset in range(len(item.token_ids)):
+                position = item.start_position + offset
+                block_id = item.block_table[position // block_size]
+                self.kv_slots[block_id * block_size + position % block_size] = fingerprints[
+                    position
+                ]
+        for item in output.scheduled:
+            end = item.start_position + len(item.token_ids)
+            self.check_kv(item.request_id, item.block_table, end)
+
+    def check_kv(self, request_id: str, block_table: Sequence[int], num_tokens: int) -> None:
+        request = self.all_requests[request_id]
+        fingerprints = prefix_fingerprints(request.all_token_ids[:num_tokens])
+        block_size = self.config.block_size
+        for position in range(num_tokens):
+            slot = block_table[position // block_size] * block_size + position % block_size
+            assert self.kv_slots.get(slot) == fingerprints[position], (request_id, position)
+
+    # ---------------------------------------------------------------------- invariants
+
+    def check_output(self, output: SchedulerOutput, waiting_before: set[str]) -> None:
+        config = self.config
+        kv = self.scheduler.kv_cache_manager
+        assert output.num_scheduled_tokens == sum(len(item.token_ids) for item in output.scheduled)
+        assert output.num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(output.scheduled) <= config.max_num_seqs
+        scheduled_ids = [item.request_id for item in output.scheduled]
+        assert len(set(scheduled_ids)) == len(scheduled_ids)
+        # Running requests come first, newly admitted ones after them.
+        is_new = [request_id in waiting_before for request_id in scheduled_ids]
+        assert is_new == sorted(is_new)
+        if output.preempted_request_ids:
+            assert not any(is_new)
+        for item in output.scheduled:
+            request = self.scheduler.requests[item.request_id]
+            end = item.start_position + len(item.token_ids)
+            assert request.status is RequestStatus.RUNNING
+            assert len(item.token_ids) >= 1
+            assert request.num_computed_tokens == end
+            assert item.token_ids == tuple(request.all_token_ids[item.start_position : end])
+            assert item.sample == (end == request.num_tokens)
+            assert item.num_output_tokens == request.num_output_tokens
+            assert len(item.block_table) == math.ceil(end / config.block_size)
+            assert list(item.block_table) == kv.get_block_ids(item.request_id)
+            assert item.sampling_params is request.sampling_params
+        for request_id in output.preempted_request_ids:
+            request = self.scheduler.requests[request_id]
+            assert request.status is RequestStatus.PREEMPTED
+            assert request.num_computed_tokens == 0
+            assert request_id not in scheduled_ids
+
+    def check_state(self) -> None:
+        scheduler = self.scheduler
+        config = self.config
+        kv = scheduler.kv_cache_manager
+        pool = kv.block_pool
+        assert len(scheduler.running) <= config.max_num_seqs
+        running_ids = [request.request_id for request in scheduler.running]
+        waiting_ids = [request.request_id for request in scheduler.waiting]
+        assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
+        assert scheduler.has_unfinished_requests() == bool(scheduler.requests)
+
+        occurrences: Counter[int] = Counter()
+        for request in scheduler.running:
+            assert request.status is RequestStatus.RUNNING
+            table = kv.get_block_ids(request.request_id)
+            assert len(table) == len(set(table))
+            assert len(table) == math.ceil(request.num_computed_tokens / config.block_size)
+            assert 0 < request.num_computed_tokens <= request.num_tokens
+            assert request.num_tokens < config.max_model_len or request.is_finished
+            occurrences.update(table)
+            # Every live request, scheduled this step or not, still finds its own prefix.
+            self.check_kv(request.request_id, table, request.num_computed_tokens)
+        for request in scheduler.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.num_computed_tokens == 0
+            assert kv.get_block_ids(request.request_id) == []
+
+        for block in pool.blocks:
+            assert block.ref_cnt == occurrences[block.block_id]
+            if block.ref_cnt > 1:
+                # Only full prefix-cache blocks are ever shared.
+                assert block.block_hash is not None
+            if block.block_hash is not None:
+                assert pool.get_cached_block(block.block_hash) is block
+        free_ids = pool.free_block_ids()
+        assert sorted(free_ids) == [b.block_id for b in pool.blocks if b.ref_cnt == 0]
+        assert kv.num_free_blocks + kv.num_used_blocks == kv.num_total_blocks
+        assert kv.num_used_blocks == len(occurrences)
+        if not config.enable_prefix_caching:
+            assert pool.num_cached_blocks == 0
+
+    def check_final(self) -> None:
+        kv = self.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_total_blocks
+        assert kv.num_used_blocks == 0
+        assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
+        for request_id, request in self.all_requests.items():
+            assert request.is_finished, request
+            reference, status = reference_output(request, self.config.max_model_len)
+            if request_id in self.truncated:
+                assert reference[: len(self.outputs[request_id])] == self.outputs[request_id]
+            else:
+                assert self.outputs[request_id] == reference, request_id
+                assert request.status is status, request_id
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_random_operations_keep_invariants(seed: int, enable_prefix_caching: bool) -> None:
+    driver = Driver(Choices(rng=random.Random(seed)), enable_prefix_caching)
+    while driver.num_ops < MIN_OPS:
+        driver.random_op()
+    driver.drain()
+    driver.check_final()
+    # The run must have exercised what it is meant to check.
+    assert driver.num_steps > 300
+    assert len(driver.all_requests) > 100
+    # Enough requests ran to their natural end to check their outputs exactly.
+    assert len(driver.all_requests) - len(driver.truncated) > 30
+
+
+def test_random_run_exercises_preemption_and_prefix_hits() -> None:
+    # Seed 0 draws a pool of 9 blocks for 8 concurrent sequences: a run that never
+    # preempted or never hit the prefix cache would leave those paths unchecked.
+    driver = Driver(Choices(rng=random.Random(0)), enable_prefix_caching=True)
+    while driver.num_ops < MIN_OPS:
+        driver.random_op()
+    driver.drain()
+    assert driver.scheduler.num_preemptions > 0
+    assert driver.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), enable_prefix_caching=st.booleans())
+def test_hypothesis_operations_keep_invariants(
+    data: st.DataObject, enable_prefix_caching: bool
+) -> None:
+    driver = Driver(Choices(data=data), enable_prefix_caching)
+    num_ops = data.draw(st.integers(1, 60))
+    while driver.num_ops < num_ops:
+        driver.random_op()
+    driver.drain()
+    driver.check_final()
