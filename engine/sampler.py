@@ -94,15 +94,20 @@ class Sampler:
         return logits
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one generator per row.
-        noise = torch.empty_like(probs)
+        # Inverse-CDF sampling: one uniform number per row picks the first token whose cumulative
+        # probability exceeds it. A zero-probability token never gets picked (its cumulative
+        # value equals its predecessor's), and one draw per row keeps seeded rows cheap.
+        uniforms = torch.empty(len(rows), dtype=torch.float64)
         for i, row in enumerate(rows):
             gen = self.generator
             if row.params.seed is not None:
                 seed = (row.params.seed * _SEED_STRIDE + row.num_output_tokens) % (2**63 - 1)
                 gen = torch.Generator().manual_seed(seed)
-            noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+            uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
+        cdf = probs.double().cumsum(dim=-1)
+        targets = uniforms.unsqueeze(1) * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return picked.clamp_(max=probs.shape[1] - 1)
 
 
 def _is_greedy(p: SamplingParams) -> bool:
