@@ -1,0 +1,143 @@
+"""LLMEngine behaviour on a tiny random Llama: aborts, n samples, stop tokens, limits, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_llama_dir) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=64,
+            max_model_len=128,
+        )
+    )
+
+
+def _run(engine: LLMEngine) -> dict:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_abort_frees_blocks_in_every_state(engine):
+    kv = engine.scheduler.kv_cache_manager
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine.add_request("a", list(range(3, 13)), params)  # 10 tokens: 3 blocks once admitted
+    engine.add_request("b", list(range(20, 26)), params)
+    engine.step()
+    engine.step()
+    used_with_both = kv.num_used_blocks
+    # a: 10 prompt + 2 outputs -> 3 blocks (the 12th token's slot is reserved next step);
+    # b: 6 + 2 -> 2 blocks.
+    assert used_with_both == 5
+    aborted = engine.abort("a")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert len(aborted.outputs[0].token_ids) == 2
+    assert kv.num_used_blocks == 2
+    engine.add_request("c", list(range(30, 40)), params)  # waiting: never scheduled
+    assert engine.abort("c").outputs[0].token_ids == []
+    assert engine.abort("missing") is None
+    done = _run(engine)
+    assert list(done) == ["b"]
+    assert len(done["b"].outputs[0].token_ids) == 20
+    assert kv.num_used_blocks == 0
+
+
+def test_n_samples_share_the_prompt(engine):
+    engine.add_request("g", [5, 6, 7, 8, 9], SamplingParams(temperature=0, n=3, max_tokens=6))
+    out = _run(engine)["g"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    tokens = [c.token_ids for c in out.outputs]
+    assert tokens[0] == tokens[1] == tokens[2]  # greedy: identical samples
+    assert len(tokens[0]) == 6 and {c.finish_reason for c in out.outputs} == {"length"}
+
+
+def test_stop_token_id_ends_the_sample(engine):
+    prompt = [11, 12, 13, 14]
+    engine.add_request(
+        "free", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    free = _run(engine)["free"].outputs[0].token_ids
+    stop = free[4]
+    engine.add_request(
+        "stopped",
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop]),
+    )
+    out = _run(engine)["stopped"].outputs[0]
+    first = free.index(stop)
+    assert out.token_ids == free[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_max_model_len_ends_with_length(engine):
+    prompt = list(range(3, 3 + 120))
+    engine.add_request(
+        "long", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    )
+    out = _run(engine)["long"].outputs[0]
+    assert len(out.token_ids) == 128 - 120 and out.finish_reason == "length"
+
+
+def test_bad_requests_are_refused_and_nothing_is_queued(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match="prompt has 128 tokens but max_model_len is 128"):
+        engine.add_request("l", list(range(3, 131)), SamplingParams())
+    with pytest.raises(
+        ValueError, match=r"prompt token id -1 is outside the vocabulary \[0, 512\)"
+    ):
+        engine.add_request("v", [5, -1], SamplingParams())
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        engine.add_request("t", "text needs a tokenizer", SamplingParams())
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        engine.add_request("p", [5], {"temperature": 0})
+    engine.add_request("ok", [5], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", [5], SamplingParams())
+    assert engine.num_unfinished_requests == 1
+    assert engine.scheduler.num_waiting == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "int8"}, "dtype must be"),
+        ({"device": "tpu"}, "device must be"),
+        ({"load_format": "pickle"}, "load_format must be"),
+        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"max_num_seqs": -3}, "max_num_seqs must be a positive integer"),
+    ],
+)
+def test_engine_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_max_model_len_beyond_the_model_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="exceeds the model's context length 512"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", max_model_len=4096))
+
+
+def test_kv_cache_too_small_for_one_sequence(tiny_llama_dir):
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len=128"):
+        LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                device="cpu",
+                block_size=4,
+                num_kv_blocks=8,
+                max_model_len=128,
+            )
+        )

@@ -1,0 +1,124 @@
+"""The `pagedserve` console script, run as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([PAGEDSERVE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_kv_plan_prints_the_formula_and_exact_numbers():
+    res = _run(
+        "kv-plan",
+        "--model",
+        "smollm2-135m-instruct",
+        "--max-model-len",
+        "8192",
+        "--num-seqs",
+        "64",
+        "--dtype",
+        "bfloat16",
+    )
+    assert res.returncode == 0, res.stderr
+    # 2 x 3 KV heads x 64 x 2 bytes per layer; x 30 layers; x 64 sequences x 8192 tokens.
+    assert "per layer per token: 2 x 3 x 64 x 2 = 768 bytes" in res.stdout
+    assert "per token: 30 layers x 768 = 23040 bytes" in res.stdout
+    assert "= 2*64*30*8192*3*64*2 = 12079595520 bytes" in res.stdout
+    assert "blocks: 512 per sequence of block_size 16, 32768 in all" in res.stdout
+
+
+def test_kv_plan_for_a_builtin_shape():
+    res = _run(
+        "kv-plan",
+        "--model",
+        "llama-3.1-8b",
+        "--max-model-len",
+        "1024",
+        "--num-seqs",
+        "1",
+        "--dtype",
+        "float16",
+    )
+    assert res.returncode == 0, res.stderr
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 bytes x 2 = 131072 bytes per token.
+    assert "per token: 32 layers x 4096 = 131072 bytes" in res.stdout
+
+
+def test_generate_chat_answers_with_the_real_model():
+    res = _run(
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+        "--device",
+        "cpu",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+
+
+def test_bench_throughput_writes_json(tiny_llama_dir, tmp_path):
+    out = tmp_path / "tp.json"
+    res = _run(
+        "bench",
+        "throughput",
+        "--model",
+        str(tiny_llama_dir),
+        "--device",
+        "cpu",
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "12",
+        "--output-len",
+        "7",
+        "--json",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "output tokens/s" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["num_prompts"] == 5 and data["num_output_tokens"] == 35
+    assert data["output_tokens_per_s"] > 0 and data["requests_per_s"] > 0
+
+
+def test_bench_throughput_with_dummy_weights(tmp_path):
+    out = tmp_path / "dummy.json"
+    res = _run(
+        "bench",
+        "throughput",
+        "--model",
+        "smollm2-135m",
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "256",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--json",
+        str(out),
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(out.read_text())["num_output_tokens"] == 6
+
+
+def test_unknown_model_is_a_clear_error():
+    res = _run("generate", "--model", "/no/such/model", "--prompt", "hi", "--device", "cpu")
+    assert res.returncode == 2
+    assert "error: " in res.stderr and "/no/such/model" in res.stderr
