@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ModelConfig
+from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCachePlan, allocate_kv_caches, plan_kv_cache
@@ -89,6 +90,8 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        if self.device.type == "cpu":
+            keep_large_allocations_in_heap()
         self.source: ModelSource = resolve_model(config.model)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config

@@ -61,16 +61,20 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.max_positions = max_positions
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [N, Hq, D], k: [N, Hkv, D], positions: [N] -> rotated (q, k), same dtypes."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """cos and sin for a step's positions, [N, 1, D] in `dtype`: looked up once per step and
+        shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(
+            1
+        )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [N, H, D] by the angles of their token's position: x * cos + rot(x) * sin
+    with rot([x1 | x2]) = [-x2 | x1]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rotated.mul_(sin)
+    return rotated.addcmul_(x, cos)

@@ -94,9 +94,7 @@ class Sampler:
         return logits
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        # Inverse-CDF sampling: one uniform number per row picks the first token whose cumulative
-        # probability exceeds it. A zero-probability token never gets picked (its cumulative
-        # value equals its predecessor's), and one draw per row keeps seeded rows cheap.
+        # One uniform number per row; a seeded row draws it from its own (seed, position) stream.
         uniforms = torch.empty(len(rows), dtype=torch.float64)
         for i, row in enumerate(rows):
             gen = self.generator
@@ -104,10 +102,40 @@ class Sampler:
                 seed = (row.params.seed * _SEED_STRIDE + row.num_output_tokens) % (2**63 - 1)
                 gen = torch.Generator().manual_seed(seed)
             uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
-        cdf = probs.double().cumsum(dim=-1)
-        targets = uniforms.unsqueeze(1) * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        return picked.clamp_(max=probs.shape[1] - 1)
+        return inverse_cdf_sample(probs, uniforms)
+
+
+def inverse_cdf_sample(
+    probs: torch.Tensor, uniforms: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
+    """Pick, per row, the first token whose cumulative probability exceeds u * total mass.
+
+    Two levels, so no cumulative sum runs over the whole vocabulary (slow and, in float32,
+    inexact): the vocabulary is cut into chunks, the chunk is found from the chunk masses, then
+    the token inside that one chunk.
+
+        probs  [p0 p1 ... p1023 | p1024 ... p2047 | ...]     chunk masses m0, m1, ...
+        target = u * (m0 + m1 + ...)  ->  chunk c: first with m0 + ... + mc > target
+        inside c: first token j with p(c,0) + ... + p(c,j) > target - (m0 + ... + m(c-1))
+
+    A token of probability 0 is never picked: its cumulative value equals its predecessor's.
+    """
+    num_rows, vocab = probs.shape
+    pad = (-vocab) % chunk
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    chunks = probs.view(num_rows, -1, chunk)
+    mass = chunks.sum(dim=-1, dtype=torch.float64)  # [rows, num_chunks]
+    mass_cdf = mass.cumsum(dim=-1)
+    target = (uniforms * mass_cdf[:, -1]).unsqueeze(1)  # [rows, 1]
+    c = torch.searchsorted(mass_cdf, target, right=True).clamp_(max=mass.shape[1] - 1)
+    remaining = target - (mass_cdf.gather(1, c) - mass.gather(1, c))
+    inner = chunks[torch.arange(num_rows), c.squeeze(1)].double().cumsum(dim=-1)  # [rows, chunk]
+    j = torch.searchsorted(inner, remaining, right=True)
+    # Rounding can put `remaining` at or past the chunk's total: take its last non-zero token.
+    last_nonzero = (inner < inner[:, -1:]).sum(dim=-1, keepdim=True)
+    j = torch.minimum(j, last_nonzero)
+    return (c * chunk + j).squeeze(1)
 
 
 def _is_greedy(p: SamplingParams) -> bool:

@@ -108,3 +108,18 @@ def test_logprobs_describe_the_unpenalised_distribution():
     assert out.token_ids == [1]  # the penalty moved the choice ...
     assert chosen_lp == pytest.approx(math.log(0.5))  # ... but logprobs are the model's own
     assert top == []
+
+
+def test_inverse_cdf_sample_picks_exact_tokens():
+    from engine.sampler import inverse_cdf_sample
+
+    # 10 tokens in chunks of 4 (the last chunk padded): masses 0.375 | 0.0 | 0.625 (all exact
+    # in binary, so the boundaries are exact too).
+    probs = torch.tensor([[0.125, 0.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.625]])
+    cases = {0.0: 0, 0.1: 0, 0.125: 2, 0.374: 2, 0.375: 9, 0.99: 9, 0.999999: 9}
+    for u, expected in cases.items():
+        got = inverse_cdf_sample(probs, torch.tensor([u], dtype=torch.float64), chunk=4)
+        assert got.tolist() == [expected], u
+    # Unnormalised rows work the same (u scales the total mass).
+    got = inverse_cdf_sample(probs * 4, torch.tensor([0.25], dtype=torch.float64), chunk=4)
+    assert got.tolist() == [2]
