@@ -61,7 +61,10 @@ class Sampler:
             idx = torch.tensor(greedy)
             token_ids[idx] = logits[idx].argmax(dim=-1)
         randoms = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
-        if randoms:
+        if len(randoms) == len(rows):  # the common case: no row copies
+            probs = _filtered_probs(logits, [r.params for r in rows])
+            token_ids = self._draw(probs, rows)
+        elif randoms:
             idx = torch.tensor(randoms)
             probs = _filtered_probs(logits[idx], [rows[i].params for i in randoms])
             token_ids[idx] = self._draw(probs, [rows[i] for i in randoms])
@@ -125,7 +128,7 @@ def inverse_cdf_sample(
     if pad:
         probs = torch.nn.functional.pad(probs, (0, pad))
     chunks = probs.view(num_rows, -1, chunk)
-    mass = chunks.sum(dim=-1, dtype=torch.float64)  # [rows, num_chunks]
+    mass = chunks.sum(dim=-1).double()  # [rows, num_chunks]; float32 sums of 1024 are exact enough
     mass_cdf = mass.cumsum(dim=-1)
     target = (uniforms * mass_cdf[:, -1]).unsqueeze(1)  # [rows, 1]
     c = torch.searchsorted(mass_cdf, target, right=True).clamp_(max=mass.shape[1] - 1)
@@ -144,8 +147,9 @@ def _is_greedy(p: SamplingParams) -> bool:
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks; returns probabilities [rows, vocab]."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
+    if any(p.temperature != 1.0 for p in params):
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
     top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
     if any(k < vocab for k in top_ks) or any(p.top_p < 1.0 for p in params):
