@@ -5,36 +5,33 @@ same process, side by side:
         --dtypes float32 bfloat16 --json bench_results/compare.json
 
 Both sample with temperature 1 (no top-k/top-p), ignore EOS and produce exactly output-len tokens
-per prompt; both load the embedded SmolLM2 GGUF file.
+per prompt; both load the embedded SmolLM2 GGUF file. Each measurement runs in a fresh
+subprocess, so neither engine's threads or allocator state can slow the other down.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.throughput import random_token_prompts
+from bench.throughput import measure, random_token_prompts
 from engine.model_source import resolve_model
 
 
 def run_pagedserve(prompts: list[list[int]], output_len: int, dtype: str, model: str) -> float:
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(model, device="cpu", dtype=dtype)
-    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True, seed=0)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    result = measure(llm, prompts, output_len)
+    assert result["num_output_tokens"] == len(prompts) * output_len
+    return result["output_tokens_per_s"]
 
 
 def run_transformers(prompts: list[list[int]], output_len: int, dtype: str, model: str) -> float:
@@ -67,6 +64,30 @@ def run_transformers(prompts: list[list[int]], output_len: int, dtype: str, mode
     return num_out / elapsed
 
 
+def _measure_in_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> float:
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.compare_transformers",
+        "--worker",
+        engine,
+        "--dtypes",
+        dtype,
+        "--model",
+        args.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--seed",
+        str(args.seed),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -76,19 +97,23 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--worker", choices=["pagedserve", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     vocab = resolve_model(args.model).config.vocab_size
-    prompts = random_token_prompts(args.num_prompts, args.input_len, vocab, args.seed, {0, 1, 2})
+    prompts = random_token_prompts(args.num_prompts, args.input_len, vocab, args.seed, {2})
+    if args.worker is not None:  # one measurement, printed as the last line
+        run = run_pagedserve if args.worker == "pagedserve" else run_transformers
+        print(run(prompts, args.output_len, args.dtypes[0], args.model))
+        return
+
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     results: list[dict[str, Any]] = []
     for dtype in args.dtypes:
-        ours = run_pagedserve(prompts, args.output_len, dtype, args.model)
-        gc.collect()
-        theirs = run_transformers(prompts, args.output_len, dtype, args.model)
-        gc.collect()
+        ours = _measure_in_subprocess("pagedserve", dtype, args)
+        theirs = _measure_in_subprocess("transformers", dtype, args)
         row = {
             "dtype": dtype,
             "pagedserve_output_tok_s": round(ours, 1),

@@ -27,6 +27,7 @@ from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.weights import load_weights
 from scheduler import (
     Request,
+    RequestDelta,
     RequestStatus,
     SamplingParams,
     Scheduler,
@@ -288,7 +289,13 @@ class LLMEngine:
             results.append(parent.snapshot(finished))
         return results
 
-    def _append(self, child_id: str, sample: _Sample, delta, logprobs) -> None:
+    def _append(
+        self,
+        child_id: str,
+        sample: _Sample,
+        delta: RequestDelta,
+        logprobs: tuple[float, int, list[tuple[int, float]]] | None,
+    ) -> None:
         out = sample.output
         params = sample.parent.params
         out.token_ids.extend(delta.new_token_ids)
@@ -309,6 +316,8 @@ class LLMEngine:
         if sample.detokenizer is None:
             return
         new_text = sample.detokenizer.add_tokens(list(delta.new_token_ids))
+        if delta.finished:
+            new_text += sample.detokenizer.flush()  # bytes held for an unfinished character
         checked_from = len(sample.full_text)
         sample.full_text += new_text
         visible_end = len(sample.full_text)

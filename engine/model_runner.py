@@ -14,7 +14,7 @@ import torch
 from engine.attention_metadata import AttentionMetadata
 from engine.model import KVCache, LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, needs_history
-from scheduler import Request, SchedulerOutput
+from scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs)
 
 
-def _sampling_row(scheduled, request: Request | None) -> SamplingRow:
+def _sampling_row(scheduled: ScheduledRequest, request: Request | None) -> SamplingRow:
     params = scheduled.sampling_params
     want_prompt, want_output = needs_history(params)
     if request is None or not (want_prompt or want_output):

@@ -5,7 +5,7 @@ embedded SmolLM2 model, or a built-in shape for dummy weights. Never touches the
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -44,6 +44,8 @@ class ModelSource:
     gguf_file: Path | None
     config: ModelConfig
     tokenizer_source: Path | None  # the folder (hf_dir) or the .gguf file; None for dummy
+    # The parsed GGUF file (kind "gguf"), kept so that loading weights does not parse it again.
+    gguf_reader: gguf.GGUFReader | None = field(default=None, compare=False, repr=False)
 
 
 def embedded_model_path(name: str) -> Path:
@@ -131,4 +133,5 @@ def _gguf_source(name: str, gguf_file: Path) -> ModelSource:
         gguf_file=gguf_file,
         config=ModelConfig.from_gguf(reader),
         tokenizer_source=gguf_file,
+        gguf_reader=reader,
     )

@@ -228,4 +228,5 @@ def load_weights(
             f"load format 'gguf' needs a .gguf file, but model {source.name!r} is a "
             f"{source.kind} source"
         )
-    return iter_gguf_weights(source.gguf_file, source.config, dtype=dtype, progress=progress)
+    gguf_input = source.gguf_file if source.gguf_reader is None else source.gguf_reader
+    return iter_gguf_weights(gguf_input, source.config, dtype=dtype, progress=progress)
