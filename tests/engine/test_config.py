@@ -17,6 +17,7 @@ from engine.config import (
     llama3_rope_freq_divisors,
 )
 from engine.model_source import embedded_model_path, resolve_model
+from tests.helpers import tiny_config
 
 # Published config.json files (trimmed of keys we do not read).
 LLAMA_3_2_1B_INSTRUCT = {
@@ -254,25 +255,7 @@ def test_to_hf_dict_builds_a_transformers_model_with_our_shapes(arch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    c = ModelConfig(
-        architecture=arch,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=arch != "mistral",
-        attention_bias=arch == "qwen2",
-        sliding_window=None,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
+    c = tiny_config(arch, tie_word_embeddings=arch != "mistral")
     d = c.to_hf_dict()
     hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):

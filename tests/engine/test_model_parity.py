@@ -13,6 +13,11 @@ from tests.helpers import hf_greedy
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 31, 40]
 
 
+def _tiny_llm(path, **kwargs) -> LLM:
+    """The engine on CPU in float32 with 4-token blocks, so prompts span many blocks."""
+    return LLM(str(path), device="cpu", dtype="float32", block_size=4, **kwargs)
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(1234)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
@@ -27,7 +32,7 @@ def test_greedy_equals_transformers(kind, tiny_llama_dir, tiny_qwen2_dir):
     prompts = _prompts(hf.config.vocab_size)
     expected = [hf_greedy(hf, p, 32) for p in prompts]
 
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)
+    llm = _tiny_llm(path, num_kv_blocks=256)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
@@ -43,11 +48,8 @@ def test_chunked_prefill_matches_transformers(tiny_llama_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32").eval()
     prompts = _prompts(hf.config.vocab_size)[-3:]
     expected = [hf_greedy(hf, p, 16) for p in prompts]
-    llm = LLM(
-        str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
+    llm = _tiny_llm(
+        tiny_llama_dir,
         num_kv_blocks=128,
         max_num_batched_tokens=8,
         max_num_seqs=4,
@@ -61,15 +63,12 @@ def test_preemption_gives_the_same_tokens(tiny_llama_dir):
     produce exactly the unconstrained greedy tokens."""
     prompts = _prompts(512)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    roomy = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)
+    roomy = _tiny_llm(tiny_llama_dir, num_kv_blocks=256)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
 
     # Longest request needs ceil((40 + 32) / 4) = 18 blocks; all eight together need ~100.
-    tight = LLM(
-        str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
+    tight = _tiny_llm(
+        tiny_llama_dir,
         num_kv_blocks=24,
         max_model_len=96,
         enable_prefix_caching=False,
@@ -86,21 +85,15 @@ def test_prefix_cache_hit_gives_the_same_tokens(tiny_llama_dir):
     prefix = [rng.randrange(3, 512) for _ in range(20)]
     a, b = prefix + [5, 6], prefix + [7, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    cold = LLM(
-        str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
+    cold = _tiny_llm(
+        tiny_llama_dir,
         num_kv_blocks=64,
         max_model_len=128,
         enable_prefix_caching=False,
     )
     expected = [o.outputs[0].token_ids for o in cold.generate([a, b], params)]
-    warm = LLM(
-        str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
+    warm = _tiny_llm(
+        tiny_llama_dir,
         num_kv_blocks=64,
         max_model_len=128,
     )

@@ -22,29 +22,7 @@ from engine.weights import (
     permute_qk,
     unpermute_qk,
 )
-
-
-def tiny_config(arch: str = "llama", **changes) -> ModelConfig:
-    fields = dict(
-        architecture=arch,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attention_bias=arch == "qwen2",
-        sliding_window=None,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
-    return ModelConfig(**{**fields, **changes})
+from tests.helpers import tiny_config
 
 
 def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
