@@ -168,8 +168,8 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
             param, offset = target
-            rows = tensor.shape[0]
-            dest = param.data.narrow(0, offset, rows) if param.dim() >= 1 else param.data
+            rows = tensor.shape[0] if tensor.dim() else 0
+            dest = param.data.narrow(0, offset, min(rows, param.shape[0] - offset))
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
