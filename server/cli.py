@@ -1,9 +1,10 @@
-"""`pagedserve` command line: generate, kv-plan, bench throughput."""
+"""`pagedserve` command line: serve, generate, kv-plan, bench throughput, bench serve."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -101,6 +102,25 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from engine.engine_config import EngineConfig
+    from server.api_server import run_server
+
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    run_server(
+        EngineConfig(**_engine_kwargs(args)),
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name,
+        api_key=args.api_key,
+        max_queue_len=args.max_queue_len,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+    )
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from bench import throughput
 
@@ -108,10 +128,41 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from bench import serve
+
+    serve.run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_arguments(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in `model` (default: the --model value)",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDSERVE_API_KEY)",
+    )
+    srv.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="answer 503 while this many requests wait to be scheduled (default: no limit)",
+    )
+    srv.add_argument("--no-access-log", action="store_true")
+    srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_arguments(gen)
@@ -137,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput.add_arguments(tp)
     tp.set_defaults(func=_cmd_bench)
+    bs = bench_sub.add_parser("serve", help="load-test a running server, like vllm bench serve")
+    from bench import serve
+
+    serve.add_arguments(bs)
+    bs.set_defaults(func=_cmd_bench_serve)
     return parser
 
 

@@ -1,0 +1,310 @@
+"""AsyncEngine: the LLMEngine step loop on a background thread, fed from asyncio.
+
+    event loop (HTTP handlers)                 engine thread
+    ──────────────────────────                 ─────────────
+    generate(): validate, put ("add", ...) ──> drain commands ─> LLMEngine.add_request / abort
+                await own asyncio.Queue   <──  LLMEngine.step() ─> snapshots, one
+                                               call_soon_threadsafe per step for all of them
+
+Why a thread and not a process: the model's matmuls release the GIL, so the HTTP side runs while
+the engine computes, and a thread hands RequestOutput objects over without pickling. The engine
+is the only thing that touches LLMEngine (it is not thread-safe); handlers only read immutable
+things (the tokenizer, the config) and the stats snapshot the thread publishes after every
+iteration.
+
+A request whose consumer goes away (client disconnect, cancelled task) is aborted: the abort is
+queued and the engine thread frees its blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from scheduler import SamplingParams
+
+logger = logging.getLogger("pagedserve")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queue_len requests; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an unexpected error; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine loop publishes after each iteration (read by /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # scheduler requests (samples) not yet admitted, plus queued adds
+    kv_blocks_used: int = 0  # blocks held by live requests (ref count > 0)
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_steps: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class RequestStream:
+    """The consumer side of one request: snapshots arrive on an asyncio queue fed by the engine
+    thread. Iterate it once; leaving the loop early (or `abort()`) aborts the request."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.loop = loop
+        self.finished = False  # set by the engine thread when the last snapshot is queued
+        self._owner = owner
+        self._aborted = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await self.queue.get()
+                # When the consumer fell behind only the newest snapshot matters: snapshots are
+                # cumulative. An exception is never skipped.
+                while not isinstance(item, BaseException) and not self.queue.empty():
+                    item = self.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self._owner.abort(self.request_id)
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Serves many concurrent `generate` calls from one LLMEngine running on a thread."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
+        if max_queue_len is not None and max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0 or None, got {max_queue_len}")
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._lock = threading.Lock()  # guards _num_queued_adds and _ids_in_use
+        self._num_queued_adds = 0
+        self._ids_in_use: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._num_steps = 0
+        self.stats = self._collect_stats()
+
+    # ---- what handlers may read ------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        self.engine.validate_prompt(prompt_token_ids)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._thread = threading.Thread(target=self._loop, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(("stop", _STOP))
+        self._thread.join(timeout)
+        self._thread = None
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request; iterate the returned stream for its snapshots.
+
+        Raises at once (nothing queued) ValueError for a prompt the engine cannot serve,
+        QueueFullError when max_queue_len requests are already waiting and EngineDeadError when
+        the loop has stopped. Call from a running event loop: outputs are delivered to it."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_message())
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self.engine.validate_prompt(prompt_token_ids)
+        with self._lock:
+            if request_id in self._ids_in_use:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if (
+                self.max_queue_len is not None
+                and self.stats.num_waiting + self._num_queued_adds >= self.max_queue_len
+            ):
+                raise QueueFullError(
+                    f"the server's waiting queue is full ({self.max_queue_len} requests are "
+                    "waiting); retry later"
+                )
+            self._num_queued_adds += 1
+            self._ids_in_use.add(request_id)
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        self._commands.put(
+            ("add", (request_id, prompt, list(prompt_token_ids), params, arrival_time, stream))
+        )
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; a no-op when it already finished."""
+        self._commands.put(("abort", request_id))
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block while idle; otherwise take whatever arrived during the last step.
+                block = not engine.has_unfinished_requests()
+                commands = []
+                try:
+                    commands.append(self._commands.get(block=block))
+                    while True:
+                        commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                for kind, payload in commands:
+                    if kind == "stop":
+                        self._fail_all(EngineDeadError("the server is shutting down"))
+                        return
+                    if kind == "add":
+                        self._add(*payload)
+                    else:
+                        self._abort(payload)
+                self.stats = self._collect_stats()  # aborts show in /metrics before the step
+                outputs = []
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._num_steps += 1
+                self._deliver(outputs)
+                self.stats = self._collect_stats()
+        except BaseException as e:  # a bug or an out-of-memory: fail every request, go dead
+            logger.exception("engine loop stopped")
+            self._error = e
+            self._fail_all(EngineDeadError(self._dead_message()))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.finished = True
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            except RuntimeError:  # that event loop is already closed
+                pass
+        self._streams.clear()
+
+    def _add(self, request_id, prompt, prompt_token_ids, params, arrival_time, stream) -> None:
+        with self._lock:
+            self._num_queued_adds -= 1
+        try:
+            self.engine.add_request(
+                request_id,
+                prompt if prompt is not None else prompt_token_ids,
+                params,
+                arrival_time=arrival_time,
+                prompt_token_ids=prompt_token_ids,
+            )
+        except ValueError as e:
+            self._finish(request_id, stream)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            return
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._finish(request_id, stream)
+            if output is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _finish(self, request_id: str, stream: RequestStream) -> None:
+        stream.finished = True
+        with self._lock:
+            self._ids_in_use.discard(request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._finish(output.request_id, stream)
+            batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _collect_stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        kv = scheduler.kv_cache_manager
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_total_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.num_prefix_cache_queries_tokens,
+            prefix_cache_hits=kv.num_prefix_cache_hits_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def _dead_message(self) -> str:
+        return f"the engine loop has stopped ({self._error!r}); restart the server"
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, output in items:
+        q.put_nowait(output)

@@ -1,0 +1,172 @@
+"""The FastAPI app: routes, API-key check, lifespan of the engine thread.
+
+`build_app(async_engine, ...)` is all a caller needs; `server.api_server.serve` wraps it in
+uvicorn for the CLI.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.async_engine import AsyncEngine
+from server.errors import APIError, error_response, install_error_handlers
+from server.metrics import Metrics
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from server.serving_chat import chat_prompt_ids, create_chat_completion
+from server.serving_common import ServerState, check_model
+from server.serving_completions import create_completion
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def build_app(
+    engine: AsyncEngine,
+    served_model_names: tuple[str, ...] | list[str],
+    model_root: str,
+    api_key: str | None = None,
+) -> FastAPI:
+    """An app serving `engine`; it starts the engine thread on startup and stops it on shutdown
+    (unless the engine was already started by the caller)."""
+    if not served_model_names:
+        raise ValueError("served_model_names must name at least one model")
+    state = ServerState(
+        engine=engine,
+        metrics=Metrics(lambda: engine.stats),
+        served_model_names=tuple(served_model_names),
+        model_root=model_root,
+        api_key=api_key or None,
+    )
+    created_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        started_here = not engine.is_running
+        if started_here:
+            engine.start()
+        try:
+            yield
+        finally:
+            if started_here:
+                engine.shutdown()
+
+    app = FastAPI(title="pagedserve", version=version(), lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # compare_digest takes time independent of where the strings differ.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), state.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created_at,
+            "owned_by": "pagedserve",
+            "root": state.model_root,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card(n) for n in state.served_model_names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        check_model(state, model_id)
+        return model_card(model_id)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(state, body, raw_request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(state, body, raw_request)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(
+                APIError(503, f"engine is not running: {engine.error!r}", code="engine_dead")
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict:
+        return {"version": version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if body.messages is not None:
+            tokens = chat_prompt_ids(state, body)
+        else:
+            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        result = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            result["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(state, body.model)
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens"
+            )
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def root() -> JSONResponse:
+        return JSONResponse({"name": "pagedserve", "version": version(), "docs": "/docs"})
+
+    return app

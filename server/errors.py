@@ -1,0 +1,113 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Every failure a client can cause maps to one status code here; the handlers registered by
+`install_error_handlers` make sure nothing reaches the client as a bare traceback or a
+FastAPI-shaped `{"detail": ...}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import EngineDeadError, QueueFullError
+
+logger = logging.getLogger("pagedserve")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error to return to the client as-is."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = err_type or _TYPES.get(status_code, "invalid_request_error")
+
+
+def error_body(
+    message: str, err_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    return JSONResponse(
+        error_body(err.message, err.type, err.param, err.code),
+        status_code=err.status_code,
+        headers=headers,
+    )
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Map an exception raised while serving a request to the error the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    # ("body", "messages", 0, "role") -> "messages.0.role"
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _param_from_loc(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {first.get('msg')}"
+        else:
+            message = "; ".join(
+                f"{_param_from_loc(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
+                for e in errors
+            )
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(as_api_error(exc))

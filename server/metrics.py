@@ -1,0 +1,145 @@
+"""Prometheus metrics (`GET /metrics`), all named `pagedserve_*`.
+
+Two sources:
+- engine state (requests running/waiting, KV blocks, preemptions, prefix-cache counters) is read
+  at scrape time from the EngineStats snapshot the engine thread publishes after every iteration,
+  so a scrape never waits for a step and always shows the state after the latest abort;
+- per-request latencies and token counters are recorded by the HTTP handlers as snapshots arrive
+  (`RequestMetrics`), i.e. as the client sees them, queueing in the server included.
+
+Each app owns its registry (no module-level state), so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.async_engine import EngineStats
+from engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._read_stats()
+        gauges = (
+            ("num_requests_running", "Sequences in the running batch", s.num_running),
+            ("num_requests_waiting", "Sequences waiting to be admitted", s.num_waiting),
+            ("kv_blocks_used", "KV-cache blocks held by live requests", s.kv_blocks_used),
+            ("kv_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total),
+            ("kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)", s.kv_usage),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
+        counters = (
+            ("num_preemptions", "Requests preempted (to recompute later)", s.num_preemptions),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+            ("engine_steps", "Engine steps run", s.num_steps),
+        )  # fmt: skip
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"pagedserve_{name}", doc, value=value)
+
+
+class Metrics:
+    """The registry of one server and the per-request instruments."""
+
+    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(read_stats))
+        r = self.registry
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Tokens generated (all samples)", registry=r
+        )
+        self.requests_finished = Counter(
+            "pagedserve_request_success",
+            "Requests finished, by finish reason of their first sample",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            "Time between successive tokens of a sample",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds",
+            "From the request's arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def track(self, num_prompt_tokens: int, arrival: float | None = None) -> RequestMetrics:
+        """Start recording one engine request (arrival in time.monotonic() seconds)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestMetrics(self, time.monotonic() if arrival is None else arrival)
+
+
+class RequestMetrics:
+    """Turns the snapshots of one request into TTFT / ITL / E2E observations."""
+
+    __slots__ = ("_m", "_arrival", "_last_token_time", "_longest", "_total", "_done")
+
+    def __init__(self, metrics: Metrics, arrival: float) -> None:
+        self._m = metrics
+        self._arrival = arrival
+        self._last_token_time: float | None = None
+        self._longest = 0  # tokens of the longest sample so far: the ITL clock follows it
+        self._total = 0  # tokens of all samples so far
+        self._done = False
+
+    def update(self, output: RequestOutput) -> None:
+        if self._done:
+            return
+        now = time.monotonic()
+        counts = [len(c.token_ids) for c in output.outputs]
+        total = sum(counts)
+        if total > self._total:
+            self._m.generation_tokens.inc(total - self._total)
+            self._total = total
+        longest = max(counts, default=0)
+        new = longest - self._longest
+        if new > 0:
+            if self._last_token_time is None:
+                self._m.ttft.observe(now - self._arrival)
+                new -= 1
+            else:
+                # Several tokens in one snapshot (the reader fell behind a step or more): spread
+                # the gap over them so the histogram still counts one observation per token.
+                gap = (now - self._last_token_time) / new
+                for _ in range(new):
+                    self._m.itl.observe(gap)
+            self._last_token_time = now
+            self._longest = longest
+        if output.finished:
+            self._done = True
+            self._m.e2e.observe(now - self._arrival)
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            self._m.requests_finished.labels(finish_reason=reason or "abort").inc()

@@ -1,0 +1,199 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, answered in the
+`chat.completion` shape, or streamed as `chat.completion.chunk`s whose first chunk per choice
+carries the role."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.tokenizer import apply_chat_template
+from scheduler.sampling_params import MAX_LOGPROBS
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest
+from server.serving_common import (
+    SSE_DONE,
+    ServerState,
+    add_requests,
+    check_max_tokens,
+    check_model,
+    created,
+    final_outputs,
+    iterate_all,
+    new_id,
+    safe_logprob,
+    sampling_params,
+    sse,
+    sse_error,
+    unless_disconnected,
+    usage,
+    warn_unknown_fields,
+)
+
+
+def chat_prompt_ids(state: ServerState, req: Any) -> list[int]:
+    """Token ids of the conversation (also used by /tokenize with messages)."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so chat is unavailable; use completions")
+    return apply_chat_template(
+        tokenizer,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        **(getattr(req, "chat_template_kwargs", None) or {}),
+    )
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, raw_request: Request
+) -> JSONResponse | StreamingResponse:
+    check_model(state, req.model)
+    warn_unknown_fields(req, "/v1/chat/completions")
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(
+            400,
+            f"response_format {req.response_format.get('type')!r} is not supported; only 'text'",
+            param="response_format",
+        )
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                400,
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                param="top_logprobs",
+            )
+    prompt_ids = chat_prompt_ids(state, req)
+    state.engine.validate_prompt(prompt_ids)
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    max_tokens = check_max_tokens(requested, len(prompt_ids), state.engine.max_model_len)
+    top_k = req.top_logprobs or 0
+    params = sampling_params(req, max_tokens, logprobs=top_k if req.logprobs else None)
+    arrival = time.monotonic()
+    request_id = new_id("chatcmpl")
+    queued = add_requests(state, request_id, [(None, prompt_ids)], [params], arrival)
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, request_id, queued), media_type="text/event-stream"
+        )
+    (final,) = await unless_disconnected(raw_request, final_outputs(queued))
+    choices = [
+        {
+            "index": sample.index,
+            "message": {"role": "assistant", "content": sample.text},
+            "logprobs": _logprobs(sample.token_ids, sample.logprobs, top_k)
+            if req.logprobs
+            else None,
+            "finish_reason": sample.finish_reason,
+            "stop_reason": sample.stop_reason,
+        }
+        for sample in final.outputs
+    ]
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created(),
+            "model": state.model_name,
+            "choices": choices,
+            "usage": usage([final]),
+        }
+    )
+
+
+def _logprobs(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]] | None, top_k: int
+) -> dict[str, Any]:
+    content = []
+    for token_id, entry in zip(token_ids, entries or (), strict=False):
+        chosen = entry[token_id]
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)
+        content.append(
+            {
+                "token": chosen.decoded_token,
+                "logprob": safe_logprob(chosen.logprob),
+                "bytes": list(chosen.decoded_token.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token,
+                        "logprob": safe_logprob(lp.logprob),
+                        "bytes": list(lp.decoded_token.encode("utf-8")),
+                    }
+                    for lp in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+async def _stream(
+    state: ServerState, req: ChatCompletionRequest, request_id: str, queued
+) -> AsyncIterator[str]:
+    base = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created(),
+        "model": state.model_name,
+    }
+    top_k = req.top_logprobs or 0
+    sent: dict[int, tuple[int, int]] = {}  # choice index -> (text chars, tokens) sent
+    finished: set[int] = set()
+    final: RequestOutput | None = None
+
+    def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop
+        return sse({**base, "choices": [choice]})
+
+    try:
+        # The role comes first, before any token, as OpenAI does.
+        for k in range(req.n):
+            yield chunk(k, {"role": "assistant", "content": ""})
+        async for _, output in iterate_all(queued):
+            final = output
+            for sample in output.outputs:
+                piece = _delta(sample, sent, finished, req.logprobs, top_k)
+                if piece is not None:
+                    yield chunk(sample.index, *piece)
+        if req.stream_options is not None and req.stream_options.include_usage and final:
+            yield sse({**base, "choices": [], "usage": usage([final])})
+    except Exception as e:  # the engine died mid-stream: tell the client in-band
+        yield sse_error(e)
+    yield SSE_DONE
+
+
+def _delta(
+    sample: CompletionOutput,
+    sent: dict[int, tuple[int, int]],
+    finished: set[int],
+    want_logprobs: bool,
+    top_k: int,
+) -> tuple[dict[str, Any], dict[str, Any] | None, str | None, str | int | None] | None:
+    """(delta, logprobs, finish_reason, stop_reason) of what is new in a sample, or None."""
+    if sample.index in finished:
+        return None
+    text_len, num_tokens = sent.get(sample.index, (0, 0))
+    text = sample.text[text_len:]
+    new_tokens = sample.token_ids[num_tokens:]
+    finish = sample.finish_reason if sample.finished else None
+    logprobs = None
+    if want_logprobs and new_tokens and sample.logprobs is not None:
+        logprobs = _logprobs(new_tokens, sample.logprobs[num_tokens:], top_k)
+    if not text and finish is None and logprobs is None:
+        return None
+    sent[sample.index] = (len(sample.text), len(sample.token_ids))
+    if finish is not None:
+        finished.add(sample.index)
+    delta = {"content": text} if text or finish is None else {}
+    return delta, logprobs, finish, sample.stop_reason

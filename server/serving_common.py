@@ -1,0 +1,252 @@
+"""What the completions and chat handlers share: model check, sampling parameters, the context
+length check, SSE framing, merging the streams of a multi-prompt request, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.outputs import RequestOutput
+from scheduler import SamplingParams
+from server.errors import APIError, as_api_error, error_body
+from server.metrics import Metrics, RequestMetrics
+from server.protocol import _SamplingFields
+
+logger = logging.getLogger("pagedserve")
+
+T = TypeVar("T")
+
+# JSON has no -inf; a token the model rules out entirely gets this logprob instead (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What every handler needs; one per app (kept on app.state)."""
+
+    engine: AsyncEngine
+    metrics: Metrics
+    served_model_names: tuple[str, ...]
+    model_root: str
+    api_key: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.served_model_names:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. Available models: "
+            f"{', '.join(state.served_model_names)}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def warn_unknown_fields(body: Any, endpoint: str) -> None:
+    unknown = body.unknown_fields()
+    if unknown:
+        logger.warning("%s: ignoring unknown fields %s", endpoint, ", ".join(unknown))
+
+
+def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The number of tokens to generate: the request's, or all the room left in the context.
+
+    The prompt itself is checked (and rejected when too long) by the engine before this."""
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+def sampling_params(
+    req: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """SamplingParams from the request fields; an invalid value is a 400 naming the field."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    fields: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "seed": req.seed,
+        "logprobs": logprobs,
+    }
+    if prompt_logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    if req.stop is not None:
+        fields["stop"] = req.stop
+    if req.stop_token_ids is not None:
+        fields["stop_token_ids"] = req.stop_token_ids
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        message = str(e)
+        first_word = message.split(" ", 1)[0]
+        raise APIError(400, message, param=first_word if first_word in fields else None) from e
+
+
+def add_requests(
+    state: ServerState,
+    request_id: str,
+    prompts: Sequence[tuple[str | None, list[int]]],
+    params: Sequence[SamplingParams],
+    arrival: float,
+) -> list[tuple[RequestStream, RequestMetrics]]:
+    """Queue one engine request per prompt; all or nothing (a failure aborts the ones queued)."""
+    queued: list[tuple[RequestStream, RequestMetrics]] = []
+    try:
+        for i, ((text, token_ids), p) in enumerate(zip(prompts, params, strict=True)):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            stream = state.engine.add_request(rid, token_ids, p, prompt=text)
+            queued.append((stream, state.metrics.track(len(token_ids), arrival)))
+    except BaseException:
+        for stream, _ in queued:
+            stream.abort()
+        raise
+    return queued
+
+
+async def iterate_all(
+    queued: Sequence[tuple[RequestStream, RequestMetrics]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Snapshots of several requests as they come, tagged with the request's index. Leaving
+    early (or a failure in one) aborts all of them."""
+    if len(queued) == 1:
+        stream, tracker = queued[0]
+        async for output in stream:
+            tracker.update(output)
+            yield 0, output
+        return
+    merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream, tracker: RequestMetrics) -> None:
+        try:
+            async for output in stream:
+                tracker.update(output)
+                merged.put_nowait((index, output))
+            merged.put_nowait(None)
+        except BaseException as e:  # noqa: B036 - re-raised by the consumer below
+            merged.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, s, t)) for i, (s, t) in enumerate(queued)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream, _ in queued:
+            stream.abort()
+
+
+async def final_outputs(
+    queued: Sequence[tuple[RequestStream, RequestMetrics]],
+) -> list[RequestOutput]:
+    """The finished snapshot of every request, in prompt order."""
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in iterate_all(queued):
+        if output.finished:
+            finals[index] = output
+    return [finals[i] for i in range(len(queued))]
+
+
+async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it when the client disconnects first (which aborts its engine
+    requests and frees their blocks). Streaming responses get this from Starlette already."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "client disconnected", code="client_disconnected")
+    return task.result()
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def safe_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    err = as_api_error(exc)
+    return sse(error_body(err.message, err.type, err.param, err.code))
+
+
+def created() -> int:
+    return int(time.time())

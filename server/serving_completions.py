@@ -1,0 +1,297 @@
+"""POST /v1/completions: the OpenAI `text_completion` API, streamed or not.
+
+A request may carry several prompts (strings or token-id lists); each becomes one engine request
+with `n` samples. Choice `index` = prompt_index * n + sample_index, as in the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from server.errors import APIError
+from server.protocol import CompletionRequest
+from server.serving_common import (
+    SSE_DONE,
+    ServerState,
+    add_requests,
+    check_max_tokens,
+    check_model,
+    created,
+    final_outputs,
+    iterate_all,
+    new_id,
+    safe_logprob,
+    sampling_params,
+    sse,
+    sse_error,
+    unless_disconnected,
+    usage,
+    warn_unknown_fields,
+)
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # None when given as token ids
+    token_ids: list[int]
+    echo_text: str  # what `echo` prepends: the text, or the token ids decoded
+
+
+async def create_completion(
+    state: ServerState, req: CompletionRequest, raw_request: Request
+) -> JSONResponse | StreamingResponse:
+    check_model(state, req.model)
+    warn_unknown_fields(req, "/v1/completions")
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(
+            400,
+            f"best_of={req.best_of} is not supported: omit it or set it equal to n ({req.n})",
+            param="best_of",
+        )
+    prompts = _prompts(state, req.prompt)
+    # max_tokens=0 with echo returns the prompt (and its logprobs) only, the way evaluation
+    # harnesses score a text: the engine generates one token that is then left out.
+    echo_only = req.echo and req.max_tokens == 0
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+    params = []
+    for prompt in prompts:
+        state.engine.validate_prompt(prompt.token_ids)
+        max_tokens = 1 if echo_only else req.max_tokens
+        max_tokens = check_max_tokens(max_tokens, len(prompt.token_ids), state.engine.max_model_len)
+        params.append(
+            sampling_params(
+                req,
+                max_tokens,
+                logprobs=req.logprobs,
+                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            )
+        )
+    arrival = time.monotonic()
+    request_id = new_id("cmpl")
+    queued = add_requests(
+        state, request_id, [(p.text, p.token_ids) for p in prompts], params, arrival
+    )
+    writer = _ChoiceWriter(state, req, prompts, echo_only)
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, request_id, queued, writer), media_type="text/event-stream"
+        )
+    finals = await unless_disconnected(raw_request, final_outputs(queued))
+    choices = []
+    for prompt_index, output in enumerate(finals):
+        for sample in output.outputs:
+            choices.append(writer.full_choice(prompt_index, output, sample))
+    counts = usage(finals)
+    if echo_only:
+        counts["completion_tokens"] = 0
+        counts["total_tokens"] = counts["prompt_tokens"]
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created(),
+            "model": state.model_name,
+            "choices": choices,
+            "usage": counts,
+        }
+    )
+
+
+def _prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
+    """The request's prompts, tokenized. `prompt` has passed pydantic: a string, a list of strings,
+    a list of token ids or a list of token-id lists."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    tokenizer = state.engine.tokenizer
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            ids = state.engine.tokenize(item) if item else []
+            prompts.append(_Prompt(item, ids, item))
+        else:
+            ids = list(item)
+            state.engine.validate_prompt(ids)  # out-of-vocabulary ids must not reach decode
+            echo = tokenizer.decode(ids) if tokenizer is not None else ""
+            prompts.append(_Prompt(None, ids, echo))
+    return prompts
+
+
+class _ChoiceWriter:
+    """Builds choices (whole, or as stream deltas) in the OpenAI completion shape."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        req: CompletionRequest,
+        prompts: Sequence[_Prompt],
+        echo_only: bool,
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.prompts = prompts
+        self.echo_only = echo_only
+        # stream cursors per choice index: (text chars, tokens, logprob entries, text offset)
+        self._sent: dict[int, list[int]] = {}
+        self._finished: set[int] = set()
+
+    def index(self, prompt_index: int, sample: CompletionOutput) -> int:
+        return prompt_index * self.req.n + sample.index
+
+    def full_choice(
+        self, prompt_index: int, output: RequestOutput, sample: CompletionOutput
+    ) -> dict[str, Any]:
+        prompt = self.prompts[prompt_index]
+        text, logprobs = "", None
+        lp = _LogprobWriter(self.state) if self.req.logprobs is not None else None
+        if self.req.echo:
+            text = prompt.echo_text
+            if lp is not None:
+                lp.add(prompt.token_ids, output.prompt_logprobs)
+        if not self.echo_only:
+            text += sample.text
+            if lp is not None and sample.logprobs is not None:
+                lp.add(sample.token_ids, sample.logprobs)
+        if lp is not None:
+            logprobs = lp.result()
+        return {
+            "index": self.index(prompt_index, sample),
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": "length" if self.echo_only else sample.finish_reason,
+            "stop_reason": None if self.echo_only else sample.stop_reason,
+        }
+
+    def delta_choices(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """The choices of this snapshot with something new to send (one chunk each)."""
+        prompt = self.prompts[prompt_index]
+        choices = []
+        for sample in output.outputs:
+            index = self.index(prompt_index, sample)
+            if index in self._finished:
+                continue
+            first = index not in self._sent
+            text_len, num_tokens, lp_offset = self._sent.setdefault(index, [0, 0, 0])
+            lp = _LogprobWriter(self.state, lp_offset) if self.req.logprobs is not None else None
+            text = ""
+            if first and self.req.echo:
+                text = prompt.echo_text
+                if lp is not None:
+                    lp.add(prompt.token_ids, output.prompt_logprobs)
+            new_tokens = sample.token_ids[num_tokens:]
+            if not self.echo_only:
+                text += sample.text[text_len:]
+                if lp is not None and sample.logprobs is not None:
+                    lp.add(new_tokens, sample.logprobs[num_tokens : len(sample.token_ids)])
+            finish = sample.finish_reason if sample.finished else None
+            if self.echo_only and finish is not None:
+                finish = "length"
+            if not text and finish is None and not (lp is not None and new_tokens):
+                continue
+            self._sent[index] = [
+                len(sample.text),
+                len(sample.token_ids),
+                lp.offset if lp is not None else 0,
+            ]
+            if finish is not None:
+                self._finished.add(index)
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": lp.result() if lp is not None else None,
+                    "finish_reason": finish,
+                    "stop_reason": None if self.echo_only else sample.stop_reason,
+                }
+            )
+        return choices
+
+
+class _LogprobWriter:
+    """The legacy completions logprobs object: parallel lists plus text offsets."""
+
+    def __init__(self, state: ServerState, offset: int = 0) -> None:
+        self.state = state
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(
+        self,
+        token_ids: Sequence[int],
+        entries: Sequence[dict[int, Logprob] | None] | None,
+    ) -> None:
+        tokenizer = self.state.engine.tokenizer
+        for i, token_id in enumerate(token_ids):
+            entry = entries[i] if entries is not None and i < len(entries) else None
+            if entry is None or token_id not in entry:
+                token = tokenizer.decode([token_id]) if tokenizer is not None else ""
+                self.tokens.append(token)
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+            else:
+                token = entry[token_id].decoded_token
+                self.tokens.append(token)
+                self.token_logprobs.append(safe_logprob(entry[token_id].logprob))
+                ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+                self.top_logprobs.append(
+                    {lp.decoded_token: safe_logprob(lp.logprob) for lp in ranked}
+                )
+            self.text_offset.append(self.offset)
+            self.offset += len(token)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+async def _stream(
+    state: ServerState,
+    req: CompletionRequest,
+    request_id: str,
+    queued,
+    writer: _ChoiceWriter,
+) -> AsyncIterator[str]:
+    base = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created(),
+        "model": state.model_name,
+    }
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for prompt_index, output in iterate_all(queued):
+            for choice in writer.delta_choices(prompt_index, output):
+                yield sse({**base, "choices": [choice]})
+            if output.finished:
+                finals[prompt_index] = output
+        if req.stream_options is not None and req.stream_options.include_usage:
+            counts = usage([finals[i] for i in sorted(finals)])
+            if writer.echo_only:
+                counts["completion_tokens"] = 0
+                counts["total_tokens"] = counts["prompt_tokens"]
+            yield sse({**base, "choices": [], "usage": counts})
+    except Exception as e:  # the engine died mid-stream: tell the client in-band
+        yield sse_error(e)
+    yield SSE_DONE

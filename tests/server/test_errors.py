@@ -1,0 +1,198 @@
+"""Every client error gets its status and the OpenAI error shape, and the server answers the next
+request normally."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.util import client, metric
+
+GOOD = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None, fragment: str = ""):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert fragment in body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body["error"]
+
+
+def _assert_healthy(server) -> None:
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    r = httpx.post(f"{server.v1}/completions", json=GOOD, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(" Paris")
+
+
+LONG = list(range(1000, 1000 + MAX_MODEL_LEN + 10))  # token ids: a prompt longer than the context
+
+BAD_COMPLETIONS = [
+    pytest.param({**GOOD, "temperature": -1}, 400, "temperature", "temperature", id="temperature"),
+    pytest.param({**GOOD, "top_p": 0}, 400, "top_p", "top_p", id="top_p"),
+    pytest.param({**GOOD, "n": 0}, 400, "n", "n must be", id="n"),
+    pytest.param({**GOOD, "n": "two"}, 400, "n", "integer", id="n-type"),
+    pytest.param({**GOOD, "logprobs": 21}, 400, "logprobs", "logprobs", id="logprobs"),
+    pytest.param({**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens", id="max_tokens-0"),
+    pytest.param(
+        {**GOOD, "max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+        f"maximum context length is {MAX_MODEL_LEN} tokens",
+        id="max_tokens-too-many",
+    ),
+    pytest.param(
+        {**GOOD, "prompt": LONG},
+        400,
+        None,
+        f"prompt has {len(LONG)} tokens but max_model_len is {MAX_MODEL_LEN}",
+        id="prompt-too-long",
+    ),
+    pytest.param({**GOOD, "prompt": [60000]}, 400, None, "outside the vocabulary", id="token-id"),
+    pytest.param({**GOOD, "prompt": []}, 400, "prompt", "empty", id="empty-list"),
+    pytest.param({**GOOD, "prompt": ""}, 400, None, "empty", id="empty-string"),
+    pytest.param({"max_tokens": 3}, 400, "prompt", "prompt", id="missing-prompt"),
+    pytest.param({**GOOD, "stop": [""]}, 400, "stop", "stop", id="empty-stop"),
+    pytest.param({**GOOD, "suffix": "x"}, 400, "suffix", "suffix", id="suffix"),
+    pytest.param({**GOOD, "logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias", id="bias"),
+    pytest.param({**GOOD, "model": "gpt-4"}, 404, "model", "gpt-4", id="unknown-model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "fragment"), BAD_COMPLETIONS)
+def test_completion_errors(server, body, status, param, fragment):
+    err = _assert_error(
+        httpx.post(f"{server.v1}/completions", json=body, timeout=30), status, param, fragment
+    )
+    assert err["type"] == "invalid_request_error"
+    if status == 404:
+        assert err["code"] == "model_not_found"
+    _assert_healthy(server)
+
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD_CHAT = [
+    pytest.param({"messages": []}, "messages", id="no-messages"),
+    pytest.param({"messages": [{"role": "wizard", "content": "hi"}]}, "role", id="role"),
+    pytest.param(
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "only 'text' parts",
+        id="image-part",
+    ),
+    pytest.param({"messages": MSG, "top_logprobs": 2}, "logprobs=true", id="top-logprobs"),
+    pytest.param({"messages": MSG, "tools": [{"type": "function"}]}, "tools", id="tools"),
+    pytest.param(
+        {"messages": MSG, "response_format": {"type": "json_object"}},
+        "response_format",
+        id="json-mode",
+    ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]},
+        f"max_model_len is {MAX_MODEL_LEN}",
+        id="too-long",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "fragment"), BAD_CHAT)
+def test_chat_errors(server, body, fragment):
+    _assert_error(
+        httpx.post(f"{server.v1}/chat/completions", json=body, timeout=30), 400, None, fragment
+    )
+    _assert_healthy(server)
+
+
+def test_malformed_json_and_unknown_routes(server):
+    r = httpx.post(
+        f"{server.v1}/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    _assert_error(r, 400, None, "not valid JSON")
+    _assert_error(httpx.get(f"{server.v1}/nothing-here"), 404)
+    _assert_error(httpx.get(f"{server.v1}/completions"), 405)
+    _assert_error(httpx.get(f"{server.v1}/models/gpt-4"), 404, "model", "gpt-4")
+    _assert_healthy(server)
+
+
+def test_openai_client_raises_typed_errors(server):
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="nope", prompt="hi")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="smollm2-135m-instruct", prompt="hi", temperature=-2)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_api_key_is_required_on_v1(limited_server):
+    s = limited_server
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": s.api_key}):
+        err = _assert_error(
+            httpx.post(f"{s.v1}/completions", json=GOOD, headers=headers), 401, None, "API key"
+        )
+        assert err["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=s.v1, api_key="wrong", max_retries=0).models.list()
+    # The key opens /v1; /health and /metrics stay open for probes and scrapers.
+    models = client(s).models.list()
+    assert [m.id for m in models.data] == ["smol", "smol-alias"]
+    assert httpx.get(f"{s.base_url}/metrics").status_code == 200
+    r = client(s).completions.create(
+        model="smol-alias", prompt="The capital of France is", max_tokens=3, temperature=0
+    )
+    assert r.model == "smol"
+    _assert_healthy(s)
+
+
+def test_full_waiting_queue_gives_503(limited_server):
+    """max_num_seqs=1 and max_queue_len=1: one request runs, one waits, the third is refused."""
+    s = limited_server
+    headers = {"Authorization": f"Bearer {s.api_key}"}
+    long_body = {
+        "prompt": "Count:",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    waiter_status: list[int] = []
+    with httpx.Client(headers=headers, timeout=120) as http:
+        with http.stream("POST", f"{s.v1}/completions", json=long_body) as running:
+            assert running.status_code == 200
+            next(running.iter_lines())  # the first request holds the only batch slot
+
+            def wait_in_queue() -> None:
+                r = httpx.post(
+                    f"{s.v1}/completions",
+                    json={**long_body, "stream": False, "max_tokens": 2},
+                    headers=headers,
+                    timeout=120,
+                )
+                waiter_status.append(r.status_code)
+
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while metric(s, "pagedserve_num_requests_waiting") < 1:
+                assert time.monotonic() < deadline, "second request never queued"
+                time.sleep(0.02)
+            err = _assert_error(
+                http.post(f"{s.v1}/completions", json={**GOOD}), 503, None, "queue is full"
+            )
+            assert err["code"] == "queue_full"
+        # Closing the first stream aborts it; the queued request then runs and succeeds.
+        waiter.join(timeout=60)
+    assert waiter_status == [200]
+    _assert_healthy(s)
