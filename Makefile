@@ -7,6 +7,7 @@ STAMP := $(VENV)/.pagedserve-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+SERVE_ARGS ?=
 
 .PHONY: install test test-slow serve lint bench clean
 
@@ -26,7 +27,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 serve: $(STAMP)
-	$(VENV)/bin/pagedserve generate --chat --max-tokens 64 --prompt "What is the capital of France?"
+	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

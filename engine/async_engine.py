@@ -103,8 +103,8 @@ class AsyncEngine:
     """Serves many concurrent `generate` calls from one LLMEngine running on a thread."""
 
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
-        if max_queue_len is not None and max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0 or None, got {max_queue_len}")
+        if max_queue_len is not None and max_queue_len < 1:
+            raise ValueError(f"max_queue_len must be >= 1 or None (no limit), got {max_queue_len}")
         self.engine = engine
         self.max_queue_len = max_queue_len
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -227,8 +227,9 @@ class AsyncEngine:
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     self._num_steps += 1
-                self._deliver(outputs)
+                # Stats first: a consumer woken by its output must see the state after the step.
                 self.stats = self._collect_stats()
+                self._deliver(outputs)
         except BaseException as e:  # a bug or an out-of-memory: fail every request, go dead
             logger.exception("engine loop stopped")
             self._error = e
@@ -237,10 +238,7 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.finished = True
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-            except RuntimeError:  # that event loop is already closed
-                pass
+            _post(stream.loop, stream.queue.put_nowait, error)
         self._streams.clear()
 
     def _add(self, request_id, prompt, prompt_token_ids, params, arrival_time, stream) -> None:
@@ -256,7 +254,7 @@ class AsyncEngine:
             )
         except ValueError as e:
             self._finish(request_id, stream)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            _post(stream.loop, stream.queue.put_nowait, e)
             return
         self._streams[request_id] = stream
 
@@ -266,7 +264,7 @@ class AsyncEngine:
         if stream is not None:
             self._finish(request_id, stream)
             if output is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+                _post(stream.loop, stream.queue.put_nowait, output)
 
     def _finish(self, request_id: str, stream: RequestStream) -> None:
         stream.finished = True
@@ -285,7 +283,7 @@ class AsyncEngine:
                 self._finish(output.request_id, stream)
             batches.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in batches.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            _post(loop, _put_all, items)
 
     def _collect_stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
@@ -303,6 +301,15 @@ class AsyncEngine:
 
     def _dead_message(self) -> str:
         return f"the engine loop has stopped ({self._error!r}); restart the server"
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run `callback(*args)` on `loop`'s thread. A consumer whose event loop has already closed
+    (its caller went away) simply misses the item: the engine must not die of it."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

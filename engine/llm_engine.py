@@ -23,6 +23,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.model_source import ModelSource, resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampler import TokenLogprobs
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.weights import load_weights
 from scheduler import (
@@ -58,8 +59,15 @@ class _Parent:
     arrival_time: float
     samples: list[_Sample] = field(default_factory=list)
     first_token_time: float | None = None
+    # With params.prompt_logprobs: one entry per prompt position (position 0 stays None), filled
+    # as sample 0's prefill chunks are scored; a position scored again in a recompute after
+    # preemption keeps its first entry. Complete once num_prompt_logprobs == len(prompt) - 1.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logprobs: int = 0
 
     def snapshot(self, finished: bool) -> RequestOutput:
+        # Final once complete, so every snapshot shares the one list (like prompt_token_ids).
+        prompt_logprobs_done = self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
         outputs = [
             CompletionOutput(
                 index=s.output.index,
@@ -81,6 +89,7 @@ class _Parent:
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finished_time=time.time() if finished else None,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs_done else None,
         )
 
 
@@ -209,12 +218,19 @@ class LLMEngine:
         parent = _Parent(
             request_id, prompt_text, prompt_token_ids, params, arrival_time or time.time()
         )
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
         for k in range(params.n):
             # Sample k of a seeded request gets seed + k, so the n samples differ but reproduce.
             child_params = (
                 params if params.seed is None or k == 0 else params.clone(seed=params.seed + k)
             )
-            child_params = child_params.clone(n=1) if params.n > 1 else child_params
+            if params.n > 1:
+                # The samples share the prompt: sample 0 alone scores it (and skips the prefix
+                # cache for it); the others may reuse its cached blocks.
+                child_params = child_params.clone(
+                    n=1, prompt_logprobs=params.prompt_logprobs if k == 0 else None
+                )
             child_id = _child_id(request_id, k)
             detok = None
             if self.tokenizer is not None:
@@ -269,6 +285,12 @@ class LLMEngine:
         if not sched_out.scheduled:
             return []
         runner_out = self.runner.execute(sched_out, self.scheduler.requests)
+        # Before the deltas: a sample's first token comes in the step that scores its last prompt
+        # chunk, and that snapshot must carry the complete prompt logprobs.
+        for child_id, (first_position, entries) in runner_out.prompt_logprobs.items():
+            sample = self._samples.get(child_id)
+            if sample is not None:
+                self._record_prompt_logprobs(sample.parent, first_position, entries)
         deltas = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         now = time.time()
         touched: dict[str, _Parent] = {}
@@ -300,13 +322,8 @@ class LLMEngine:
         params = sample.parent.params
         out.token_ids.extend(delta.new_token_ids)
         if logprobs is not None and out.logprobs is not None:
-            chosen_lp, rank, top = logprobs
-            token = delta.new_token_ids[-1]
-            entry = {token: Logprob(chosen_lp, rank, self._decode_one(token))}
-            for rank_k, (tid, lp) in enumerate(top, start=1):
-                entry.setdefault(tid, Logprob(lp, rank_k, self._decode_one(tid)))
-            out.logprobs.append(entry)
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + chosen_lp
+            out.logprobs.append(self._logprob_entry(delta.new_token_ids[-1], logprobs))
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs[0]
 
         if delta.finished:
             out.finish_reason = delta.finish_reason
@@ -333,6 +350,25 @@ class LLMEngine:
             elif not out.finished:
                 visible_end -= stop_holdback(sample.full_text, params.stop)
         out.text = sample.full_text[: max(visible_end, len(out.text))]
+
+    def _record_prompt_logprobs(
+        self, parent: _Parent, first_position: int, entries: list[TokenLogprobs]
+    ) -> None:
+        table = parent.prompt_logprobs
+        if table is None:
+            return
+        for position, logprobs in enumerate(entries, start=first_position):
+            if table[position] is None:
+                table[position] = self._logprob_entry(parent.prompt_token_ids[position], logprobs)
+                parent.num_prompt_logprobs += 1
+
+    def _logprob_entry(self, token_id: int, logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        """The token with its rank, then the top-k with ranks 1..k (the token may be among them)."""
+        chosen_lp, rank, top = logprobs
+        entry = {token_id: Logprob(chosen_lp, rank, self._decode_one(token_id))}
+        for rank_k, (tid, lp) in enumerate(top, start=1):
+            entry.setdefault(tid, Logprob(lp, rank_k, self._decode_one(tid)))
+        return entry
 
     def _release(self, parent: _Parent) -> None:
         self._parents.pop(parent.request_id, None)

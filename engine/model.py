@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole model. forward() returns hidden states of every token; compute_logits() projects
-    only the rows the sampler needs (one per sequence that samples this step)."""
+    only the rows the sampler needs (one per sequence that samples this step) and, for requests
+    that asked for prompt logprobs, the rows of the prompt positions they score."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()

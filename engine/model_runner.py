@@ -7,13 +7,13 @@ does) and never mutates requests (update_from_output does).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.model import KVCache, LlamaForCausalLM
-from engine.sampler import Sampler, SamplingRow, needs_history
+from engine.sampler import Sampler, SamplingRow, TokenLogprobs, needs_history, token_logprobs
 from scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
@@ -21,6 +21,9 @@ from scheduler import Request, ScheduledRequest, SchedulerOutput
 class RunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
+    # Per request that scored prompt tokens this step (ScheduledRequest.prompt_logprob_token_ids):
+    # (prompt position of the first entry, one entry per prompt position from there on).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampling_seqs] rows of the hidden states to sample from
     sampling_request_ids: list[str]
+    # Rows scored for prompt logprobs: each asking request's first len(prompt_logprob_token_ids)
+    # rows, in scheduling order (empty when nobody asked: lm_head then runs on sampled rows only).
+    prompt_logprob_indices: torch.Tensor  # [num_prompt_logprob_rows]
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
@@ -62,6 +68,14 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     )
     sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
     logits_indices = query_start_loc[1:][sample_rows] - 1
+    prompt_rows = [
+        query_start_loc[i] + torch.arange(len(s.prompt_logprob_token_ids))
+        for i, s in enumerate(scheduled)
+        if s.prompt_logprob_token_ids
+    ]
+    prompt_logprob_indices = (
+        torch.cat(prompt_rows) if prompt_rows else torch.empty(0, dtype=torch.long)
+    )
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         block_tables=block_tables.to(device),
@@ -74,6 +88,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         meta=meta,
         logits_indices=logits_indices.to(device),
         sampling_request_ids=[scheduled[i].request_id for i in sample_rows],
+        prompt_logprob_indices=prompt_logprob_indices.to(device),
     )
 
 
@@ -98,8 +113,9 @@ class ModelRunner:
             return RunnerOutput({}, {})
         inputs = prepare_inputs(out, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_logprobs = self._prompt_logprobs(out, hidden, inputs.prompt_logprob_indices)
         if not inputs.sampling_request_ids:
-            return RunnerOutput({}, {})  # only partial prefill chunks this step
+            return RunnerOutput({}, {}, prompt_logprobs)  # only partial prefill chunks this step
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[rid], requests.get(rid)) for rid in inputs.sampling_request_ids]
@@ -107,7 +123,30 @@ class ModelRunner:
         ids = inputs.sampling_request_ids
         sampled = dict(zip(ids, result.token_ids, strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor, indices: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Score the prompt tokens the scheduler asked for, one lm_head over just their rows."""
+        asking = [s for s in out.scheduled if s.prompt_logprob_token_ids]
+        if not asking:
+            return {}
+        logits = self.model.compute_logits(hidden[indices])
+        target_ids = [t for s in asking for t in s.prompt_logprob_token_ids]
+        ks = [
+            s.sampling_params.prompt_logprobs or 0
+            for s in asking
+            for _ in s.prompt_logprob_token_ids
+        ]
+        entries = token_logprobs(logits, torch.tensor(target_ids, device=logits.device), ks)
+        result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        offset = 0
+        for s in asking:
+            num = len(s.prompt_logprob_token_ids)
+            result[s.request_id] = (s.start_position + 1, entries[offset : offset + num])
+            offset += num
+        return result
 
 
 def _sampling_row(scheduled: ScheduledRequest, request: Request | None) -> SamplingRow:

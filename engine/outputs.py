@@ -40,3 +40,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # When SamplingParams.prompt_logprobs is set: one entry per prompt token, None for the first
+    # (nothing predicts it), else that token + the top-k like CompletionOutput.logprobs. Shared by
+    # the n samples; present and complete from the first snapshot with output tokens on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

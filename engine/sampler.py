@@ -15,6 +15,9 @@ from scheduler import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct generator seeds
 
+# One position: (token logprob, token rank (1 = most likely), [(token id, logprob)] top-k)
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+
 
 @dataclass(frozen=True)
 class SamplingRow:
@@ -173,6 +176,36 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+) -> list[TokenLogprobs]:
+    """Logprob and rank of `token_ids[i]` under row i of `logits` [rows, vocab], plus the row's
+    `ks[i]` most likely tokens (prompt logprobs: the tokens are given, not sampled).
+
+    The same numbers as a sampled token's logprobs: log_softmax of the float32 logits, before any
+    penalty or temperature, rank = 1 + number of strictly more likely tokens. Computed on the
+    logits' device; only [rows, max k] values travel to the host.
+    """
+    if logits.shape[0] != token_ids.shape[0] or logits.shape[0] != len(ks):
+        raise ValueError(
+            f"{logits.shape[0]} rows of logits for {token_ids.shape[0]} token ids and {len(ks)} ks"
+        )
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = logprobs.topk(min(max(ks, default=0), logprobs.shape[1]), dim=-1)
+    chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
+    top_vals_list, top_ids_list = top_vals.tolist(), top_ids.tolist()
+    return [
+        (
+            chosen_list[i],
+            rank_list[i],
+            list(zip(top_ids_list[i][:k], top_vals_list[i][:k], strict=True)),
+        )
+        for i, k in enumerate(ks)
+    ]
 
 
 def _logprobs_of(

@@ -27,6 +27,18 @@ class ScheduledRequest:
     # next token from the last position; False for a non-final chunk of a chunked prefill.
     sample: bool
     num_output_tokens: int  # generated so far (lets the runner derive per-position seeds)
+    # Prompt logprobs (sampling_params.prompt_logprobs set): the hidden state of token_ids[j]
+    # predicts prompt_logprob_token_ids[j], the prompt token at position start_position + j + 1,
+    # so a chunk yields the entries of positions start_position + 1 onwards, one per id:
+    #
+    #     position     s     s+1   ...  e-1  |  e      (e = start_position + len(token_ids))
+    #     token_ids    t_s   t_s+1 ...  t_e-1 |
+    #     predicts     t_s+1 t_s+2 ...  t_e   |         (t_e: the next chunk's first token)
+    #
+    # Cut at the prompt's end (the last prompt position predicts the first output token, which
+    # is sampled, not scored), and empty once the request has an output token: all prompt
+    # positions were scored before it was sampled, so a recompute after preemption skips them.
+    prompt_logprob_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

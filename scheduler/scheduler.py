@@ -124,8 +124,13 @@ class Scheduler:
                 self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting[0]
-                computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(
-                    request
+                # Prompt logprobs need the logits of every prompt position, but cached tokens
+                # skip the forward pass: such a request never reads the prefix cache (as in
+                # vLLM v1). Its own full blocks are still cached for later requests.
+                computed_blocks, num_cached_tokens = (
+                    self.kv_cache_manager.get_computed_blocks(request)
+                    if request.sampling_params.prompt_logprobs is None
+                    else ([], 0)
                 )
                 num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
                 new_block_ids = self.kv_cache_manager.allocate_slots(
@@ -154,6 +159,11 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         request.num_computed_tokens = end
+        prompt_logprob_token_ids: tuple[int, ...] = ()
+        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
+            prompt_logprob_token_ids = tuple(
+                request.prompt_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1) + 1]
+            )
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),
@@ -162,6 +172,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             sample=end == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
+            prompt_logprob_token_ids=prompt_logprob_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

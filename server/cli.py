@@ -106,8 +106,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from engine.engine_config import EngineConfig
     from server.api_server import run_server
 
-    if args.max_queue_len is not None and args.max_queue_len < 0:
-        raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     run_server(
         EngineConfig(**_engine_kwargs(args)),
         host=args.host,

@@ -110,6 +110,23 @@ def test_logprobs_describe_the_unpenalised_distribution():
     assert top == []
 
 
+def test_token_logprobs_score_given_tokens_with_per_row_k():
+    from engine.sampler import token_logprobs
+
+    # Row 0 scores a mid-ranked token with k = 2; row 1 its top token with k = 0. Shifted logits
+    # (not log-probabilities) check that the values are normalised.
+    logits = torch.cat([_logits([0.5, 0.25, 0.125, 0.125]), _logits([0.1, 0.2, 0.3, 0.4]) + 3.0])
+    out = token_logprobs(logits, torch.tensor([2, 3]), [2, 0])
+    (lp0, rank0, top0), (lp1, rank1, top1) = out
+    assert (rank0, rank1) == (3, 1)
+    assert [lp0, lp1] == pytest.approx([math.log(0.125), math.log(0.4)])
+    assert [t for t, _ in top0] == [0, 1]
+    assert [lp for _, lp in top0] == pytest.approx([math.log(0.5), math.log(0.25)])
+    assert top1 == []
+    with pytest.raises(ValueError, match="2 rows of logits for 1 token ids and 2 ks"):
+        token_logprobs(logits, torch.tensor([0]), [1, 1])
+
+
 def test_inverse_cdf_sample_picks_exact_tokens():
     from engine.sampler import inverse_cdf_sample
 

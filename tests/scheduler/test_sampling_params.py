@@ -26,6 +26,7 @@ def test_defaults() -> None:
         0.0,  # frequency_penalty
         1.0,  # repetition_penalty
         None,  # logprobs
+        None,  # prompt_logprobs
         True,  # skip_special_tokens
         False,  # include_stop_str_in_output
     )
@@ -63,6 +64,9 @@ def test_defaults() -> None:
         ("logprobs", -1, "logprobs must be None or an int in [0, 20], got -1"),
         ("logprobs", 21, "logprobs must be None or an int in [0, 20], got 21"),
         ("logprobs", True, "logprobs must be None or an int in [0, 20], got True"),
+        ("prompt_logprobs", -1, "prompt_logprobs must be None or an int in [0, 20], got -1"),
+        ("prompt_logprobs", 21, "prompt_logprobs must be None or an int in [0, 20], got 21"),
+        ("prompt_logprobs", 2.0, "prompt_logprobs must be None or an int in [0, 20], got 2.0"),
         ("stop", "", "stop must contain only non-empty strings, got ''"),
         ("stop", ["ok", ""], "stop must contain only non-empty strings, got ''"),
         ("stop", [1], "stop must contain only non-empty strings, got 1"),
@@ -98,6 +102,8 @@ def test_invalid_value_raises_naming_field_and_value(
         ("repetition_penalty", 1e-6),
         ("logprobs", 0),
         ("logprobs", 20),
+        ("prompt_logprobs", 0),
+        ("prompt_logprobs", 20),
         ("seed", -5),
     ],
 )

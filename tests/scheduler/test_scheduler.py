@@ -264,6 +264,54 @@ def test_prefix_cache_hit_skips_cached_blocks() -> None:
     assert_no_block_in_use(scheduler)
 
 
+def test_prompt_logprobs_request_skips_prefix_cache_hits() -> None:
+    """Cached tokens would skip the forward pass and so their logits: a request that scores its
+    prompt recomputes it all, while a plain request with the same prompt still takes the hit."""
+    scheduler = make_scheduler()
+    add(scheduler, "first", range(1, 11), max_tokens=1)
+    scheduler.update_from_output(scheduler.schedule(), {"first": 42})
+    assert free_list(scheduler) == [3, 4, 5, 6, 7, 2, 1, 0]
+    add(scheduler, "scored", range(1, 11), prompt_logprobs=0)
+    output = scheduler.schedule()
+    assert [view(item) for item in output.scheduled] == [
+        ("scored", tuple(range(1, 11)), 0, (3, 4, 5), True),
+    ]
+    assert output.scheduled[0].prompt_logprob_token_ids == tuple(range(2, 11))
+    kv = scheduler.kv_cache_manager
+    assert (kv.num_prefix_cache_queries_tokens, kv.num_prefix_cache_hits_tokens) == (20, 0)
+    add(scheduler, "plain", range(1, 11))
+    output = scheduler.schedule()
+    assert [view(item) for item in output.scheduled] == [
+        ("plain", (9, 10), 8, (0, 1, 6), True),
+    ]
+    assert output.scheduled[0].prompt_logprob_token_ids == ()
+    assert (kv.num_prefix_cache_queries_tokens, kv.num_prefix_cache_hits_tokens) == (30, 8)
+    scheduler.abort("scored")
+    scheduler.abort("plain")
+    assert_no_block_in_use(scheduler)
+
+
+def test_prompt_logprob_token_ids_follow_the_chunks() -> None:
+    """Each chunk scores the prompt tokens its positions predict, the first token of the next
+    chunk included; the last prompt position predicts a sampled token and is not scored."""
+    scheduler = make_scheduler(max_num_batched_tokens=5)
+    add(scheduler, "r", range(10, 23), prompt_logprobs=2)  # 13 prompt tokens
+    chunks = []
+    for token in (None, None, 77, 78):
+        output = scheduler.schedule()
+        (item,) = output.scheduled
+        chunks.append((item.start_position, item.token_ids, item.prompt_logprob_token_ids))
+        scheduler.update_from_output(output, {} if token is None else {"r": token})
+    assert chunks == [
+        (0, tuple(range(10, 15)), tuple(range(11, 16))),
+        (5, tuple(range(15, 20)), tuple(range(16, 21))),
+        (10, (20, 21, 22), (21, 22)),
+        (13, (77,), ()),
+    ]
+    scheduler.abort("r")
+    assert_no_block_in_use(scheduler)
+
+
 def test_prefix_caching_disabled_recomputes_everything() -> None:
     scheduler = make_scheduler(enable_prefix_caching=False)
     add(scheduler, "first", range(1, 11), max_tokens=1)
