@@ -16,6 +16,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_large_allocations_in_heap
+from engine.cpu_linear import can_pack
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCachePlan, allocate_kv_caches, plan_kv_cache
@@ -163,6 +164,8 @@ class LLMEngine:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(load_weights(self.source, self.config.load_format))
+        if can_pack(self.device, self.dtype):
+            model.pack_linear_weights()
         return model.eval()
 
     # ---- requests --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch import nn
 import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
+from engine.cpu_linear import linear, pack
 from engine.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) for the step's positions, [N, 1, head_dim]
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         # Rotate q and k heads together: [N, Hq + Hkv, D] is a view of qkv's first columns.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, -1)
         qk = apply_rotary(qk, *rope)
@@ -82,7 +83,7 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
         )
-        return F.linear(out.reshape(n, self.q_size), self.o_proj)
+        return linear(out.reshape(n, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -93,8 +94,8 @@ class MLP(nn.Module):
         self.down_proj = _empty(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate).mul_(up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -149,7 +150,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
+
+    def pack_linear_weights(self) -> None:
+        """Pre-pack every matmul weight for oneDNN (bf16 on CPU; see engine/cpu_linear.py)."""
+        for layer in self.layers:
+            for weight in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                pack(weight)
+        pack(self.embed_tokens if self.lm_head is None else self.lm_head)
 
     # ---- weights -------------------------------------------------------------------------------
 

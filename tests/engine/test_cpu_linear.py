@@ -1,0 +1,64 @@
+"""oneDNN-packed bf16 linears on CPU: same results as F.linear, used by the bf16 CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.cpu_linear import can_pack, is_packed, linear, pack, unpack
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.bfloat16),
+    reason="this CPU's oneDNN has no bfloat16 kernels; the engine uses F.linear there",
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    w = torch.nn.Parameter(torch.randn(96, 64, dtype=torch.bfloat16), requires_grad=False)
+    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    expected = F.linear(x, w, b)
+    pack(w)
+    assert is_packed(w)
+    got = linear(x, w, b)
+    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
+    # Both accumulate in fp32 and round once to bf16; the order may differ by one bf16 ulp.
+    torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)
+    # float32 inputs (e.g. a reference path) fall back to F.linear on the plain weight.
+    x32 = x.float()
+    torch.testing.assert_close(linear(x32, w.float()), F.linear(x32, w.float()))
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="2-D bfloat16 CPU"):
+        pack(torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False))
+    assert not can_pack(torch.device("cpu"), torch.float32)
+    assert not can_pack(torch.device("meta"), torch.bfloat16)
+
+
+def test_bf16_engine_packs_and_generates_like_unpacked(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", num_kv_blocks=64)
+    model = llm.engine.model
+    assert all(is_packed(layer.mlp.down_proj) for layer in model.layers)
+    assert is_packed(model.lm_head)
+    prompts = [[5, 9, 13, 2 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    packed_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for layer in model.layers:  # drop the packed copies: plain F.linear from here on
+        for w in (attn := layer.self_attn).qkv_proj, attn.o_proj, *_mlp(layer):
+            unpack(w)
+    unpack(model.lm_head)
+    assert not is_packed(model.layers[0].mlp.down_proj)
+    plain_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert packed_out == plain_out
+    fp32 = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    assert not is_packed(fp32.engine.model.layers[0].mlp.down_proj)
+
+
+def _mlp(layer):
+    return layer.mlp.gate_up_proj, layer.mlp.down_proj
