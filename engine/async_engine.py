@@ -1,16 +1,21 @@
-"""AsyncEngine: the LLMEngine step loop on a background thread, fed from asyncio.
+"""AsyncEngine: the LLMEngine step loop, fed from asyncio running on another thread.
 
-    event loop (HTTP handlers)                 engine thread
-    ──────────────────────────                 ─────────────
-    generate(): validate, put ("add", ...) ──> drain commands ─> LLMEngine.add_request / abort
-                await own asyncio.Queue   <──  LLMEngine.step() ─> snapshots, one
-                                               call_soon_threadsafe per step for all of them
+    event loop thread (HTTP handlers)          engine loop thread (`run`)
+    ─────────────────────────────────          ──────────────────────────
+    add_request(): validate, put ("add", ...) ──> drain commands ─> LLMEngine.add_request / abort
+    iterate the RequestStream (asyncio.Queue) <── LLMEngine.step() ─> snapshots, one
+                                                  call_soon_threadsafe per step for all of them
 
-Why a thread and not a process: the model's matmuls release the GIL, so the HTTP side runs while
-the engine computes, and a thread hands RequestOutput objects over without pickling. The engine
-is the only thing that touches LLMEngine (it is not thread-safe); handlers only read immutable
-things (the tokenizer, the config) and the stats snapshot the thread publishes after every
-iteration.
+Why threads and not processes: the model's matmuls release the GIL, so the HTTP side runs while
+the engine computes, and a thread hands RequestOutput objects over without pickling. Measured
+with `bench.compare_serve`, the HTTP path keeps ~90% of the offline throughput at the same batch
+size (BENCHMARKS.md). `pagedserve serve` runs the engine loop on the *main* thread and uvicorn
+on a second one: on CPU, OpenMP regions started from a non-main thread ran 20-40% slower on the
+development VM (a decode step of 16 sequences: 46 ms on the main thread, 75-105 ms on another).
+`start()` runs the loop on a background thread instead, for tests and embedding.
+
+Only the loop touches LLMEngine (it is not thread-safe); handlers only read immutable things (the
+tokenizer, the config) and the stats snapshot the loop publishes after every iteration.
 
 A request whose consumer goes away (client disconnect, cancelled task) is aborted: the abort is
 queued and the engine thread frees its blocks before its next step.
@@ -22,6 +27,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +58,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_steps: int = 0
+    step_seconds: float = 0.0  # total time spent in LLMEngine.step()
 
     @property
     def kv_usage(self) -> float:
@@ -112,9 +119,11 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _num_queued_adds and _ids_in_use
         self._num_queued_adds = 0
         self._ids_in_use: set[str] = set()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # set by start()
+        self._running = False  # the loop is running (in whichever thread)
         self._error: BaseException | None = None
         self._num_steps = 0
+        self._step_seconds = 0.0
         self.stats = self._collect_stats()
 
     # ---- what handlers may read ------------------------------------------------------------------
@@ -135,7 +144,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._running and self._error is None
 
     @property
     def error(self) -> BaseException | None:
@@ -143,18 +152,39 @@ class AsyncEngine:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
+    def run(self) -> None:
+        """Run the loop in the calling thread until `shutdown()` (or an engine failure)."""
+        if self._running:
+            raise RuntimeError("AsyncEngine is already running")
+        self._running = True
+        try:
+            self._loop()
+        finally:
+            self._running = False
+
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("AsyncEngine already started")
-        self._thread = threading.Thread(target=self._loop, name="pagedserve-engine", daemon=True)
+        """Run the loop on a background thread; returns once it accepts requests."""
+        if self._running or self._thread is not None:
+            raise RuntimeError("AsyncEngine is already running")
+        self._running = True  # before the thread starts, so requests are accepted at once
+        self._thread = threading.Thread(target=self._run_started, name="pagedserve-engine")
+        self._thread.daemon = True
         self._thread.start()
 
+    def _run_started(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._running = False
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self._thread is None:
-            return
-        self._commands.put(("stop", _STOP))
-        self._thread.join(timeout)
-        self._thread = None
+        """Stop the loop (requests in flight end with EngineDeadError); wait for start()'s
+        thread. Safe to call from any thread, more than once."""
+        if self._running:
+            self._commands.put(("stop", _STOP))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -225,11 +255,16 @@ class AsyncEngine:
                 self.stats = self._collect_stats()  # aborts show in /metrics before the step
                 outputs = []
                 if engine.has_unfinished_requests():
+                    start = time.perf_counter()
                     outputs = engine.step()
+                    self._step_seconds += time.perf_counter() - start
                     self._num_steps += 1
                 # Stats first: a consumer woken by its output must see the state after the step.
                 self.stats = self._collect_stats()
                 self._deliver(outputs)
+        except KeyboardInterrupt:  # Ctrl-C while the loop runs on the main thread
+            self._fail_all(EngineDeadError("the server is shutting down"))
+            raise
         except BaseException as e:  # a bug or an out-of-memory: fail every request, go dead
             logger.exception("engine loop stopped")
             self._error = e
@@ -297,6 +332,7 @@ class AsyncEngine:
             prefix_cache_queries=kv.num_prefix_cache_queries_tokens,
             prefix_cache_hits=kv.num_prefix_cache_hits_tokens,
             num_steps=self._num_steps,
+            step_seconds=self._step_seconds,
         )
 
     def _dead_message(self) -> str:

@@ -42,9 +42,11 @@ def build_app(
     served_model_names: tuple[str, ...] | list[str],
     model_root: str,
     api_key: str | None = None,
+    manage_engine: bool = True,
 ) -> FastAPI:
-    """An app serving `engine`; it starts the engine thread on startup and stops it on shutdown
-    (unless the engine was already started by the caller)."""
+    """An app serving `engine`. With manage_engine, the app starts the engine loop on a
+    background thread at startup and stops it at shutdown; otherwise the caller runs the loop
+    (`pagedserve serve` runs it on the main thread)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
@@ -58,7 +60,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        started_here = not engine.is_running
+        started_here = manage_engine and not engine.is_running
         if started_here:
             engine.start()
         try:

@@ -53,6 +53,7 @@ class _EngineCollector(Collector):
              s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
             ("engine_steps", "Engine steps run", s.num_steps),
+            ("engine_step_seconds", "Time spent in engine steps", s.step_seconds),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(f"pagedserve_{name}", doc, value=value)
