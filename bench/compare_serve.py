@@ -8,7 +8,8 @@
    batch costs";
 2. online: a `pagedserve serve` process and `pagedserve bench serve` at --max-concurrency.
 
-Every run uses the prompts `bench serve` draws (random token ids, seed 0), greedy sampling,
+The three runs are repeated --repeats times, interleaved, and medians are reported (this VM's
+speed drifts by 10-20% over minutes). Every run uses the prompts `bench serve` draws (random token ids, seed 0), greedy sampling,
 ignore_eos and exactly output-len tokens per request. Each offline run and the server live in
 their own process, so no run inherits another's threads or allocator state.
 """
@@ -16,19 +17,30 @@ their own process, so no run inherits another's threads or allocator state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench import serve as bench_serve
+
+LATENCY_KEYS = (
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+)
 
 
 def _offline_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,13 +82,14 @@ def _common_args(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def _run_online(args: argparse.Namespace) -> dict[str, Any]:
-    port = args.port
+@contextlib.contextmanager
+def _server(args: argparse.Namespace) -> Iterator[str]:
+    """A `pagedserve serve` process for the run; yields its base URL."""
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model]
-    cmd += ["--dtype", args.dtype, "--port", str(port), "--no-access-log"]
+    cmd += ["--dtype", args.dtype, "--port", str(args.port), "--no-access-log"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{args.port}"
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -90,31 +103,31 @@ def _run_online(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy in 300 s")
             time.sleep(0.5)
-        parser = argparse.ArgumentParser()
-        bench_serve.add_arguments(parser)
-        bench_args = parser.parse_args(
-            [
-                "--base-url", base,
-                "--num-prompts", str(args.num_prompts),
-                "--input-len", str(args.input_len),
-                "--output-len", str(args.output_len),
-                "--max-concurrency", str(args.max_concurrency),
-                "--seed", str(args.seed),
-            ]
-            + (["--plot", args.plot] if args.plot else [])
-        )  # fmt: skip
-        # A short warm-up request so one-time costs are not in the timed run (as offline).
-        bench_serve.run(
-            parser.parse_args(["--base-url", base, "--num-prompts", "2", "--output-len", "2"])
-        )
-        return bench_serve.run(bench_args)
+        yield base
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
         os.unlink(log.name)
+
+
+def _run_online(args: argparse.Namespace, base: str, plot: str | None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    bench_args = parser.parse_args(
+        [
+            "--base-url", base,
+            "--num-prompts", str(args.num_prompts),
+            "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len),
+            "--max-concurrency", str(args.max_concurrency),
+            "--seed", str(args.seed),
+        ]
+        + (["--plot", plot] if plot else [])
+    )  # fmt: skip
+    return bench_serve.run(bench_args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="bench serve's PNG for the online run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -136,29 +150,47 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_offline_worker(args)))
         return 0
 
-    offline_all = _run_offline(args, max_num_seqs=256)
-    offline_capped = _run_offline(args, max_num_seqs=args.max_concurrency)
-    online = _run_online(args)
-    keys = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
-    keys += ("median_itl_ms", "p99_itl_ms", "median_e2el_ms")
+    # Interleaved repeats: this machine's speed drifts by 10-20% over minutes, so each ratio
+    # compares runs made back to back, and the medians smooth the drift.
+    runs: list[dict[str, Any]] = []
+    with _server(args) as base:
+        # A short warm-up request so one-time costs are not timed (as offline).
+        parser = argparse.ArgumentParser()
+        bench_serve.add_arguments(parser)
+        bench_serve.run(parser.parse_args(["--base-url", base, "--num-prompts", "2"]))
+        for r in range(args.repeats):
+            offline_all = _run_offline(args, max_num_seqs=256)["output_throughput"]
+            offline_capped = _run_offline(args, max_num_seqs=args.max_concurrency)
+            plot = args.plot if r == args.repeats - 1 else None
+            online = _run_online(args, base, plot)
+            runs.append(
+                {
+                    "offline": offline_all,
+                    "offline_same_batch": offline_capped["output_throughput"],
+                    "online": round(online["output_throughput"], 2),
+                    "online_failed": online["failed"],
+                    **{k: round(online[k], 2) for k in LATENCY_KEYS},
+                }
+            )
+            print(json.dumps(runs[-1]), file=sys.stderr)
+    med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
     result = {
         "model": args.model,
         "dtype": args.dtype,
         "workload": f"{args.num_prompts} x {args.input_len} in / {args.output_len} out",
         "max_concurrency": args.max_concurrency,
-        "offline_output_throughput": offline_all["output_throughput"],
-        f"offline_max_num_seqs_{args.max_concurrency}_output_throughput": offline_capped[
-            "output_throughput"
-        ],
-        "online_output_throughput": round(online["output_throughput"], 2),
-        "online_failed": online["failed"],
-        "ratio_online_to_offline": round(
-            online["output_throughput"] / offline_all["output_throughput"], 3
+        "repeats": args.repeats,
+        "median_offline_output_throughput": med["offline"],
+        "median_offline_same_batch_output_throughput": med["offline_same_batch"],
+        "median_online_output_throughput": med["online"],
+        "median_ratio_online_to_offline": round(
+            statistics.median(run["online"] / run["offline"] for run in runs), 3
         ),
-        "ratio_online_to_offline_same_batch": round(
-            online["output_throughput"] / offline_capped["output_throughput"], 3
+        "median_ratio_online_to_offline_same_batch": round(
+            statistics.median(run["online"] / run["offline_same_batch"] for run in runs), 3
         ),
-        **{k: online[k] for k in keys},
+        **{f"online_{k}": med[k] for k in LATENCY_KEYS},
+        "runs": runs,
     }
     print(json.dumps(result, indent=2))
     if args.json:
