@@ -9,9 +9,10 @@
 2. online: a `pagedserve serve` process and `pagedserve bench serve` at --max-concurrency.
 
 The three runs are repeated --repeats times, interleaved, and medians are reported (this VM's
-speed drifts by 10-20% over minutes). Every run uses the prompts `bench serve` draws (random token ids, seed 0), greedy sampling,
-ignore_eos and exactly output-len tokens per request. Each offline run and the server live in
-their own process, so no run inherits another's threads or allocator state.
+speed drifts by 10-20% over minutes). Every run uses the prompts `bench serve` draws (random
+token ids, seed 0), greedy sampling, ignore_eos and exactly output-len tokens per request.
+Each offline run and the server live in their own process, so no run inherits another's threads
+or allocator state.
 """
 
 from __future__ import annotations
