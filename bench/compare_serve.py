@@ -50,7 +50,8 @@ def _offline_worker(args: argparse.Namespace) -> dict[str, Any]:
     prompts = bench_serve.random_token_ids(args.num_prompts, args.input_len, args.seed)
     llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], params.clone(max_tokens=2))  # warm-up, as bench throughput does
+    # Warm-up on other prompts (reversed), so the timed run gets no prefix-cache hits from it.
+    llm.generate([p[::-1] for p in prompts[:2]], params.clone(max_tokens=2))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -158,14 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         # A short warm-up request so one-time costs are not timed (as offline).
         parser = argparse.ArgumentParser()
         bench_serve.add_arguments(parser)
-        bench_serve.run(parser.parse_args(["--base-url", base, "--num-prompts", "2"]))
+        warm = ["--base-url", base, "--num-prompts", "2", "--seed", "1000000"]
+        bench_serve.run(parser.parse_args(warm))
         for r in range(args.repeats):
-            offline_all = _run_offline(args, max_num_seqs=256)["output_throughput"]
-            offline_capped = _run_offline(args, max_num_seqs=args.max_concurrency)
+            # New prompts each repeat (seed + r): the server keeps its prefix cache between
+            # repeats, and the same prompts again would skip their prefill.
+            rep = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
+            offline_all = _run_offline(rep, max_num_seqs=256)["output_throughput"]
+            offline_capped = _run_offline(rep, max_num_seqs=args.max_concurrency)
             plot = args.plot if r == args.repeats - 1 else None
-            online = _run_online(args, base, plot)
+            online = _run_online(rep, base, plot)
             runs.append(
                 {
+                    "seed": rep.seed,
                     "offline": offline_all,
                     "offline_same_batch": offline_capped["output_throughput"],
                     "online": round(online["output_throughput"], 2),
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(json.dumps(runs[-1]), file=sys.stderr)
-    med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    med = {k: statistics.median(run[k] for run in runs) for k in runs[0] if k != "seed"}
     result = {
         "model": args.model,
         "dtype": args.dtype,

@@ -122,3 +122,35 @@ def test_unknown_model_is_a_clear_error():
     res = _run("generate", "--model", "/no/such/model", "--prompt", "hi", "--device", "cpu")
     assert res.returncode == 2
     assert "error: " in res.stderr and "/no/such/model" in res.stderr
+
+
+def test_serve_refuses_bad_options_before_loading():
+    res = _run("serve", "--max-queue-len", "0", timeout=60)
+    assert res.returncode == 2
+    assert "error: --max-queue-len must be >= 1, got 0" in res.stderr
+    res = _run("serve", "--port", "70000", timeout=60)
+    assert res.returncode == 2
+    assert "error: port must be in [0, 65535], got 70000" in res.stderr
+
+
+def test_serve_on_a_busy_port_is_a_clear_error(tiny_llama_dir):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = _run(
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "128",
+            timeout=120,
+        )
+    assert res.returncode == 2
+    assert f"error: could not serve on 127.0.0.1:{port}" in res.stderr
