@@ -18,7 +18,6 @@ or allocator state.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -26,13 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench import serve as bench_serve
+from bench.server_process import server_process
 
 LATENCY_KEYS = (
     "median_ttft_ms",
@@ -84,37 +81,6 @@ def _common_args(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
-def _server(args: argparse.Namespace) -> Iterator[str]:
-    """A `pagedserve serve` process for the run; yields its base URL."""
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", args.model]
-    cmd += ["--dtype", args.dtype, "--port", str(args.port), "--no-access-log"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{Path(log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in 300 s")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(log.name)
-
-
 def _run_online(args: argparse.Namespace, base: str, plot: str | None) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
@@ -155,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     # Interleaved repeats: this machine's speed drifts by 10-20% over minutes, so each ratio
     # compares runs made back to back, and the medians smooth the drift.
     runs: list[dict[str, Any]] = []
-    with _server(args) as base:
+    serve_args = ["--model", args.model, "--dtype", args.dtype, "--no-access-log"]
+    log = Path(tempfile.gettempdir()) / f"compare_serve_{os.getpid()}.log"
+    with server_process(serve_args, log, port=args.port) as base:
         # A short warm-up request so one-time costs are not timed (as offline).
         parser = argparse.ArgumentParser()
         bench_serve.add_arguments(parser)

@@ -8,19 +8,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
+
+from bench.server_process import server_process
 
 PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
 MAX_MODEL_LEN = 2048
@@ -41,46 +37,13 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def run_server(log_path: Path, *args: str, timeout: float = 180.0) -> Iterator[RunningServer]:
-    """Start `pagedserve serve ARGS` and wait until /health answers 200; stop it afterwards."""
-    port = free_port()
-    log = open(log_path, "w")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(
-        [PAGEDSERVE, "serve", "--port", str(port), "--no-access-log", *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    server = RunningServer(f"http://127.0.0.1:{port}", log_path)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout} s:\n{server.log()}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+def run_server(log_path: Path, *args: str) -> Iterator[RunningServer]:
+    """`pagedserve serve ARGS` (the console script, as a user runs it) on a free port."""
+    with server_process(
+        ["--no-access-log", *args], log_path, command=[PAGEDSERVE], timeout=180
+    ) as base_url:
+        yield RunningServer(base_url, log_path)
 
 
 @pytest.fixture(scope="session")

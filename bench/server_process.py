@@ -1,0 +1,73 @@
+"""A `pagedserve serve` process for benchmarks and end-to-end tests: start it on a free port,
+wait until /health answers, stop it (SIGTERM, then SIGKILL) on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+# `python -m server.cli` is the `pagedserve` console script without needing it on PATH.
+DEFAULT_COMMAND = (sys.executable, "-m", "server.cli")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(
+    serve_args: Sequence[str],
+    log_path: str | Path,
+    *,
+    port: int | None = None,
+    command: Sequence[str] = DEFAULT_COMMAND,
+    timeout: float = 300.0,
+) -> Iterator[str]:
+    """Run `COMMAND serve --port PORT SERVE_ARGS`, its output in `log_path`; yield the base URL
+    (http://127.0.0.1:PORT) once healthy. Raises RuntimeError with the log's tail when the
+    server exits or stays unhealthy for `timeout` seconds."""
+    port = free_port() if port is None else port
+    base = f"http://127.0.0.1:{port}"
+    log_path = Path(log_path)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [*command, "serve", "--port", str(port), *serve_args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy after {timeout} s:\n{_tail(log_path)}")
+                time.sleep(0.2)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:]
