@@ -51,7 +51,7 @@ class EngineStats:
     """What the engine loop publishes after each iteration (read by /metrics)."""
 
     num_running: int = 0
-    num_waiting: int = 0  # scheduler requests (samples) not yet admitted, plus queued adds
+    num_waiting: int = 0  # scheduler requests (samples) not yet admitted
     kv_blocks_used: int = 0  # blocks held by live requests (ref count > 0)
     kv_blocks_total: int = 0
     num_preemptions: int = 0

@@ -74,11 +74,11 @@ def run_server(
             raise ValueError(f"could not serve on {host}:{port} (see the log above)")
         time.sleep(0.05)
 
-    def stop_http_when_engine_stops() -> None:
+    def stop_engine_when_http_stops() -> None:
         http.join()
         async_engine.shutdown()  # uvicorn ended by itself (e.g. a fatal error): end the loop
 
-    threading.Thread(target=stop_http_when_engine_stops, daemon=True).start()
+    threading.Thread(target=stop_engine_when_http_stops, daemon=True).start()
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         async_engine.run()

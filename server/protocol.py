@@ -24,7 +24,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     model: str | None = None
     n: int = 1
     temperature: float | None = None  # None -> 1.0, the OpenAI default
@@ -46,7 +46,7 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -55,7 +55,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -20,7 +20,7 @@ from engine.outputs import RequestOutput
 from scheduler import SamplingParams
 from server.errors import APIError, as_api_error, error_body
 from server.metrics import Metrics, RequestMetrics
-from server.protocol import _SamplingFields
+from server.protocol import SamplingFields
 
 logger = logging.getLogger("pagedserve")
 
@@ -87,7 +87,7 @@ def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_l
 
 
 def sampling_params(
-    req: _SamplingFields,
+    req: SamplingFields,
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
