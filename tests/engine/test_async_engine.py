@@ -37,6 +37,14 @@ def _sync_tokens(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
     return [finished[str(i)] for i in range(len(PROMPTS))]
 
 
+def _run(async_engine: AsyncEngine, main):
+    """Run `main()` on an event loop against the started engine; always stop the engine."""
+    try:
+        return asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+
+
 async def _wait_until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -61,10 +69,7 @@ def test_concurrent_requests_equal_the_synchronous_engine(tiny_llama_dir):
     async def main():
         return await asyncio.gather(*(consume(i) for i in range(len(PROMPTS))))
 
-    try:
-        results = asyncio.run(main())
-    finally:
-        async_engine.shutdown()
+    results = _run(async_engine, main)
     for (tokens, lengths), want in zip(results, expected, strict=True):
         assert tokens == want
         assert lengths == sorted(lengths) and lengths[-1] == 24  # snapshots only grow
@@ -92,10 +97,7 @@ def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(tiny_lla
         ]
         return outs[-1]
 
-    try:
-        out = asyncio.run(main())
-    finally:
-        async_engine.shutdown()
+    out = _run(async_engine, main)
     assert out.finished and len(out.outputs[0].token_ids) == 2
     assert async_engine.engine.num_unfinished_requests == 0
 
@@ -118,10 +120,7 @@ def test_bad_requests_raise_before_anything_is_queued(tiny_llama_dir):
         outs = [out async for out in stream]
         return outs[-1]
 
-    try:
-        last = asyncio.run(main())
-    finally:
-        async_engine.shutdown()
+    last = _run(async_engine, main)
     assert last.finished and len(last.outputs[0].token_ids) == 50
     assert async_engine.engine.num_unfinished_requests == 0
 
@@ -144,10 +143,7 @@ def test_full_waiting_queue_refuses_new_requests(tiny_llama_dir):
         outs = [out async for out in waiting]
         return outs[-1]
 
-    try:
-        last = asyncio.run(main())
-    finally:
-        async_engine.shutdown()
+    last = _run(async_engine, main)
     assert last.finished and len(last.outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="max_queue_len"):
         AsyncEngine(async_engine.engine, max_queue_len=0)
@@ -173,10 +169,7 @@ def test_an_engine_failure_fails_every_request_and_marks_the_engine_dead(tiny_ll
         with pytest.raises(EngineDeadError, match="restart the server"):
             async_engine.add_request("y", [1, 2, 3], params)
 
-    try:
-        asyncio.run(main())
-    finally:
-        async_engine.shutdown()
+    _run(async_engine, main)
     assert isinstance(async_engine.error, RuntimeError)
 
 
