@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import BACKENDS
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -34,6 +36,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; default: min(4 GiB, RAM / 4) on CPU
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, reproducible plans)
     enable_prefix_caching: bool = True
+    # "auto" = $PAGEDSERVE_ATTENTION_BACKEND, else triton on CUDA and torch on CPU
+    attention_backend: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,6 +45,11 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.attention_backend not in ("auto", *BACKENDS):
+            raise ValueError(
+                f"attention_backend must be 'auto' or one of {list(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in (

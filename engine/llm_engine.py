@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.cpu_linear import can_pack
@@ -112,6 +113,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's context length "
                 f"{mc.max_position_embeddings}"
             )
+        self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
 
@@ -119,12 +121,13 @@ class LLMEngine:
         self.model = self._build_model()
         self.num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
-            "model %s (%s): %.1fM parameters, %s on %s, loaded in %.1f s",
+            "model %s (%s): %.1fM parameters, %s on %s, %s attention, loaded in %.1f s",
             config.model,
             mc.architecture,
             self.num_params / 1e6,
             _dtype_name(self.dtype),
             self.device,
+            self.attention_backend,
             time.perf_counter() - start,
         )
 
@@ -160,7 +163,11 @@ class LLMEngine:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.max_model_len)
+                model = LlamaForCausalLM(
+                    self.model_config,
+                    self.max_model_len,
+                    attention_ops=kernels.get_backend(self.attention_backend),
+                )
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(load_weights(self.source, self.config.load_format))

@@ -8,6 +8,7 @@ Face parameter names onto the stacked tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`ops` is the attention backend: a module with `reshape_and_cache` and `paged_attention`
+    (`kernels.reference`, `kernels.triton_attention`, or the `kernels` dispatcher itself)."""
+
+    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -72,8 +77,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         # Write this step's K/V first: the new tokens attend to themselves through the cache.
-        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(
+        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -99,10 +104,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention_ops: ModuleType = kernels) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, attention_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -120,16 +125,22 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole model. forward() returns hidden states of every token; compute_logits() projects
     only the rows the sampler needs (one per sequence that samples this step) and, for requests
-    that asked for prompt logprobs, the rows of the prompt positions they score."""
+    that asked for prompt logprobs, the rows of the prompt positions they score.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    `attention_ops` is the attention backend every layer calls (see `Attention`)."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, attention_ops: ModuleType = kernels
+    ) -> None:
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling_dict()
         )
         self.embed_tokens = _empty(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention_ops) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)

@@ -1,9 +1,17 @@
 """Attention kernels behind one backend switch.
 
 `paged_attention` and `reshape_and_cache` route each call to a backend module with the same
-signatures. Today the only backend is `kernels.reference` (pure torch, any device). The
-environment variable PAGEDSERVE_ATTENTION_BACKEND picks one by name; it is read per call, so
-tests can set it with monkeypatch and no module state changes.
+signatures:
+
+    torch   `kernels.reference`, pure torch, any device; the default for CPU tensors
+    triton  `kernels.triton_attention`, Triton kernels; the default for CUDA tensors. On CPU
+            tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, set before
+            the module is first imported).
+
+The environment variable PAGEDSERVE_ATTENTION_BACKEND forces one by name; it is read per call, so
+tests can set it with monkeypatch and no module state changes. The engine resolves its backend
+once (`resolve_backend`) and calls the module directly. The Triton module is imported on first
+use, so CPU-only runs never import Triton.
 """
 
 from __future__ import annotations
@@ -15,26 +23,52 @@ import torch
 
 from kernels import reference
 
-__all__ = ["BACKEND_ENV", "paged_attention", "reference", "reshape_and_cache", "select_backend"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "get_backend",
+    "paged_attention",
+    "reference",
+    "reshape_and_cache",
+    "resolve_backend",
+    "select_backend",
+]
 
 BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
-
-_BACKENDS: dict[str, ModuleType] = {"torch": reference}
-# The Triton kernels register here as "triton", and become the default for CUDA tensors.
+BACKENDS = ("torch", "triton")
 
 
 def select_backend(device: torch.device) -> str:
     """Name of the backend used for tensors on `device`: $PAGEDSERVE_ATTENTION_BACKEND, or the
-    device's default."""
-    name = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if not name:
-        return "torch"
-    if name not in _BACKENDS:
+    device's default (triton on CUDA, torch elsewhere)."""
+    return resolve_backend("auto", device)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`name` when it is a backend; for "auto", $PAGEDSERVE_ATTENTION_BACKEND or the device's
+    default. Raises ValueError for anything else."""
+    source = "attention backend"
+    if name == "auto":
+        name = os.environ.get(BACKEND_ENV, "").strip().lower()
+        source = BACKEND_ENV
+        if not name:
+            return "triton" if device.type == "cuda" else "torch"
+    if name not in BACKENDS:
         raise ValueError(
-            f"{BACKEND_ENV}={name!r} is not an attention backend; choose one of: "
-            + ", ".join(sorted(_BACKENDS))
+            f"{source}={name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS)
         )
     return name
+
+
+def get_backend(name: str) -> ModuleType:
+    """The module implementing backend `name` (imported on first use)."""
+    if name == "torch":
+        return reference
+    if name == "triton":
+        from kernels import triton_attention
+
+        return triton_attention
+    raise ValueError(f"{name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS))
 
 
 def reshape_and_cache(
@@ -45,7 +79,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each token's K/V into its cache slot; see `kernels.reference.reshape_and_cache`."""
-    backend = _BACKENDS[select_backend(key.device)]
+    backend = get_backend(select_backend(key.device))
     backend.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -62,7 +96,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged KV cache; see `kernels.reference.paged_attention`."""
-    backend = _BACKENDS[select_backend(q.device)]
+    backend = get_backend(select_backend(q.device))
     return backend.paged_attention(
         q,
         k_cache,

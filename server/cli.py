@@ -34,6 +34,13 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache budget in GiB (default on CPU: min(4, RAM/4))",
     )
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="paged attention kernels: triton (default on CUDA) or torch (default on CPU); "
+        "auto also reads $PAGEDSERVE_ATTENTION_BACKEND",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -52,6 +59,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if args.kv_cache_memory is None
         else int(args.kv_cache_memory * GiB),
         "enable_prefix_caching": not args.no_prefix_caching,
+        "attention_backend": args.attention_backend,
         "seed": args.seed,
     }
 

@@ -13,6 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton picks interpreter or
+# compiler when a kernel is defined, i.e. when kernels.triton_attention is first imported, so the
+# switch is set here, before any test module imports it. Nothing else reads it: the CPU engine
+# and the server subprocesses use the torch attention backend unless a test asks for triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_LLAMA = dict(
     vocab_size=512,
     hidden_size=96,

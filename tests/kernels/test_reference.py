@@ -3,121 +3,13 @@
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 import kernels
 from kernels import reference
-
-GARBAGE_BLOCK_ID = 1_000_000  # fills unused block-table entries: must never be read
-
-
-@dataclass
-class Batch:
-    """One attention step laid out as the model runner lays it out, plus the dense K/V."""
-
-    q: torch.Tensor  # [num_new_tokens, H, D]
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor  # int32
-    seq_lens: torch.Tensor  # int32
-    query_start_loc: torch.Tensor  # int32
-    keys: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], every position
-    values: list[torch.Tensor]
-    q_lens: list[int]
-
-
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    return block_table[position // block_size] * block_size + position % block_size
-
-
-def make_batch(
-    seqs: list[tuple[int, int]],
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Batch:
-    """`seqs` lists (num_cached, q_len) per sequence. Physical blocks are a random permutation, so
-    each sequence's blocks are scattered; the cache is filled by reshape_and_cache in two steps
-    (the cached prefixes, then this step's new tokens) from slot mappings built from the tables."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    blocks_per_seq = [math.ceil((c + n) / block_size) for c, n in seqs]
-    num_blocks = sum(blocks_per_seq) + 3  # a few blocks no sequence owns
-    physical = list(range(num_blocks))
-    rng.shuffle(physical)
-    max_blocks = max(blocks_per_seq) + 2  # every row has padding entries
-    tables = []
-    for n in blocks_per_seq:
-        own, physical = physical[:n], physical[n:]
-        tables.append(own + [GARBAGE_BLOCK_ID] * (max_blocks - n))
-
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    # Unwritten slots hold finite noise, as a reused block would.
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    keys, values = [], []
-    for c, n in seqs:
-        keys.append(torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype))
-        values.append(torch.randn(c + n, num_kv_heads, head_dim, generator=gen).to(dtype))
-
-    for step in ("cached", "new"):
-        slots, ks, vs = [], [], []
-        for (c, n), table, k, v in zip(seqs, tables, keys, values, strict=True):
-            span = range(c) if step == "cached" else range(c, c + n)
-            slots += [slot_of(table, p, block_size) for p in span]
-            ks.append(k[list(span)])
-            vs.append(v[list(span)])
-        reference.reshape_and_cache(
-            torch.cat(ks), torch.cat(vs), k_cache, v_cache, torch.tensor(slots, dtype=torch.int64)
-        )
-
-    q_lens = [n for _, n in seqs]
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    return Batch(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        keys=keys,
-        values=values,
-        q_lens=q_lens,
-    )
-
-
-def dense_attention(batch: Batch, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Naive float64 causal attention of each sequence's new tokens over its contiguous K/V."""
-    num_heads = batch.q.shape[1]
-    outs = []
-    start = 0
-    for k, v, q_len in zip(batch.keys, batch.values, batch.q_lens, strict=True):
-        seq_len = k.shape[0]
-        group = num_heads // k.shape[1]
-        q = batch.q[start : start + q_len].double()  # [T, H, D]
-        start += q_len
-        k = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
-        v = v.double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,shd->hts", q, k) * scale
-        pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        key = torch.arange(seq_len)[None, :]
-        visible = key <= pos
-        if sliding_window is not None:
-            visible &= key > pos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hts,shd->thd", scores.softmax(-1), v))
-    return torch.cat(outs)
+from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 
 def run(batch: Batch, scale: float, **kwargs) -> torch.Tensor:
@@ -131,11 +23,6 @@ def run(batch: Batch, scale: float, **kwargs) -> torch.Tensor:
         scale,
         **kwargs,
     )
-
-
-# (num_cached, q_len): decode at and across block edges, a 1-token context, a fresh prefill, and
-# extends whose new tokens cross blocks; listed out of kind order so the groups interleave.
-MIXED = [(0, 7), (13, 1), (20, 5), (0, 1), (16, 1), (3, 18), (8, 1), (31, 2), (5, 9)]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -1,0 +1,726 @@
+"""Triton paged attention and KV-cache write: the GPU twins of `kernels.reference`.
+
+Same signatures and semantics as the reference; the differences are all about speed:
+
+* No host synchronisation. Which kernel runs, the grid and the number of context splits are
+  chosen from tensor shapes only, so the functions can be captured in CUDA graphs. Each program
+  finds its sequence by a binary search over `query_start_loc` on the device.
+* Decode (`num_tokens == num_seqs`, the steady state of serving): flash-decoding. A program owns
+  one token, one KV head and one slice of the context; the G = num_heads / num_kv_heads query
+  heads that share the KV head are processed together as the rows of one `tl.dot`, so each K/V
+  tile is read once per group. When there are too few (token, KV head) pairs to fill the GPU, the
+  context is split and the partial results are merged by their log-sum-exp in a second kernel.
+* Prefill / extend / mixed batches (anything else): one launch over "query tiles". A tile holds
+  BLOCK_Q consecutive new tokens of one sequence times the G heads of one KV head, folded into
+  BLOCK_M = BLOCK_Q * G rows (plus padding), and walks the sequence's cached prefix and its own
+  new tokens through the block table. Keys that every row of the tile may see are read without a
+  mask; only the tiles on the causal diagonal (and, with a sliding window, all of them) are masked.
+
+Every program reads keys through the block table one token at a time (`block_tables[s, n //
+block_size] * block_size + n % block_size`), so tiles need not align with blocks and any block
+size works. Keys outside a sequence's context are never loaded (masked loads), so unlike the
+reference these kernels do not need unwritten cache slots to be finite.
+
+Under TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors
+with numpy; the tests use that to check them against the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.validation import check_paged_attention_args, check_reshape_and_cache_args
+
+__all__ = ["INTERPRETED", "num_decode_splits", "paged_attention", "reshape_and_cache"]
+
+LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
+# Initial running max: finite, so a row whose first tiles are all masked computes exp2(-inf - m)
+# = 0 instead of exp2(-inf - -inf) = NaN.
+_NEG_BIG = -1.0e30
+# A context slice shorter than this is not worth a second (merge) kernel.
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+
+
+# ------------------------------------------------------------------------------ KV-cache write
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_slots,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    k_stride_slot,
+    k_stride_h,
+    v_stride_slot,
+    v_stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    # Padding tokens (negative slot) are skipped; an out-of-range slot is skipped too rather than
+    # written past the cache (the reference raises for it, which needs a host sync).
+    if (slot < 0) | (slot >= num_slots):
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    k = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d, mask=mask)
+    v = tl.load(value_ptr + token * value_stride_t + h * value_stride_h + d, mask=mask)
+    tl.store(k_cache_ptr + slot * k_stride_slot + h * k_stride_h + d, k, mask=mask)
+    tl.store(v_cache_ptr + slot * v_stride_slot + h * v_stride_h + d, v, mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key and value into its cache slot; see `kernels.reference`.
+
+    Unlike the reference, a slot past the end of the cache is skipped instead of raising: the
+    check would need the slots on the host.
+    """
+    check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    _check_runnable(key.device)
+    _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    key, value = _inner_contiguous(key), _inner_contiguous(value)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_cache.shape[0] * k_cache.shape[1],
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _last_start_at_or_before(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s in [0, num_seqs) with query_start_loc[s] // BLOCK_Q + s * (BLOCK_Q > 0) <= target.
+
+    With BLOCK_Q == 0 this is the sequence that owns new token `target` (sequences without new
+    tokens share their start with the next one, so the largest index is the owner). With
+    BLOCK_Q > 0 it is the sequence that owns query tile `target`, where sequence s's tiles are
+    numbered from query_start_loc[s] // BLOCK_Q + s: a strictly increasing start, and enough room
+    for ceil(q_len / BLOCK_Q) tiles before the next sequence's.
+    """
+    lo = 0
+    hi = num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid)
+        if BLOCK_Q > 0:
+            start = start // BLOCK_Q + mid
+        if start <= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _online_softmax_step(s, v, m, row_sum, acc, PRECISION: tl.constexpr):
+    """Fold one tile into the running softmax: s = scores * log2(e) [rows, keys] with masked keys
+    at -inf, v = the tile's values [keys, D]; m, row_sum = running max and sum of exp2 per row."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, row_sum, acc
+
+
+@triton.jit
+def _key_offsets(block_tables_ptr, seq, bt_stride, n, valid, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets (in slots) of key positions `n` of sequence `seq`; 0 where not `valid`."""
+    block = tl.load(block_tables_ptr + seq * bt_stride + n // BLOCK_SIZE, mask=valid, other=0)
+    return block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+
+
+# -------------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_seqs,
+    scale_log2,
+    sliding_window,
+    q_stride_t,
+    q_stride_h,
+    k_stride_slot,
+    k_stride_h,
+    v_stride_slot,
+    v_stride_h,
+    bt_stride,
+    out_stride_t,
+    out_stride_h,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # In a pure decode step token i is sequence i: two loads confirm it and skip the search.
+    if (tl.load(query_start_loc_ptr + token) == token) & (
+        tl.load(query_start_loc_ptr + token + 1) == token + 1
+    ):
+        seq = token
+    else:
+        seq = _last_start_at_or_before(query_start_loc_ptr, token, num_seqs, 0)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    pos = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start)  # this token's position
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(pos - sliding_window + 1, 0)
+    kv_end = pos + 1
+    # This program's slice of the context, in whole tiles counted from kv_lo's tile.
+    tile_lo = kv_lo // TILE * TILE
+    num_tiles = tl.cdiv(kv_end - tile_lo, TILE)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    row_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [GROUP_PAD, BLOCK_D]
+
+    m = tl.full([GROUP_PAD], _NEG_BIG, tl.float32)
+    row_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for i in range(first_tile, last_tile):
+        n = tile_lo + i * TILE + tl.arange(0, TILE)
+        valid = (n >= kv_lo) & (n < kv_end)
+        slots = _key_offsets(block_tables_ptr, seq, bt_stride, n, valid, BLOCK_SIZE)
+        k = tl.load(
+            k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
+            mask=valid[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_D, TILE]
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
+            mask=valid[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [TILE, BLOCK_D]
+        m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
+
+    if NUM_SPLITS == 1:
+        out = acc / row_sum[:, None]
+        tl.store(
+            out_ptr + token * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # An empty slice (past the end of a short context) has row_sum = 0: weight exp2(-inf) = 0.
+        safe_sum = tl.where(row_sum > 0, row_sum, 1.0)
+        lse = tl.where(row_sum > 0, m + tl.log2(safe_sum), float("-inf"))
+        part = (token * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            acc / safe_sum[:, None],
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    out_stride_t,
+    out_stride_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """out = sum_i w_i * o_i / sum_i w_i with w_i = 2^(lse_i - max lse), per (token, head)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + sp
+    lse = tl.load(part_lse_ptr + part, mask=sp < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    o = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=(sp < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + token * out_stride_t + head * out_stride_h + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+# ------------------------------------------------------------------------------ prefill/extend
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    num_seqs,
+    scale_log2,
+    sliding_window,
+    q_stride_t,
+    q_stride_h,
+    k_stride_slot,
+    k_stride_h,
+    v_stride_slot,
+    v_stride_h,
+    bt_stride,
+    out_stride_t,
+    out_stride_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Row r of a tile is new token first + r // GROUP, query head kv_head * GROUP + r % GROUP.
+
+    For a sequence with 6 cached tokens and 5 new ones, BLOCK_Q = 2 and GROUP = 2 (BLOCK_M = 4):
+
+        tile 0: new tokens 0-1 (positions 6-7)  keys 0..5 unmasked, keys 6..7 on the diagonal
+        tile 1: new tokens 2-3 (positions 8-9)  keys 0..7 unmasked, keys 8..9 on the diagonal
+        tile 2: new token 4 (position 10)       rows 2-3 are padding and repeat token 4
+    """
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _last_start_at_or_before(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first new token of the tile
+    if first >= q_len:
+        return  # the grid is an upper bound on the number of tiles
+    num_cached = tl.load(seq_lens_ptr + seq) - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok = first + r // GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    tok = tl.minimum(tok, q_len - 1)  # padding rows repeat a real token: no row is fully masked
+    heads = kv_head * GROUP + r % GROUP
+    pos = num_cached + tok  # [BLOCK_M]
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+        mask=d_ok[None, :],
+        other=0.0,
+    )
+
+    first_pos = num_cached + first
+    kv_end = num_cached + tl.minimum(first + BLOCK_Q, q_len)  # last position of the tile + 1
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0)
+        unmasked_end = kv_lo // TILE * TILE  # with a window every tile is masked
+    else:
+        unmasked_end = (first_pos + 1) // TILE * TILE  # keys <= first_pos: seen by every row
+    tile_lo = kv_lo // TILE * TILE
+
+    m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(tile_lo, unmasked_end, TILE):
+        n = start + tl.arange(0, TILE)
+        slots = _key_offsets(block_tables_ptr, seq, bt_stride, n, n >= 0, BLOCK_SIZE)
+        k = tl.load(
+            k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
+            mask=d_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
+            mask=d_ok[None, :],
+            other=0.0,
+        )
+        m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
+    for start in range(unmasked_end, kv_end, TILE):
+        n = start + tl.arange(0, TILE)
+        in_range = (n >= kv_lo) & (n < kv_end)
+        slots = _key_offsets(block_tables_ptr, seq, bt_stride, n, in_range, BLOCK_SIZE)
+        k = tl.load(
+            k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
+            mask=in_range[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        visible = in_range[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible &= n[None, :] > pos[:, None] - sliding_window
+        s = tl.where(visible, s, float("-inf"))
+        v = tl.load(
+            v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
+            mask=in_range[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
+
+    out = acc / row_sum[:, None]
+    tl.store(
+        out_ptr
+        + (q_start + tok)[:, None] * out_stride_t
+        + heads[:, None] * out_stride_h
+        + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+# ------------------------------------------------------------------------------------ wrappers
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged K/V; see `kernels.reference`.
+
+    A step with one new token per sequence (num_tokens == num_seqs) runs the split-context decode
+    kernel, anything else the tiled prefill/extend kernel. Both are correct for any layout (the
+    decode kernel handles each token on its own), so the choice needs only shapes. Value checks
+    that need the host (query_start_loc monotone, seq_len >= q_len, block-table capacity) are the
+    reference's; here, as in the model runner, the caller guarantees them.
+    """
+    check_paged_attention_args(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
+    )
+    _check_runnable(q.device)
+    _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_tokens, num_seqs = q.shape[0], block_tables.shape[0]
+    if num_tokens == 0:
+        return out
+    if num_seqs == 0:
+        raise ValueError(f"q has {num_tokens} tokens but there are no sequences")
+    q = _inner_contiguous(q)
+    if num_tokens == num_seqs:
+        num_splits = num_decode_splits(
+            num_tokens, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device
+        )
+        decode(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            sliding_window,
+            out,
+            num_splits,
+        )
+    else:
+        extend(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
+        )
+    return out
+
+
+def num_decode_splits(
+    num_tokens: int, num_kv_heads: int, max_context: int, device: torch.device
+) -> int:
+    """How many slices to cut each decode context into, from shapes only.
+
+    Enough (token, KV head, slice) programs to give every SM two, but no slice shorter than
+    _MIN_KEYS_PER_SPLIT keys of the longest possible context (`max_context`, the block-table
+    width times the block size): merging costs a second kernel. A power of two, so at most a
+    handful of kernel variants are compiled.
+    """
+    programs = num_tokens * num_kv_heads
+    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    splits = min(wanted, max_context // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    if splits <= 1:
+        return 1
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """The decode kernel with a given number of context slices (tests force several)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    cfg = _decode_config(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_tokens, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        block_tables.shape[0],
+        float(scale) * LOG2_E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE=cfg.tile,
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=_block_d(head_dim),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+
+
+def extend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """The prefill/extend kernel over any batch (tests also run decode steps through it)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    cfg = _extend_config(head_dim, group)
+    block_q = cfg.block_m // group
+    # Sequence s's tiles start at query_start_loc[s] // block_q + s; this bounds the last one.
+    num_tiles = num_tokens // block_q + num_seqs
+    _extend_kernel[(num_tiles, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        num_seqs,
+        float(scale) * LOG2_E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        TILE=cfg.tile,
+        HAS_WINDOW=sliding_window is not None,
+        PRECISION=_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+class _Config:
+    __slots__ = ("block_m", "num_stages", "num_warps", "tile")
+
+    def __init__(self, tile: int, num_warps: int, num_stages: int, block_m: int = 0) -> None:
+        self.tile, self.num_warps, self.num_stages, self.block_m = (
+            tile,
+            num_warps,
+            num_stages,
+            block_m,
+        )
+
+
+def _decode_config(head_dim: int) -> _Config:
+    # A K tile of 16 KiB in bf16 either way; decode is bound by reading K/V.
+    return _Config(tile=64 if head_dim > 64 else 128, num_warps=4, num_stages=3)
+
+
+def _extend_config(head_dim: int, group: int) -> _Config:
+    # 128 query rows (128 // group tokens) against 64-key tiles, as in FlashAttention-2.
+    block_m = 128 if group <= 128 else triton.next_power_of_2(group)
+    return _Config(tile=64, num_warps=8 if head_dim > 64 else 4, num_stages=2, block_m=block_m)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 stays float32 (the engine's fp32 path is compared token for token with
+    # transformers); TF32 would round q and K to 10 mantissa bits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _num_sms_of(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return 4  # the interpreter on CPU: small, so tests see contexts split
+
+
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_of(device.type, device.index)
+
+
+def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_inner_contiguous(**caches: torch.Tensor) -> None:
+    for name, cache in caches.items():
+        if cache.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous along head_dim, got strides {cache.stride()}"
+            )
+
+
+INTERPRETED: bool = not isinstance(_decode_kernel, triton.runtime.JITFunction)
+
+
+def _check_runnable(device: torch.device) -> None:
+    if device.type != "cuda" and not INTERPRETED:
+        raise ValueError(
+            f"the Triton attention kernels need CUDA tensors, got tensors on {device}. Use the "
+            "torch backend (PAGEDSERVE_ATTENTION_BACKEND=torch), or set TRITON_INTERPRET=1 "
+            "before pagedserve is imported to run the kernels on CPU with Triton's interpreter."
+        )

@@ -1,0 +1,101 @@
+"""`python -m bench.kernels --smoke` end to end on CPU: the Triton kernels run under the
+interpreter, are checked against the torch reference, and every record the GPU run writes is
+written, with the byte and FLOP counts the rates are computed from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    # CUDA hidden: the smoke run must take the CPU path wherever the suite runs.
+    env = os.environ | {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "bench.kernels", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "kernels.jsonl"
+    done = _run("--smoke", "--out", str(out))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = _records(out.read_text())
+    assert _records(done.stdout) == records  # stdout is JSON lines only; the table is on stderr
+    assert "checks: 5/5 ok" in done.stderr
+
+    env = records[0]
+    assert env["kind"] == "env"
+    assert (env["device"], env["dtype"], env["smoke"]) == ("cpu", "float16", True)
+    assert env["kernels"] == "kernels.triton_attention"
+    assert Counter(r["kind"] for r in records) == {
+        "env": 1,
+        "check": 5,
+        "decode": 1,
+        "prefill": 2,
+        "cache": 1,
+    }
+
+    checks = [r for r in records if r["kind"] == "check"]
+    assert [(r["scenario"], r["case"]) for r in checks] == [
+        ("decode", "tiny b2 ctx64"),
+        ("decode", "tiny b2 ctx64 window32"),
+        ("prefill", "tiny 2x32 +0"),
+        ("prefill", "tiny 2x32 +32"),
+        ("cache", "tiny 256 tokens"),
+    ]
+    assert all(r["ok"] is True for r in checks), checks
+    assert [r["sliding_window"] for r in checks[:2]] == [None, 32]
+    assert all(r["max_abs_err"] <= r["atol"] for r in checks[:4])
+    assert checks[4]["max_abs_err"] == 0.0  # the cache write is a copy: exact
+
+    # 2 seqs x 64 tokens x 2 kv heads x 64 dims x (K, V) x 2 bytes
+    (decode,) = [r for r in records if r["kind"] == "decode"]
+    assert decode["kv_bytes"] == 2 * 64 * 2 * 64 * 2 * 2
+    # 4 * head_dim * heads * visible (query, key) pairs * seqs: 32 new tokens see 1..32 keys
+    # (528 pairs), or 33..64 keys on a 32-token prefix (32 * 32 + 528 = 1552 pairs)
+    prefill = [r for r in records if r["kind"] == "prefill"]
+    assert [r["flops"] for r in prefill] == [4 * 64 * 4 * 528 * 2, 4 * 64 * 4 * 1552 * 2]
+    assert [r["sdpa_mask"] for r in prefill] == ["is_causal", "causal_lower_right"]
+    (cache,) = [r for r in records if r["kind"] == "cache"]
+    assert cache["bytes_written"] == 2 * 256 * 2 * 64 * 2
+
+    for r in [decode, *prefill, cache]:
+        assert r["time_us"] > 0 and r["ratio"] > 0
+        assert r["target"] is None and r["ok"] is None  # no speed claims on CPU
+    for r in [decode, *prefill]:
+        # The SDPA baseline attends over the same K/V as the paged kernel.
+        assert r["sdpa_max_abs_err"] <= 2e-2
+
+
+def test_only_selects_scenarios_in_run_order():
+    # The torch reference as the module under test: this checks the harness alone, quickly.
+    done = _run("--smoke", "--kernels", "kernels.reference", "--only", "cache", "--only", "decode")
+    assert done.returncode == 0, done.stderr[-3000:]
+    kinds = [r["kind"] for r in _records(done.stdout)]
+    assert kinds == ["env", "check", "check", "decode", "check", "cache"]
+
+
+def test_without_cuda_the_full_run_exits_2_and_says_why():
+    done = _run()
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert "no CUDA device" in done.stderr and "--smoke" in done.stderr

@@ -1,0 +1,101 @@
+"""The engine on the Triton attention backend gives the torch backend's (and transformers') greedy
+tokens, and the backend is chosen by option, environment variable or device.
+
+On CPU (CI) the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
+tests/conftest.py): the real kernels, executed with numpy instead of compiled for a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from kernels import triton_attention
+from tests.helpers import hf_greedy
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_attention.INTERPRETED),
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it on CPU)",
+)
+
+PROMPT_LENGTHS = [1, 5, 12, 23, 40]
+
+
+def _generate(path, backend: str, prompts, **kwargs) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", block_size=4, attention_backend=backend, **kwargs
+    )
+    assert llm.engine.attention_backend == backend
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_triton_backend_greedy_equals_torch_backend_and_transformers(
+    kind, tiny_llama_dir, tiny_qwen2_dir, monkeypatch
+):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_llama_dir if kind == "llama" else tiny_qwen2_dir
+    rng = random.Random(99)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENGTHS]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+
+    # A 16-token budget: prompts are prefilled in chunks next to other sequences' decodes, so
+    # the steps mix extends over cached prefixes with decodes (the extend kernel), and the last
+    # steps are pure decode (the split-context decode kernel).
+    options = dict(num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+    _, with_torch = _generate(path, "torch", prompts, **options)
+    launches = {"decode": 0, "extend": 0}
+    for name in launches:
+        real = getattr(triton_attention, name)
+
+        def spy(*args, _real=real, _name=name):
+            launches[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(triton_attention, name, spy)
+    llm, with_triton = _generate(path, "triton", prompts, **options)
+    assert with_torch == expected
+    assert with_triton == expected
+    assert launches["decode"] > 0 and launches["extend"] > 0, launches
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_triton_backend_after_a_prefix_cache_hit(tiny_llama_dir):
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 512) for _ in range(20)]
+    a, b = prefix + [5, 6], prefix + [7, 8, 9]
+    _, expected = _generate(tiny_llama_dir, "torch", [a, b], num_kv_blocks=64, max_model_len=128)
+    llm, first = _generate(tiny_llama_dir, "triton", [a], num_kv_blocks=64, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    second = llm.generate([b], params)[0].outputs[0].token_ids
+    assert first + [second] == expected
+    # b's first 20 tokens (5 blocks) came from the cache: its prefill was an extend.
+    assert llm.engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens == 20
+
+
+def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
+    def engine(**kwargs) -> LLMEngine:
+        config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=128, **kwargs)
+        return LLMEngine(config)
+
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    default = engine()
+    assert default.attention_backend == "torch"  # CPU default
+    assert default.model.layers[0].self_attn.ops is kernels.reference
+    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+    from_env = engine()
+    assert from_env.attention_backend == "triton"
+    assert from_env.model.layers[1].self_attn.ops is triton_attention
+    assert engine(attention_backend="torch").attention_backend == "torch"  # option beats env
+    monkeypatch.setenv(kernels.BACKEND_ENV, "flash")
+    with pytest.raises(ValueError, match="PAGEDSERVE_ATTENTION_BACKEND='flash' is not an"):
+        engine()
+    with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of"):
+        EngineConfig(attention_backend="flash")
