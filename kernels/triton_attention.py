@@ -41,7 +41,7 @@ __all__ = ["INTERPRETED", "num_decode_splits", "paged_attention", "reshape_and_c
 LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Initial running max: finite, so a row whose first tiles are all masked computes exp2(-inf - m)
 # = 0 instead of exp2(-inf - -inf) = NaN.
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)
 # A context slice shorter than this is not worth a second (merge) kernel.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 32

@@ -98,6 +98,17 @@ def test_prompt_spanning_many_query_tiles_and_key_tiles():
     check(triton_run(batch, 0.125), batch, 0.125)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 1)])
+def test_diagonal_at_every_offset_within_a_key_tile(num_heads, num_kv_heads):
+    # A tile's first row sits at position num_cached (+ a multiple of BLOCK_Q = 128 // group);
+    # keys up to it are read without a mask. Cached lengths 58..69 put it at every offset around
+    # the 64-key tile edge, where an off-by-one would let a row see its successors.
+    seqs = [(c, 3 + c % 5) for c in range(58, 70)] + [(110, 20)]
+    batch = make_batch(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       block_size=16, seed=num_heads)  # fmt: skip
+    check(triton_run(batch, 0.125), batch, 0.125)
+
+
 def test_extend_over_a_4k_prefix():
     batch = make_batch([(4000, 40), (33, 7)], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=32, seed=6)  # fmt: skip

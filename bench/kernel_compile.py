@@ -1,0 +1,202 @@
+"""Compile the Triton attention kernels for a GPU architecture on a machine without a GPU.
+
+    python -m bench.kernel_compile [--arch 90] [--json]
+
+The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile:
+a construct the interpreter accepts may still be rejected by Triton's compiler, and the compiled
+code may spill registers or need more shared memory than an SM has. This tool drives the real
+wrappers in `kernels.triton_attention` with small CPU tensors, swaps Triton's GPU driver for one
+that only names the target, and turns each launch into a compile (`JITFunction.run` with
+warmup=True). Triton's bundled ptxas produces the cubin, and its cuobjdump reports the resources:
+registers per thread, local memory (spills) and shared memory.
+
+It needs a Triton with the NVIDIA backend (the Linux wheels have it) and must run without
+TRITON_INTERPRET set. Triton internals are used (driver.set_active, JITFunction.run), so a new
+Triton release may need this file adjusted; the kernels themselves do not depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# H100/H200: 227 KiB of shared memory per block (opt-in maximum).
+MAX_SHARED_BYTES = 232448
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch configuration: which wrapper, and the shapes and dtype that pick constexprs."""
+
+    name: str
+    kind: str  # "decode" | "extend" | "cache"
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_splits: int = 1
+    sliding_window: int | None = None
+    num_seqs: int = 3
+
+
+# What the engine and the benchmark launch: Llama-3 8B/1B heads (32/8, D 128/64), SmolLM2 (9/3),
+# MHA and GQA 8, every dtype, split and unsplit decode, sliding windows, and a single sequence
+# (Triton specialises an int argument equal to 1 as a constant).
+VARIANTS = [
+    Variant("decode-8b", "decode", torch.bfloat16, 32, 8, 128),
+    Variant("decode-8b-split8", "decode", torch.bfloat16, 32, 8, 128, num_splits=8),
+    Variant("decode-1b-fp16", "decode", torch.float16, 32, 8, 64),
+    Variant("decode-smollm2-window", "decode", torch.bfloat16, 9, 3, 64, sliding_window=64),
+    Variant("decode-gqa8-split4-one-seq", "decode", torch.bfloat16, 64, 8, 128, 4, num_seqs=1),
+    Variant("decode-mha-fp32", "decode", torch.float32, 8, 8, 128, num_splits=2),
+    Variant("extend-8b", "extend", torch.bfloat16, 32, 8, 128),
+    Variant("extend-1b", "extend", torch.bfloat16, 32, 8, 64),
+    Variant("extend-smollm2-window", "extend", torch.bfloat16, 9, 3, 64, sliding_window=64),
+    Variant("extend-mha-fp16-one-seq", "extend", torch.float16, 16, 16, 128, num_seqs=1),
+    Variant("extend-gqa8-fp32", "extend", torch.float32, 16, 2, 64),
+    Variant("cache-8b", "cache", torch.bfloat16, 32, 8, 128),
+    Variant("cache-smollm2-fp32", "cache", torch.float32, 9, 3, 64),
+]
+
+
+def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
+    """Make every kernel launch compile for sm_`arch` and record the compiled kernel instead."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileOnlyDriver:
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+    driver.set_active(CompileOnlyDriver())
+    compiled: list[tuple[str, Any]] = []
+    original_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = compile_only
+    return compiled
+
+
+def _launch(variant: Variant) -> None:
+    """Call the public wrapper (or the decode entry with a forced split) on CPU tensors."""
+    from kernels import triton_attention
+
+    block_size, context = 16, 40
+    dtype, hq, hkv, d = variant.dtype, variant.num_heads, variant.num_kv_heads, variant.head_dim
+    num_seqs = variant.num_seqs
+    k_cache = torch.zeros(num_seqs * 4, block_size, hkv, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    if variant.kind == "cache":
+        kv = torch.zeros(8, hkv, d, dtype=dtype)
+        triton_attention.reshape_and_cache(kv, kv, k_cache, v_cache, torch.arange(8))
+        return
+    q_len = 1 if variant.kind == "decode" else 5
+    q = torch.zeros(num_seqs * q_len, hq, d, dtype=dtype)
+    block_tables = torch.arange(num_seqs * 4, dtype=torch.int32).view(num_seqs, 4)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    query_start_loc = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5)
+    if variant.kind == "decode":
+        out = torch.empty_like(q)
+        triton_attention.decode(*args, variant.sliding_window, out, variant.num_splits)
+    else:
+        triton_attention.paged_attention(*args, sliding_window=variant.sliding_window)
+
+
+def _resources(cubin: bytes, tool_dir: Path) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run(
+            [str(tool_dir / "cuobjdump"), "-res-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", report))
+    return {
+        "registers": int(usage["REG"]),
+        "stack_bytes": int(usage["STACK"]),
+        "local_bytes": int(usage["LOCAL"]),  # > 0: registers spilled to local memory
+    }
+
+
+def compile_all(arch: int) -> list[dict[str, Any]]:
+    """Compile every variant; one record per compiled kernel (decode with splits has two)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise ValueError("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    import triton
+
+    compiled = _install_compile_only_driver(arch)
+    from kernels import triton_attention
+
+    # The wrappers refuse CPU tensors outside the interpreter; here nothing is launched.
+    triton_attention._check_runnable = lambda device: None
+    tool_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    records = []
+    for variant in VARIANTS:
+        start = len(compiled)
+        _launch(variant)
+        for kernel_name, kernel in compiled[start:]:
+            fields = asdict(variant)
+            fields["dtype"] = str(variant.dtype).removeprefix("torch.")
+            records.append(
+                {
+                    "variant": variant.name,
+                    "kernel": kernel_name,
+                    **{k: v for k, v in fields.items() if k != "name"},
+                    "arch": arch,
+                    "num_warps": kernel.metadata.num_warps,
+                    "num_stages": kernel.metadata.num_stages,
+                    "shared_bytes": kernel.metadata.shared,
+                    **_resources(kernel.asm["cubin"], tool_dir),
+                }
+            )
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = parser.parse_args(argv)
+    records = compile_all(args.arch)
+    problems = [r for r in records if r["local_bytes"] > 0 or r["shared_bytes"] > MAX_SHARED_BYTES]
+    for r in records:
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(
+                f"{r['variant']:28} {r['kernel']:22} warps {r['num_warps']} stages "
+                f"{r['num_stages']}  regs {r['registers']:3}  spill {r['local_bytes']:4} B  "
+                f"shared {r['shared_bytes'] / 1024:6.1f} KiB"
+            )
+    if problems:
+        print(f"{len(problems)} kernels spill registers or exceed shared memory", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

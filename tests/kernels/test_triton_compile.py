@@ -1,0 +1,57 @@
+"""The Triton kernels compile for the H100/H200 (sm_90) on a machine without a GPU, without
+spilling registers and within the shared memory of an SM.
+
+The interpreter tests (test_triton.py) check what the kernels compute; only Triton's compiler can
+reject what the interpreter accepts (a non-constexpr global, a loop-carried type change, ...).
+`bench.kernel_compile` runs the real wrappers with the launch turned into a compile, and reads the
+resources of each cubin with the cuobjdump bundled with Triton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+from bench.kernel_compile import MAX_SHARED_BYTES, VARIANTS
+
+NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+@pytest.mark.skipif(
+    not (NVIDIA_TOOLS / "ptxas").exists(),
+    reason="this Triton build has no NVIDIA backend (ptxas) to compile with",
+)
+def test_every_variant_compiles_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_compile", "--arch", "90", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    kernels_by_variant: dict[str, list[str]] = {}
+    for r in records:
+        kernels_by_variant.setdefault(r["variant"], []).append(r["kernel"])
+        assert r["local_bytes"] == 0, r  # no register spills
+        assert r["shared_bytes"] <= MAX_SHARED_BYTES, r
+        assert 0 < r["registers"] <= 255, r
+    expected = {
+        "decode": ["_decode_kernel"],
+        "extend": ["_extend_kernel"],
+        "cache": ["_reshape_and_cache_kernel"],
+    }
+    for v in VARIANTS:
+        want = list(expected[v.kind])
+        if v.kind == "decode" and v.num_splits > 1:
+            want.append("_merge_splits_kernel")
+        assert kernels_by_variant[v.name] == want
