@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,7 +37,17 @@ import triton.language as tl
 
 from kernels.validation import check_paged_attention_args, check_reshape_and_cache_args
 
-__all__ = ["INTERPRETED", "num_decode_splits", "paged_attention", "reshape_and_cache"]
+__all__ = [
+    "INTERPRETED",
+    "KernelConfig",
+    "decode",
+    "decode_config",
+    "extend",
+    "extend_config",
+    "num_decode_splits",
+    "paged_attention",
+    "reshape_and_cache",
+]
 
 LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Initial running max: finite, so a row whose first tiles are all masked computes exp2(-inf - m)
@@ -535,12 +546,14 @@ def decode(
     sliding_window: int | None,
     out: torch.Tensor,
     num_splits: int,
+    config: KernelConfig | None = None,
 ) -> None:
-    """The decode kernel with a given number of context slices (tests force several)."""
+    """The decode kernel with a given number of context slices (tests force several) and
+    optionally a launch configuration (the benchmark sweeps them)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    cfg = _decode_config(head_dim)
+    cfg = config or decode_config(head_dim)
     if num_splits > 1:
         part_out = torch.empty(
             num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
@@ -611,13 +624,15 @@ def extend(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    config: KernelConfig | None = None,
 ) -> None:
-    """The prefill/extend kernel over any batch (tests also run decode steps through it)."""
+    """The prefill/extend kernel over any batch (tests also run decode steps through it), with
+    optionally a launch configuration (the benchmark sweeps them)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
-    cfg = _extend_config(head_dim, group)
+    cfg = config or extend_config(head_dim, group)
     block_q = cfg.block_m // group
     # Sequence s's tiles start at query_start_loc[s] // block_q + s; this bounds the last one.
     num_tiles = num_tokens // block_q + num_seqs
@@ -658,27 +673,26 @@ def extend(
 # ------------------------------------------------------------------------------ configuration
 
 
-class _Config:
-    __slots__ = ("block_m", "num_stages", "num_warps", "tile")
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one kernel: keys per K/V tile, warps, software-pipeline stages, and
+    for the extend kernel the query rows per tile (query tokens x grouped heads)."""
 
-    def __init__(self, tile: int, num_warps: int, num_stages: int, block_m: int = 0) -> None:
-        self.tile, self.num_warps, self.num_stages, self.block_m = (
-            tile,
-            num_warps,
-            num_stages,
-            block_m,
-        )
+    tile: int
+    num_warps: int
+    num_stages: int
+    block_m: int = 0
 
 
-def _decode_config(head_dim: int) -> _Config:
+def decode_config(head_dim: int) -> KernelConfig:
     # A K tile of 16 KiB in bf16 either way; decode is bound by reading K/V.
-    return _Config(tile=64 if head_dim > 64 else 128, num_warps=4, num_stages=3)
+    return KernelConfig(tile=64 if head_dim > 64 else 128, num_warps=4, num_stages=3)
 
 
-def _extend_config(head_dim: int, group: int) -> _Config:
+def extend_config(head_dim: int, group: int) -> KernelConfig:
     # 128 query rows (128 // group tokens) against 64-key tiles, as in FlashAttention-2.
     block_m = 128 if group <= 128 else triton.next_power_of_2(group)
-    return _Config(tile=64, num_warps=8 if head_dim > 64 else 4, num_stages=2, block_m=block_m)
+    return KernelConfig(tile=64, num_warps=8 if head_dim > 64 else 4, num_stages=2, block_m=block_m)
 
 
 def _block_d(head_dim: int) -> int:

@@ -99,3 +99,20 @@ def test_without_cuda_the_full_run_exits_2_and_says_why():
     assert done.returncode == 2
     assert done.stdout == ""
     assert "no CUDA device" in done.stderr and "--smoke" in done.stderr
+
+
+def test_sweep_times_every_configuration_and_checks_it():
+    pytest.importorskip("triton")
+    done = _run("--smoke", "--sweep", "--only", "decode,prefill")
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = [r for r in _records(done.stdout) if r["kind"] == "sweep"]
+    # The smoke plan: 2 decode configs on one case, 2 prefill configs (block_m 32 and 64).
+    assert [(r["scenario"], r["config"]["tile"], r["config"]["block_m"]) for r in sweep] == [
+        ("decode", 32, 0),
+        ("decode", 64, 0),
+        ("prefill", 32, 32),
+        ("prefill", 64, 64),
+    ]
+    assert all(r["matches_reference"] and r["time_us"] > 0 for r in sweep), sweep
+    assert [r["num_splits"] for r in sweep[:2]] == [1, 1]
+    assert "sweep tiny 2x32 +32" in done.stderr and "best" in done.stderr
