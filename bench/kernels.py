@@ -3,6 +3,7 @@ then speed against torch's own kernels, both measured side by side in one run.
 
     python -m bench.kernels                                 # every case on a CUDA device
     python -m bench.kernels --only decode,cache --out $OUT/kernels.jsonl
+    python -m bench.kernels --sweep                         # launch configurations instead
     TRITON_INTERPRET=1 python -m bench.kernels --smoke      # tiny shapes, also on CPU
 
 Scenarios, in bf16 (--dtype) over a paged cache of block size 16 whose blocks lie in a random
@@ -784,6 +785,27 @@ def parse_scenarios(values: list[str] | None) -> list[str]:
     return [s for s in SCENARIOS if s in wanted]
 
 
+def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> None:
+    """The regular run: every case of `plan` in `scenarios`, checked and then timed."""
+    device = setup.device
+    if "decode" in scenarios:
+        for shape in plan.decode_shapes:
+            for case in plan.decode_cases:
+                checked = (shape, case.batch, case.context) == plan.window_case
+                window = plan.sliding_window if checked else None
+                run = functools.partial(run_decode, report, setup, shape, case, window)
+                run_case(report, device, decode_label(shape, case), run)
+    if "prefill" in scenarios:
+        for shape in plan.prefill_shapes:
+            for case in plan.prefill_cases:
+                run = functools.partial(run_prefill, report, setup, shape, case)
+                run_case(report, device, prefill_label(shape, case), run)
+    if "cache" in scenarios:
+        shape, num_tokens = plan.cache_shape, plan.cache_tokens
+        run = functools.partial(run_cache, report, setup, shape, num_tokens)
+        run_case(report, device, cache_label(shape, num_tokens), run)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.kernels", description=__doc__.split("\n\n")[0]
@@ -809,8 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="after the checks, time the launch configurations of the decode and prefill "
-        "kernels (tile, warps, stages, rows; decode splits) on a few cases against SDPA",
+        help="instead of the regular cases, time the launch configurations of the decode and "
+        "prefill kernels (tile, warps, stages, rows; decode splits) on a few cases against SDPA",
     )
     args = parser.parse_args(argv)
     try:
@@ -844,26 +866,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = Report(sink)
         report.emit(environment(setup, args.smoke))
-        if "decode" in scenarios:
-            for shape in plan.decode_shapes:
-                for case in plan.decode_cases:
-                    checked = (shape, case.batch, case.context) == plan.window_case
-                    window = plan.sliding_window if checked else None
-                    run = functools.partial(run_decode, report, setup, shape, case, window)
-                    run_case(report, device, decode_label(shape, case), run)
-        if "prefill" in scenarios:
-            for shape in plan.prefill_shapes:
-                for case in plan.prefill_cases:
-                    run = functools.partial(run_prefill, report, setup, shape, case)
-                    run_case(report, device, prefill_label(shape, case), run)
-        if "cache" in scenarios:
-            shape, num_tokens = plan.cache_shape, plan.cache_tokens
-            run = functools.partial(run_cache, report, setup, shape, num_tokens)
-            run_case(report, device, cache_label(shape, num_tokens), run)
         if args.sweep:
             swept = [s for s in scenarios if s in SWEEP_SCENARIOS]
             run = functools.partial(run_sweep, report, setup, plan, swept)
             run_case(report, device, {"scenario": "sweep", "case": "sweep"}, run)
+        else:
+            run_all(report, setup, plan, scenarios)
     finally:
         if sink is not None:
             sink.close()

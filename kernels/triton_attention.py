@@ -374,7 +374,9 @@ def _extend_kernel(
         tile 1: new tokens 2-3 (positions 8-9)  keys 0..7 unmasked, keys 8..9 on the diagonal
         tile 2: new token 4 (position 10)       rows 2-3 are padding and repeat token 4
     """
-    tile_id = tl.program_id(0)
+    # Highest tiles first: a sequence's later tiles see more keys, and starting the longest
+    # programs first keeps SMs from idling at the end of a causal prefill.
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _last_start_at_or_before(query_start_loc_ptr, tile_id, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)

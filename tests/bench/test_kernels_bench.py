@@ -105,7 +105,9 @@ def test_sweep_times_every_configuration_and_checks_it():
     pytest.importorskip("triton")
     done = _run("--smoke", "--sweep", "--only", "decode,prefill")
     assert done.returncode == 0, done.stderr[-3000:]
-    sweep = [r for r in _records(done.stdout) if r["kind"] == "sweep"]
+    records = _records(done.stdout)
+    assert [r["kind"] for r in records] == ["env"] + ["sweep"] * 4  # instead of the regular run
+    sweep = records[1:]
     # The smoke plan: 2 decode configs on one case, 2 prefill configs (block_m 32 and 64).
     assert [(r["scenario"], r["config"]["tile"], r["config"]["block_m"]) for r in sweep] == [
         ("decode", 32, 0),

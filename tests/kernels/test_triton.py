@@ -4,8 +4,8 @@ float64 attention.
 Without a GPU (CI) these run the real Triton kernels under Triton's interpreter
 (TRITON_INTERPRET=1, set in tests/conftest.py), which executes every program of the grid with
 numpy: same kernel code, same index arithmetic, same masks; only the compiler and the hardware are
-left out. The interpreter computes in float32 (numpy has no bfloat16), so the coverage list's
-fp16/bf16 cases run on the GPU, in `python -m bench.kernels`.
+left out. The coverage list's dtypes: float32 throughout, float16 once; bfloat16 only on the
+GPU (`python -m bench.kernels`), as the interpreter cannot compute a bf16 tl.dot.
 
 Tolerance: float32 against float64 dense attention, atol = rtol = 1e-5, as for the reference (the
 observed error is about 2e-6: softmax rounding summed over a few hundred keys).
@@ -194,6 +194,22 @@ def test_num_decode_splits_fills_the_machine_from_shapes():
     assert triton_attention.num_decode_splits(8, 1, 8192, cpu) == 1
     assert triton_attention.num_decode_splits(1, 1, 700, cpu) == 2  # 256+ keys per slice
     assert triton_attention.num_decode_splits(1, 1, 255, cpu) == 1
+
+
+@pytest.mark.parametrize("seqs", [MIXED, [(0, 1), (40, 1), (300, 1)]], ids=["extend", "decode"])
+def test_float16_close_to_float64(seqs):
+    # The interpreter runs fp16 tl.dot for real (not bf16: it would multiply raw bit patterns,
+    # triton-lang/triton#11584, so bf16 is checked on the GPU by bench.kernels). fp16 keeps 11
+    # significant bits; 5e-3 bounds the rounding of q, K, V, P and the output.
+    batch = make_batch(
+        seqs, num_heads=9, num_kv_heads=3, head_dim=128, block_size=16, dtype=torch.float16
+    )
+    scale = 1 / math.sqrt(128)
+    got = triton_run(batch, scale)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(
+        got.float(), dense_attention(batch, scale).float(), atol=5e-3, rtol=5e-3
+    )
 
 
 # ------------------------------------------------------------------------ robustness, layout

@@ -154,3 +154,17 @@ def test_serve_on_a_busy_port_is_a_clear_error(tiny_llama_dir):
         )
     assert res.returncode == 2
     assert f"error: could not serve on 127.0.0.1:{port}" in res.stderr
+
+
+def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path):
+    # TRITON_INTERPRET=1 (tests/conftest.py, inherited) lets the Triton kernels run on CPU.
+    res = _run(
+        "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+        "--attention-backend", "triton", "--num-prompts", "2", "--input-len", "6",
+        "--output-len", "3", "--json", str(tmp_path / "tp.json"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "float32 on cpu, triton attention" in res.stderr  # the default on CPU is torch
+    assert json.loads((tmp_path / "tp.json").read_text())["num_output_tokens"] == 6
+    res = _run("bench", "throughput", "--attention-backend", "flash", timeout=60)
+    assert res.returncode == 2 and "invalid choice: 'flash'" in res.stderr
