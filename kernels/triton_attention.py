@@ -226,9 +226,11 @@ def _decode_kernel(
     split = tl.program_id(2)
 
     # In a pure decode step token i is sequence i: two loads confirm it and skip the search.
-    if (tl.load(query_start_loc_ptr + token) == token) & (
-        tl.load(query_start_loc_ptr + token + 1) == token + 1
-    ):
+    # (Masked: with more tokens than sequences, token + 1 may lie past query_start_loc's end.)
+    own = token < num_seqs
+    start = tl.load(query_start_loc_ptr + token, mask=own, other=-1)
+    end = tl.load(query_start_loc_ptr + token + 1, mask=own, other=-1)
+    if (start == token) & (end == token + 1):
         seq = token
     else:
         seq = _last_start_at_or_before(query_start_loc_ptr, token, num_seqs, 0)
@@ -551,7 +553,10 @@ def decode(
     config: KernelConfig | None = None,
 ) -> None:
     """The decode kernel with a given number of context slices (tests force several) and
-    optionally a launch configuration (the benchmark sweeps them)."""
+    optionally a launch configuration (the benchmark sweeps them).
+
+    Correct for any batch layout (each program handles one token), but it reads each token's
+    keys on its own, so `paged_attention` uses it only when every sequence has one new token."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

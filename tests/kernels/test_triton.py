@@ -181,6 +181,13 @@ def test_decode_kernel_handles_any_layout():
     check(decode_run(batch, 0.125, 3), batch, 0.125)
 
 
+def test_decode_kernel_is_correct_for_a_mixed_batch_too():
+    # More tokens than sequences: the fast "token i is sequence i" test must not read past the
+    # end of query_start_loc, and every token finds its sequence by the binary search.
+    batch = make_batch(MIXED, num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, seed=5)
+    check(decode_run(batch, 0.125, 2), batch, 0.125)
+
+
 def test_extend_kernel_runs_decode_steps_too():
     seqs = [(0, 1), (15, 1), (40, 1)]
     batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=2)
