@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import kernels
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
@@ -65,6 +66,41 @@ def test_triton_backend_greedy_equals_torch_backend_and_transformers(
     assert with_triton == expected
     assert launches["decode"] > 0 and launches["extend"] > 0, launches
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral_dir(tmp_path_factory):
+    """A tiny random Mistral checkpoint with an 8-token sliding window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=8, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-mistral")
+    MistralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_sliding_window_model_matches_transformers_on_both_backends(tiny_mistral_dir):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 9, 20, 33)]
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny_mistral_dir, dtype="float32", attn_implementation="eager"
+    ).eval()
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    hf.config.sliding_window = None  # the window matters: without it the tokens differ
+    assert [hf_greedy(hf, p, 12) for p in prompts] != expected
+    options = dict(num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
+    llm, with_torch = _generate(tiny_mistral_dir, "torch", prompts, **options)
+    assert llm.engine.model_config.sliding_window == 8
+    _, with_triton = _generate(tiny_mistral_dir, "triton", prompts, **options)
+    assert with_torch == expected
+    assert with_triton == expected
 
 
 def test_triton_backend_after_a_prefix_cache_hit(tiny_llama_dir):
