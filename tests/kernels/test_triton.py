@@ -20,6 +20,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kernels
 from kernels import reference, triton_attention
@@ -217,6 +219,30 @@ def test_float16_close_to_float64(seqs):
     torch.testing.assert_close(
         got.float(), dense_attention(batch, scale).float(), atol=5e-3, rtol=5e-3
     )
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 150), st.integers(0, 6)), min_size=1, max_size=4).filter(
+        lambda seqs: all(c + n > 0 for c, n in seqs) and any(n > 0 for _, n in seqs)
+    ),
+    heads=st.sampled_from(HEADS),
+    block_size=st.sampled_from([8, 16, 32]),
+    sliding_window=st.one_of(st.none(), st.integers(1, 100)),
+    num_splits=st.integers(1, 5),
+)
+def test_random_batches_match_dense(seqs, heads, block_size, sliding_window, num_splits):
+    # Any mix of cached and new lengths (new = 0 included), through the public entry (which picks
+    # the kernel from the shapes) and through the decode kernel with a random number of splits.
+    # Few new tokens per sequence: the interpreter runs the decode kernel once per token.
+    batch = make_batch(
+        seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64, block_size=block_size,
+        seed=len(seqs),
+    )  # fmt: skip
+    want = dense_attention(batch, 0.125, sliding_window).float()
+    torch.testing.assert_close(triton_run(batch, 0.125, sliding_window=sliding_window), want, **TOL)
+    got = decode_run(batch, 0.125, num_splits, sliding_window)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 # ------------------------------------------------------------------------ robustness, layout
