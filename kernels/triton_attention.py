@@ -10,6 +10,8 @@ Same signatures and semantics as the reference; the differences are all about sp
   heads that share the KV head are processed together as the rows of one `tl.dot`, so each K/V
   tile is read once per group. When there are too few (token, KV head) pairs to fill the GPU, the
   context is split and the partial results are merged by their log-sum-exp in a second kernel.
+  (Each program finds its token's sequence and position itself, so the kernel is correct for any
+  layout; num_tokens == num_seqs with some sequence at 0 new tokens and another at 2 is fine.)
 * Prefill / extend / mixed batches (anything else): one launch over "query tiles". A tile holds
   BLOCK_Q consecutive new tokens of one sequence times the G heads of one KV head, folded into
   BLOCK_M = BLOCK_Q * G rows (plus padding), and walks the sequence's cached prefix and its own
