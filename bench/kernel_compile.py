@@ -152,7 +152,7 @@ def compile_all(arch: int) -> list[dict[str, Any]]:
     from kernels import triton_attention
 
     # The wrappers refuse CPU tensors outside the interpreter; here nothing is launched.
-    triton_attention._check_runnable = lambda device: None
+    triton_attention.check_runnable = lambda device: None
     tool_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     records = []
     for variant in VARIANTS:

@@ -114,6 +114,9 @@ class LLMEngine:
                 f"{mc.max_position_embeddings}"
             )
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.attention_ops = kernels.get_backend(self.attention_backend)
+        if self.attention_backend == "triton":  # refuse now, not at the first step after loading
+            self.attention_ops.check_runnable(self.device)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
 
@@ -166,7 +169,7 @@ class LLMEngine:
                 model = LlamaForCausalLM(
                     self.model_config,
                     self.max_model_len,
-                    attention_ops=kernels.get_backend(self.attention_backend),
+                    attention_ops=self.attention_ops,
                 )
         finally:
             torch.set_default_dtype(previous)

@@ -42,6 +42,7 @@ from kernels.validation import check_paged_attention_args, check_reshape_and_cac
 __all__ = [
     "INTERPRETED",
     "KernelConfig",
+    "check_runnable",
     "decode",
     "decode_config",
     "extend",
@@ -112,7 +113,7 @@ def reshape_and_cache(
     check would need the slots on the host.
     """
     check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    _check_runnable(key.device)
+    check_runnable(key.device)
     _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -490,7 +491,7 @@ def paged_attention(
     check_paged_attention_args(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
     )
-    _check_runnable(q.device)
+    check_runnable(q.device)
     _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -740,7 +741,9 @@ def _check_inner_contiguous(**caches: torch.Tensor) -> None:
 INTERPRETED: bool = not isinstance(_decode_kernel, triton.runtime.JITFunction)
 
 
-def _check_runnable(device: torch.device) -> None:
+def check_runnable(device: torch.device) -> None:
+    """Raise ValueError unless the kernels can run on `device` (CUDA, or anything under the
+    interpreter)."""
     if device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             f"the Triton attention kernels need CUDA tensors, got tensors on {device}. Use the "

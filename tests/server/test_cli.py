@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -168,3 +169,12 @@ def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path):
     assert json.loads((tmp_path / "tp.json").read_text())["num_output_tokens"] == 6
     res = _run("bench", "throughput", "--attention-backend", "flash", timeout=60)
     assert res.returncode == 2 and "invalid choice: 'flash'" in res.stderr
+    # Without the interpreter the Triton kernels cannot take CPU tensors: refused before loading.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [PAGEDSERVE, "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+         "--attention-backend", "triton"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "error: the Triton attention kernels need CUDA tensors, got tensors on cpu" in res.stderr
