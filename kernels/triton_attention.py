@@ -586,15 +586,7 @@ def decode(
         block_tables.shape[0],
         float(scale) * LOG2_E,
         sliding_window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, v_cache, block_tables, out),
         NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -657,15 +649,7 @@ def extend(
         num_seqs,
         float(scale) * LOG2_E,
         sliding_window or 0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
@@ -703,6 +687,28 @@ def extend_config(head_dim: int, group: int) -> KernelConfig:
     # 128 query rows (128 // group tokens) against 64-key tiles, as in FlashAttention-2.
     block_m = 128 if group <= 128 else triton.next_power_of_2(group)
     return KernelConfig(tile=64, num_warps=8 if head_dim > 64 else 4, num_stages=2, block_m=block_m)
+
+
+def _strides(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, ...]:
+    """The attention kernels' stride arguments, in their order. A cache slot (block * block_size
+    + offset) steps by stride(1): the validation checks stride(0) == block_size * stride(1)."""
+    return (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+    )
 
 
 def _block_d(head_dim: int) -> int:
