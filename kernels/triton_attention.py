@@ -181,10 +181,47 @@ def _online_softmax_step(s, v, m, row_sum, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _key_offsets(block_tables_ptr, seq, bt_stride, n, valid, BLOCK_SIZE: tl.constexpr):
-    """Cache offsets (in slots) of key positions `n` of sequence `seq`; 0 where not `valid`."""
-    block = tl.load(block_tables_ptr + seq * bt_stride + n // BLOCK_SIZE, mask=valid, other=0)
-    return block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq,
+    bt_stride,
+    n,
+    valid,
+    kv_head,
+    k_stride_slot,
+    k_stride_h,
+    v_stride_slot,
+    v_stride_h,
+    d,
+    d_ok,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """K (transposed, [BLOCK_D, TILE]) and V ([TILE, BLOCK_D]) of key positions `n` of sequence
+    `seq`, read through its block table. With MASKED, positions not `valid` are neither looked up
+    nor loaded (they read as 0); without it every position must lie in the context."""
+    if MASKED:
+        block = tl.load(block_tables_ptr + seq * bt_stride + n // BLOCK_SIZE, mask=valid, other=0)
+        k_mask = valid[None, :] & d_ok[:, None]
+        v_mask = valid[:, None] & d_ok[None, :]
+    else:
+        block = tl.load(block_tables_ptr + seq * bt_stride + n // BLOCK_SIZE)
+        k_mask = d_ok[:, None]
+        v_mask = d_ok[None, :]
+    slots = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+    k = tl.load(
+        k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
+        mask=k_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
+        mask=v_mask,
+        other=0.0,
+    )
+    return k, v
 
 
 # -------------------------------------------------------------------------------------- decode
@@ -268,19 +305,12 @@ def _decode_kernel(
     for i in range(first_tile, last_tile):
         n = tile_lo + i * TILE + tl.arange(0, TILE)
         valid = (n >= kv_lo) & (n < kv_end)
-        slots = _key_offsets(block_tables_ptr, seq, bt_stride, n, valid, BLOCK_SIZE)
-        k = tl.load(
-            k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
-            mask=valid[None, :] & d_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_D, TILE]
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, valid, kv_head,
+            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, True,
+        )  # fmt: skip
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE]
         s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
-            mask=valid[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [TILE, BLOCK_D]
         m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
 
     if NUM_SPLITS == 1:
@@ -420,38 +450,24 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(tile_lo, unmasked_end, TILE):
         n = start + tl.arange(0, TILE)
-        slots = _key_offsets(block_tables_ptr, seq, bt_stride, n, n >= 0, BLOCK_SIZE)
-        k = tl.load(
-            k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
-            mask=d_ok[:, None],
-            other=0.0,
-        )
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, n >= 0, kv_head,
+            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, False,
+        )  # fmt: skip
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
-            mask=d_ok[None, :],
-            other=0.0,
-        )
         m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
     for start in range(unmasked_end, kv_end, TILE):
         n = start + tl.arange(0, TILE)
         in_range = (n >= kv_lo) & (n < kv_end)
-        slots = _key_offsets(block_tables_ptr, seq, bt_stride, n, in_range, BLOCK_SIZE)
-        k = tl.load(
-            k_cache_ptr + slots[None, :] * k_stride_slot + kv_head * k_stride_h + d[:, None],
-            mask=in_range[None, :] & d_ok[:, None],
-            other=0.0,
-        )
+        k, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, in_range, kv_head,
+            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, True,
+        )  # fmt: skip
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         visible = in_range[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible &= n[None, :] > pos[:, None] - sliding_window
         s = tl.where(visible, s, float("-inf"))
-        v = tl.load(
-            v_cache_ptr + slots[:, None] * v_stride_slot + kv_head * v_stride_h + d[None, :],
-            mask=in_range[:, None] & d_ok[None, :],
-            other=0.0,
-        )
         m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
 
     out = acc / row_sum[:, None]
