@@ -38,6 +38,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # "auto" = $PAGEDSERVE_ATTENTION_BACKEND, else triton on CUDA and torch on CPU
     attention_backend: str = "auto"
+    # CUDA only: the share of the GPU's memory the engine may use (weights, activations at the
+    # largest step, CUDA graphs and the KV cache, which gets whatever is left).
+    gpu_memory_utilization: float = 0.9
+    # CUDA only: run every step eagerly instead of replaying captured CUDA graphs for decode.
+    enforce_eager: bool = False
+    # Largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512).
+    max_cuda_graph_batch_size: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,6 +57,13 @@ class EngineConfig:
                 f"attention_backend must be 'auto' or one of {list(BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
+        if not isinstance(self.gpu_memory_utilization, float | int) or not (
+            0.0 < self.gpu_memory_utilization <= 1.0
+        ):
+            raise ValueError(
+                "gpu_memory_utilization must be in (0, 1], the share of GPU memory to use, "
+                f"got {self.gpu_memory_utilization!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in (
@@ -59,6 +73,7 @@ class EngineConfig:
             "max_model_len",
             "kv_cache_memory",
             "num_kv_blocks",
+            "max_cuda_graph_batch_size",
         ):
             value = getattr(self, name)
             if value is not None and (

@@ -41,6 +41,24 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="paged attention kernels: triton (default on CUDA) or torch (default on CPU); "
         "auto also reads $PAGEDSERVE_ATTENTION_BACKEND",
     )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: share of GPU memory for weights, activations, CUDA graphs and the KV cache "
+        "(the KV cache gets what the profiling step leaves); ignored on CPU",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    p.add_argument(
+        "--max-cuda-graph-batch-size",
+        type=int,
+        default=None,
+        help="largest decode batch captured as a CUDA graph (default: --max-num-seqs, <= 512)",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -60,6 +78,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         else int(args.kv_cache_memory * GiB),
         "enable_prefix_caching": not args.no_prefix_caching,
         "attention_backend": args.attention_backend,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+        "max_cuda_graph_batch_size": args.max_cuda_graph_batch_size,
         "seed": args.seed,
     }
 
