@@ -67,6 +67,25 @@ class KVCachePlan:
         )
 
 
+def gpu_kv_cache_budget(total: int, utilization: float, in_use: int, peak_activation: int) -> int:
+    """Bytes left for the KV cache on a GPU of `total` bytes of which the engine may use
+    `utilization`: what is already in use (weights, the CUDA context, other processes) and the
+    activation peak of the largest step both come out of that share.
+
+        budget = total x utilization - in use - activation peak
+    """
+    budget = int(total * utilization) - in_use - peak_activation
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache: {utilization:.2f} x {total / GiB:.1f} GiB = "
+            f"{total * utilization / GiB:.2f} GiB allowed, {in_use / GiB:.2f} GiB already in use "
+            f"(weights, CUDA context, other processes) and {peak_activation / GiB:.2f} GiB for "
+            "the activations of the largest step; raise --gpu-memory-utilization or lower "
+            "--max-num-batched-tokens / --max-num-seqs"
+        )
+    return budget
+
+
 def plan_kv_cache(
     config: ModelConfig,
     dtype: torch.dtype,

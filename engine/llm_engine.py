@@ -18,11 +18,19 @@ import kernels
 from engine.config import ModelConfig
 from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.cpu_linear import can_pack
+from engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.engine_config import EngineConfig
-from engine.kv_cache import KVCachePlan, allocate_kv_caches, plan_kv_cache
+from engine.kv_cache import (
+    GiB,
+    KVCachePlan,
+    allocate_kv_caches,
+    gpu_kv_cache_budget,
+    kv_bytes_per_token,
+    plan_kv_cache,
+)
 from engine.model import LlamaForCausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, profile_step
 from engine.model_source import ModelSource, resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampler import TokenLogprobs
@@ -134,26 +142,36 @@ class LLMEngine:
             time.perf_counter() - start,
         )
 
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs
+        )
+        kv_memory = config.kv_cache_memory
+        if self.device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
+            kv_memory = self._profile_kv_cache_budget()
         self.kv_plan: KVCachePlan = plan_kv_cache(
             mc,
             self.dtype,
             config.block_size,
             self.max_model_len,
-            memory_bytes=config.kv_cache_memory,
+            memory_bytes=kv_memory,
             num_blocks=config.num_kv_blocks,
         )
         logger.info(self.kv_plan.describe())
         kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
         self.runner = ModelRunner(
-            self.model, kv_caches, config.block_size, self.device, config.seed
+            self.model,
+            kv_caches,
+            config.block_size,
+            self.device,
+            config.seed,
+            graphs=self._capture_decode_graphs(kv_caches),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.kv_plan.num_blocks,
                 block_size=config.block_size,
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens
-                or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs),
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
             )
@@ -177,6 +195,75 @@ class LLMEngine:
         if can_pack(self.device, self.dtype):
             model.pack_linear_weights()
         return model.eval()
+
+    def _profile_kv_cache_budget(self) -> int:
+        """GPU bytes for the KV cache: run the largest possible step once (all of
+        max_num_batched_tokens, sampled by as many sequences as may run) on a scratch cache,
+        measure its activation peak, and give the KV cache what the --gpu-memory-utilization
+        share leaves after that peak and everything already in use."""
+        device, mc, block_size = self.device, self.model_config, self.config.block_size
+        step = profile_step(
+            self.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            block_size,
+            self.max_model_len,
+            mc.vocab_size,
+        )
+        num_blocks = sum(len(s.block_table) for s in step.scheduled)
+        scratch = KVCachePlan(
+            num_blocks, block_size, kv_bytes_per_token(mc, self.dtype), self.max_model_len
+        )
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        caches = allocate_kv_caches(mc, scratch, self.dtype, device)
+        ModelRunner(self.model, caches, block_size, device, self.config.seed).execute(step, {})
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - baseline - scratch.total_bytes
+        del caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        utilization = self.config.gpu_memory_utilization
+        budget = gpu_kv_cache_budget(total, utilization, total - free, peak)
+        logger.info(
+            "GPU memory: %.1f GiB total, %.2f GiB in use (weights %.2f GiB), %.2f GiB activation "
+            "peak for a %d-token step; KV cache gets %.2f GiB (--gpu-memory-utilization %.2f)",
+            total / GiB,
+            (total - free) / GiB,
+            sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB,
+            peak / GiB,
+            self.max_num_batched_tokens,
+            budget / GiB,
+            utilization,
+        )
+        return budget
+
+    def _capture_decode_graphs(self, kv_caches: list) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, unless on CPU, --enforce-eager, or an attention backend
+        that synchronises with the host (the torch reference cannot be captured)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.attention_backend != "triton":
+            logger.info(
+                "CUDA graphs off: the %s attention backend cannot be captured",
+                self.attention_backend,
+            )
+            return None
+        max_batch = min(
+            self.config.max_cuda_graph_batch_size or self.config.max_num_seqs,
+            self.config.max_num_seqs,
+            MAX_CAPTURE_BATCH_SIZE,
+        )
+        graphs = DecodeGraphs(
+            self.model,
+            kv_caches,
+            max_batch,
+            -(-self.max_model_len // self.config.block_size),
+            self.device,
+        )
+        graphs.capture_all()
+        return graphs
 
     # ---- requests --------------------------------------------------------------------------------
 

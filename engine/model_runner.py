@@ -12,9 +12,17 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention_metadata import AttentionMetadata
+from engine.cuda_graph import DecodeGraphs
 from engine.model import KVCache, LlamaForCausalLM
-from engine.sampler import Sampler, SamplingRow, TokenLogprobs, needs_history, token_logprobs
-from scheduler import Request, ScheduledRequest, SchedulerOutput
+from engine.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    needs_history,
+    to_device,
+    token_logprobs,
+)
+from scheduler import Request, SamplingParams, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,8 @@ class ModelInputs:
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """Flatten the scheduled chunks into one token batch.
+    """Flatten the scheduled chunks into one token batch, built on the host and sent to
+    `device` with non-blocking copies from pinned memory (no host sync).
 
     seq i: token_ids[i] at positions start_i .. start_i + len_i - 1
     query_start_loc = cumsum([0, len_0, len_1, ...]); seq_lens_i = start_i + len_i
@@ -77,22 +86,25 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         torch.cat(prompt_rows) if prompt_rows else torch.empty(0, dtype=torch.long)
     )
     meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        seq_lens=seq_lens.to(device),
-        query_start_loc=query_start_loc.to(torch.int32).to(device),
+        slot_mapping=to_device(slot_mapping, torch.long, device),
+        block_tables=to_device(block_tables, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        query_start_loc=to_device(query_start_loc.to(torch.int32), torch.int32, device),
     )
     return ModelInputs(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        input_ids=to_device(input_ids, torch.long, device),
+        positions=to_device(positions, torch.long, device),
         meta=meta,
-        logits_indices=logits_indices.to(device),
+        logits_indices=to_device(logits_indices, torch.long, device),
         sampling_request_ids=[scheduled[i].request_id for i in sample_rows],
-        prompt_logprob_indices=prompt_logprob_indices.to(device),
+        prompt_logprob_indices=to_device(prompt_logprob_indices, torch.long, device),
     )
 
 
 class ModelRunner:
+    """`graphs`, when set, runs the decode steps that fit it (see engine/cuda_graph.py); every
+    other step runs the model eagerly."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -100,30 +112,39 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
         if not out.scheduled:
             return RunnerOutput({}, {})
         inputs = prepare_inputs(out, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(out, hidden, inputs.prompt_logprob_indices)
         if not inputs.sampling_request_ids:
             return RunnerOutput({}, {}, prompt_logprobs)  # only partial prefill chunks this step
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [_sampling_row(by_id[rid], requests.get(rid)) for rid in inputs.sampling_request_ids]
-        result = self.sampler(logits.cpu(), rows)
+        result = self.sampler(logits, rows)
         ids = inputs.sampling_request_ids
         sampled = dict(zip(ids, result.token_ids, strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        num_tokens = inputs.input_ids.shape[0]
+        num_seqs, width = inputs.meta.block_tables.shape
+        if self.graphs is not None and self.graphs.can_run(num_tokens, num_seqs, width):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, hidden: torch.Tensor, indices: torch.Tensor
@@ -159,4 +180,37 @@ def _sampling_row(scheduled: ScheduledRequest, request: Request | None) -> Sampl
         scheduled.num_output_tokens,
         prompt_token_ids=request.prompt_token_ids if want_prompt else None,
         output_token_ids=list(request.output_token_ids) if want_output else None,
+    )
+
+
+def profile_step(
+    num_tokens: int, max_num_seqs: int, block_size: int, max_model_len: int, vocab_size: int
+) -> SchedulerOutput:
+    """The largest step the scheduler can hand the runner: `num_tokens` prompt tokens spread over
+    as many sequences as may sample (each sampling with top-k and top-p, the sampler's costliest
+    path), on consecutive blocks from 0. Run once at start-up to measure peak GPU memory."""
+    num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // (max_model_len - 1)))
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+    scheduled = []
+    next_block = 0
+    for i in range(num_seqs):
+        length = num_tokens // num_seqs + (i < num_tokens % num_seqs)
+        num_blocks = -(-length // block_size)
+        scheduled.append(
+            ScheduledRequest(
+                request_id=f"profile-{i}",
+                token_ids=tuple((7 * j + i) % vocab_size for j in range(length)),
+                start_position=0,
+                block_table=tuple(range(next_block, next_block + num_blocks)),
+                sampling_params=params,
+                sample=True,
+                num_output_tokens=0,
+            )
+        )
+        next_block += num_blocks
+    return SchedulerOutput(
+        scheduled=tuple(scheduled),
+        num_scheduled_tokens=num_tokens,
+        preempted_request_ids=(),
+        finished_request_ids=(),
     )

@@ -44,7 +44,11 @@ def needs_history(params: SamplingParams) -> tuple[bool, bool]:
 
 
 class Sampler:
-    """Samples one token per row of logits [num_rows, vocab]."""
+    """Samples one token per row of logits [num_rows, vocab], on the logits' device.
+
+    The whole batch is handled by tensor ops; per-row parameters travel to the device in a few
+    small non-blocking copies, and the only device-to-host transfer is the sampled ids (plus the
+    logprobs of rows that asked for them)."""
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -52,63 +56,99 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
-        logits = logits.float()
-        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logits = logits
+        logits = self._apply_penalties(logits.float(), rows)
+        greedy = [_is_greedy(r.params) for r in rows]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            randoms = [i for i, g in enumerate(greedy) if not g]
+            if len(randoms) == len(rows):  # the common case: no row copies
+                probs = _filtered_probs(logits, [r.params for r in rows])
+                token_ids = inverse_cdf_sample(probs, self._uniforms(rows, logits.device))
+            else:
+                idx = to_device(randoms, torch.long, logits.device)
+                sampled_rows = [rows[i] for i in randoms]
+                probs = _filtered_probs(logits[idx], [r.params for r in sampled_rows])
+                drawn = inverse_cdf_sample(probs, self._uniforms(sampled_rows, logits.device))
+                token_ids = logits.argmax(dim=-1).index_copy_(0, idx, drawn)
+
         # Logprobs describe the model's distribution before any penalty or temperature.
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = self._apply_penalties(logits, rows)
-
-        token_ids = torch.empty(len(rows), dtype=torch.long)
-        greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
-        if greedy:
-            idx = torch.tensor(greedy)
-            token_ids[idx] = logits[idx].argmax(dim=-1)
-        randoms = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
-        if len(randoms) == len(rows):  # the common case: no row copies
-            probs = _filtered_probs(logits, [r.params for r in rows])
-            token_ids = self._draw(probs, rows)
-        elif randoms:
-            idx = torch.tensor(randoms)
-            probs = _filtered_probs(logits[idx], [rows[i].params for i in randoms])
-            token_ids[idx] = self._draw(probs, [rows[i] for i in randoms])
-
-        chosen = token_ids.tolist()
-        logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            for i, row in enumerate(rows):
-                if want_logprobs[i]:
-                    logprobs[i] = _logprobs_of(raw_logprobs[i], chosen[i], row.params.logprobs or 0)
-        return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if asking:
+            idx = to_device(asking, torch.long, logits.device)
+            ks = [rows[i].params.logprobs or 0 for i in asking]
+            entries = token_logprobs(raw_logits[idx], token_ids[idx], ks)
+            for i, entry in zip(asking, entries, strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Repetition, frequency and presence penalties for every row at once, from flat
+        (row, token id) index lists: one gather/scatter per kind instead of one per row."""
+        rep_rows, rep_ids, rep_values = [], [], []
+        out_rows, out_ids = [], []
         for i, row in enumerate(rows):
             p = row.params
             if p.repetition_penalty != 1.0 and row.prompt_token_ids is not None:
-                seen = torch.tensor(row.prompt_token_ids + (row.output_token_ids or []))
-                vals = logits[i, seen]
-                # As in the CTRL paper and HF: shrink positive logits, push negative ones further.
-                logits[i, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
+                seen = row.prompt_token_ids + (row.output_token_ids or [])
+                rep_rows += [i] * len(seen)
+                rep_ids += seen
+                rep_values.append(p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-                counts = torch.bincount(
-                    torch.tensor(row.output_token_ids), minlength=logits.shape[1]
-                )[: logits.shape[1]].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
-                    logits.dtype
-                )
+                out_rows += [i] * len(row.output_token_ids)
+                out_ids += row.output_token_ids
+        device = logits.device
+        if rep_rows or out_rows:
+            logits = logits.clone()  # the caller's logits still give the unpenalised logprobs
+        if rep_rows:
+            r = to_device(rep_rows, torch.long, device)
+            t = to_device(rep_ids, torch.long, device)
+            penalty = to_device(
+                [rows[i].params.repetition_penalty for i in range(len(rows))], logits.dtype, device
+            )[r]
+            vals = logits[r, t]
+            # As in the CTRL paper and HF: shrink positive logits, push negative ones further.
+            # (A token seen twice is written twice with the same value.)
+            logits[r, t] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        if out_rows:
+            counts = torch.zeros_like(logits)
+            counts.index_put_(
+                (to_device(out_rows, torch.long, device), to_device(out_ids, torch.long, device)),
+                torch.ones((), dtype=logits.dtype, device=device),
+                accumulate=True,
+            )
+            freq = to_device([r.params.frequency_penalty for r in rows], logits.dtype, device)
+            pres = to_device([r.params.presence_penalty for r in rows], logits.dtype, device)
+            logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(logits.dtype)
         return logits
 
-    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        # One uniform number per row; a seeded row draws it from its own (seed, position) stream.
+    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One uniform number per row, drawn on the host (so seeds reproduce on any device): a
+        seeded row from its own (seed, position) stream, the others from the engine's stream."""
         uniforms = torch.empty(len(rows), dtype=torch.float64)
+        unseeded = [i for i, row in enumerate(rows) if row.params.seed is None]
+        if unseeded:
+            draws = torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64)
+            uniforms[unseeded] = draws
         for i, row in enumerate(rows):
-            gen = self.generator
             if row.params.seed is not None:
                 seed = (row.params.seed * _SEED_STRIDE + row.num_output_tokens) % (2**63 - 1)
                 gen = torch.Generator().manual_seed(seed)
-            uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
-        return inverse_cdf_sample(probs, uniforms)
+                uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
+        return to_device(uniforms, torch.float64, device)
+
+
+def to_device(
+    values: list | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A host list or tensor on `device` without a host sync: through pinned memory with a
+    non-blocking copy on CUDA, as is on CPU."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def inverse_cdf_sample(
@@ -136,7 +176,8 @@ def inverse_cdf_sample(
     target = (uniforms * mass_cdf[:, -1]).unsqueeze(1)  # [rows, 1]
     c = torch.searchsorted(mass_cdf, target, right=True).clamp_(max=mass.shape[1] - 1)
     remaining = target - (mass_cdf.gather(1, c) - mass.gather(1, c))
-    inner = chunks[torch.arange(num_rows), c.squeeze(1)].double().cumsum(dim=-1)  # [rows, chunk]
+    rows = torch.arange(num_rows, device=probs.device)
+    inner = chunks[rows, c.squeeze(1)].double().cumsum(dim=-1)  # [rows, chunk]
     j = torch.searchsorted(inner, remaining, right=True)
     # Rounding can put `remaining` at or past the chunk's total: take its last non-zero token.
     last_nonzero = (inner < inner[:, -1:]).sum(dim=-1, keepdim=True)
@@ -149,18 +190,20 @@ def _is_greedy(p: SamplingParams) -> bool:
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks; returns probabilities [rows, vocab]."""
+    """Temperature, then top-k, top-p and min-p masks; returns probabilities [rows, vocab].
+    Which masks run is decided from the host-side params, never from device values."""
+    device = logits.device
     if any(p.temperature != 1.0 for p in params):
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        temps = to_device([p.temperature for p in params], logits.dtype, device)
         logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
     top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
     if any(k < vocab for k in top_ks) or any(p.top_p < 1.0 for p in params):
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor(top_ks).unsqueeze(1)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        ks = to_device(top_ks, torch.long, device).unsqueeze(1)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
         drop = ranks >= ks
-        top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype).unsqueeze(1)
+        top_ps = to_device([p.top_p for p in params], logits.dtype, device).unsqueeze(1)
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
         # already reaches top_p (the first token is always kept).
@@ -170,8 +213,8 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     probs = logits.softmax(dim=-1)
-    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
-    if (min_ps > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_ps = to_device([p.min_p for p in params], probs.dtype, device).unsqueeze(1)
         threshold = min_ps * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -206,15 +249,3 @@ def token_logprobs(
         )
         for i, k in enumerate(ks)
     ]
-
-
-def _logprobs_of(
-    row_logprobs: torch.Tensor, chosen: int, k: int
-) -> tuple[float, int, list[tuple[int, float]]]:
-    chosen_lp = row_logprobs[chosen]
-    rank = int((row_logprobs > chosen_lp).sum().item()) + 1
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        vals, ids = row_logprobs.topk(k)
-        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-    return float(chosen_lp.item()), rank, top

@@ -140,3 +140,39 @@ def test_inverse_cdf_sample_picks_exact_tokens():
     # Unnormalised rows work the same (u scales the total mass).
     got = inverse_cdf_sample(probs * 4, torch.tensor([0.25], dtype=torch.float64), chunk=4)
     assert got.tolist() == [2]
+
+
+def test_penalties_of_several_rows_are_applied_per_row():
+    # Three rows with different penalties in one batch: each row gets exactly its own.
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    rows = [
+        _row(prompt=[0, 0], output=[1], repetition_penalty=2.0),
+        _row(output=[2, 2, 1], frequency_penalty=0.5, presence_penalty=0.25),
+        _row(),  # no penalty
+    ]
+    before = logits.clone()
+    out = Sampler()._apply_penalties(logits, rows)
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0], [0.0, -0.75, -1.25, 0.0], [1.0] * 4]
+    assert torch.equal(logits, before)  # the caller's logits still give unpenalised logprobs
+
+
+def test_mixed_greedy_and_random_rows():
+    # Row 0 greedy, rows 1-2 sampled with seeds (top_k=1 is greedy too): the greedy rows take the
+    # argmax, the seeded row draws what it draws alone.
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.5, 0.2, 0.3], [1.0, 9.0, 2.0]]).log_softmax(-1)
+    rows = [_row(temperature=0), _row(seed=7, num_output_tokens=3), _row(top_k=1, logprobs=1)]
+    out = Sampler(seed=3)(logits, rows)
+    alone = Sampler(seed=11)(logits[1:2], [rows[1]]).token_ids[0]
+    assert out.token_ids == [1, alone, 1]
+    assert out.logprobs[:2] == [None, None]
+    chosen_lp, rank, top = out.logprobs[2]
+    assert rank == 1 and top[0][0] == 1 and chosen_lp == pytest.approx(top[0][1])
+
+
+def test_to_device_keeps_cpu_tensors_and_builds_lists():
+    from engine.sampler import to_device
+
+    t = torch.arange(3)
+    assert to_device(t, torch.long, torch.device("cpu")) is t
+    built = to_device([1.5, 2.5], torch.float64, torch.device("cpu"))
+    assert built.dtype == torch.float64 and built.tolist() == [1.5, 2.5]
