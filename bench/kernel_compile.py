@@ -1,11 +1,13 @@
-"""Compile the Triton attention kernels for a GPU architecture on a machine without a GPU.
+"""Compile the Triton kernels for a GPU architecture on a machine without a GPU.
 
     python -m bench.kernel_compile [--arch 90] [--json]
 
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile:
 a construct the interpreter accepts may still be rejected by Triton's compiler, and the compiled
 code may spill registers or need more shared memory than an SM has. This tool drives the real
-wrappers in `kernels.triton_attention` with small CPU tensors, swaps Triton's GPU driver for one
+wrappers in `kernels.triton_attention` (paged attention, KV-cache write) and
+`kernels.triton_fused` (norms, SwiGLU, rotary + cache write) with small CPU tensors, swaps
+Triton's GPU driver for one
 that only names the target, and turns each launch into a compile (`JITFunction.run` with
 warmup=True). Triton's bundled ptxas produces the cubin, and its cuobjdump reports the resources:
 registers per thread, local memory (spills) and shared memory.
@@ -39,14 +41,18 @@ class Variant:
     """One launch configuration: which wrapper, and the shapes and dtype that pick constexprs."""
 
     name: str
-    kind: str  # "decode" | "extend" | "cache"
+    # attention: "decode" | "extend" | "cache"; fused: "rms_norm" | "add_rms_norm" |
+    # "silu_and_mul" | "rotary_cache"
+    kind: str
     dtype: torch.dtype
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
     num_splits: int = 1
     sliding_window: int | None = None
     num_seqs: int = 3
+    hidden_size: int = 0  # the norms' row
+    intermediate_size: int = 0  # silu_and_mul's output row
 
 
 # What the engine and the benchmark launch: Llama-3 8B/1B heads (32/8, D 128/64), SmolLM2 (9/3),
@@ -66,7 +72,26 @@ VARIANTS = [
     Variant("extend-gqa8-fp32", "extend", torch.float32, 16, 2, 64),
     Variant("cache-8b", "cache", torch.bfloat16, 32, 8, 128),
     Variant("cache-smollm2-fp32", "cache", torch.float32, 9, 3, 64),
+    # The fused layer ops at Llama-3 1B / 8B / 70B, SmolLM2 and Qwen2-0.5B sizes: rows of 576 to
+    # 8192 (1 to 16 warps), masked rows (576, 896, 1536) and GQA 1-8 head layouts.
+    Variant("rms-norm-1b", "rms_norm", torch.bfloat16, hidden_size=2048),
+    Variant("rms-norm-8b-fp16", "rms_norm", torch.float16, hidden_size=4096),
+    Variant("rms-norm-70b", "rms_norm", torch.bfloat16, hidden_size=8192),
+    Variant("rms-norm-smollm2-fp32", "rms_norm", torch.float32, hidden_size=576),
+    Variant("add-rms-norm-1b", "add_rms_norm", torch.bfloat16, hidden_size=2048),
+    Variant("add-rms-norm-70b", "add_rms_norm", torch.bfloat16, hidden_size=8192),
+    Variant("add-rms-norm-qwen2-fp32", "add_rms_norm", torch.float32, hidden_size=896),
+    Variant("silu-mul-1b", "silu_and_mul", torch.bfloat16, intermediate_size=8192),
+    Variant("silu-mul-8b", "silu_and_mul", torch.bfloat16, intermediate_size=14336),
+    Variant("silu-mul-smollm2-fp32", "silu_and_mul", torch.float32, intermediate_size=1536),
+    Variant("rotary-cache-1b", "rotary_cache", torch.bfloat16, 32, 8, 64),
+    Variant("rotary-cache-8b", "rotary_cache", torch.bfloat16, 32, 8, 128),
+    Variant("rotary-cache-70b", "rotary_cache", torch.bfloat16, 64, 8, 128),
+    Variant("rotary-cache-smollm2-fp32", "rotary_cache", torch.float32, 9, 3, 64),
+    Variant("rotary-cache-qwen2-fp16", "rotary_cache", torch.float16, 14, 2, 64),
 ]
+
+FUSED_KINDS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_cache")
 
 
 def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
@@ -102,6 +127,9 @@ def _launch(variant: Variant) -> None:
     """Call the public wrapper (or the decode entry with a forced split) on CPU tensors."""
     from kernels import triton_attention
 
+    if variant.kind in FUSED_KINDS:
+        _launch_fused(variant)
+        return
     block_size, context = 16, 40
     dtype, hq, hkv, d = variant.dtype, variant.num_heads, variant.num_kv_heads, variant.head_dim
     num_seqs = variant.num_seqs
@@ -122,6 +150,30 @@ def _launch(variant: Variant) -> None:
         triton_attention.decode(*args, variant.sliding_window, out, variant.num_splits)
     else:
         triton_attention.paged_attention(*args, sliding_window=variant.sliding_window)
+
+
+def _launch_fused(variant: Variant) -> None:
+    from kernels import triton_fused
+
+    dtype, num_tokens = variant.dtype, 8
+    if variant.kind in ("rms_norm", "add_rms_norm"):
+        x = torch.zeros(num_tokens, variant.hidden_size, dtype=dtype)
+        weight = torch.ones(variant.hidden_size, dtype=dtype)
+        if variant.kind == "rms_norm":
+            triton_fused.rms_norm(x, weight, 1e-5)
+        else:
+            triton_fused.fused_add_rms_norm(x, torch.zeros_like(x), weight, 1e-5)
+    elif variant.kind == "silu_and_mul":
+        triton_fused.silu_and_mul(
+            torch.zeros(num_tokens, 2 * variant.intermediate_size, dtype=dtype)
+        )
+    else:
+        hq, hkv, d = variant.num_heads, variant.num_kv_heads, variant.head_dim
+        qkv = torch.zeros(num_tokens, (hq + 2 * hkv) * d, dtype=dtype)
+        tables = torch.zeros(64, d), torch.zeros(64, d)
+        caches = torch.zeros(4, 16, hkv, d, dtype=dtype), torch.zeros(4, 16, hkv, d, dtype=dtype)
+        positions = torch.arange(num_tokens)
+        triton_fused.rotary_and_cache(qkv, positions, *tables, *caches, positions, hq, hkv, d)
 
 
 def _resources(cubin: bytes, tool_dir: Path) -> dict[str, int]:
@@ -188,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
         else:
             print(
-                f"{r['variant']:28} {r['kernel']:22} warps {r['num_warps']} stages "
+                f"{r['variant']:28} {r['kernel']:26} warps {r['num_warps']} stages "
                 f"{r['num_stages']}  regs {r['registers']:3}  spill {r['local_bytes']:4} B  "
                 f"shared {r['shared_bytes'] / 1024:6.1f} KiB"
             )

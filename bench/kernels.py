@@ -1,8 +1,9 @@
-"""GPU benchmark of the Triton attention kernels: correctness against the torch reference first,
-then speed against torch's own kernels, both measured side by side in one run.
+"""GPU benchmark of the Triton kernels: correctness against the torch reference first, then speed
+against torch's own kernels, both measured side by side in one run.
 
     python -m bench.kernels                                 # every case on a CUDA device
     python -m bench.kernels --only decode,cache --out $OUT/kernels.jsonl
+    python -m bench.kernels --only fused                    # the fused layer ops alone
     python -m bench.kernels --sweep                         # launch configurations instead
     TRITON_INTERPRET=1 python -m bench.kernels --smoke      # tiny shapes, also on CPU
 
@@ -17,6 +18,13 @@ permutation (the scatter a long-running server's block pool ends up with):
            lets through, against SDPA on contiguous tensors with the same causal mask.
   cache    reshape_and_cache of 65536 tokens to a random permutation of slots: GB/s of K and V
            written, against the torch reference (index_copy_).
+  fused    the decoder's non-attention ops (`kernels.triton_fused`: rms_norm, fused_add_rms_norm,
+           silu_and_mul, rotary_and_cache) at Llama-3.2-1B's layer shape for 1, 256 and 4096
+           tokens. Memory-bound: GB/s of the bytes each op must move (its inputs read once, its
+           outputs written once), against the torch reference of the same op and against the
+           unfused torch code the model runs today ("model": an out-of-place residual add
+           before the norm; rotary on the stacked q/k view, then the attention backend's
+           reshape_and_cache), timed eagerly. Checked to 2 ulps of the dtype, see FUSED_RTOL.
 
 Before it is timed, each case's Triton output is compared with `kernels.reference` in the same
 dtype on the same device (attention: |triton - ref| <= ATOL + RTOL * |ref|; the cache write must
@@ -56,7 +64,9 @@ from kernels import reference
 from kernels.triton_attention import KernelConfig
 
 KERNELS_MODULE = "kernels.triton_attention"
-SCENARIOS = ("decode", "prefill", "cache")
+SCENARIOS = ("decode", "prefill", "cache", "fused")
+FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
+FUSED_KERNELS_MODULE = "kernels.triton_fused"
 SWEEP_SCENARIOS = ("decode", "prefill")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK_SIZE = 16
@@ -64,6 +74,12 @@ BLOCK_SIZE = 16
 ATOL = 2e-2
 RTOL = 1.6e-2  # torch.testing's default for bf16
 CPU_TIMING_ITERS = 3  # the interpreter is slow; the CPU timing only proves the path runs
+# The fused ops round where the reference rounds: an intermediate one ulp off (silu, the
+# normalised x) is at most two ulps after the product with up or the weight. Relative to the
+# dtype's epsilon (float32: 1e-5, for the GPU's approximate exp and rsqrt).
+FUSED_ATOL = 1e-5
+FUSED_RTOL = {torch.bfloat16: 2 * 2**-7, torch.float16: 2 * 2**-10, torch.float32: 1e-5}
+ROPE_THETA = 500000.0  # Llama 3
 
 Record = dict[str, Any]
 
@@ -82,6 +98,20 @@ LLAMA_8B = HeadShape("llama-3.1-8b", 32, 8, 128)
 LLAMA_1B = HeadShape("llama-3.2-1b", 32, 8, 64)
 SMOLLM2 = HeadShape("smollm2", 9, 3, 64)
 TINY = HeadShape("tiny", 4, 2, 64)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes of one decoder layer that the fused ops see."""
+
+    heads: HeadShape
+    hidden_size: int
+    intermediate_size: int
+    max_positions: int
+
+
+LLAMA_1B_LAYER = LayerShape(LLAMA_1B, 2048, 8192, 131072)
+TINY_LAYER = LayerShape(TINY, 96, 160, 256)  # rows that are not powers of two
 
 
 @dataclass(frozen=True)
@@ -112,6 +142,8 @@ class Plan:
     prefill_cases: tuple[PrefillCase, ...]
     cache_shape: HeadShape
     cache_tokens: int
+    fused_layer: LayerShape
+    fused_tokens: tuple[int, ...]
     # --sweep: launch configurations timed on these cases (see run_sweep)
     sweep_decode: tuple[tuple[HeadShape, DecodeCase], ...] = ()
     sweep_prefill: tuple[tuple[HeadShape, PrefillCase], ...] = ()
@@ -134,6 +166,8 @@ FULL = Plan(
     prefill_cases=(PrefillCase(8, 2048, 0, 0.60), PrefillCase(8, 512, 2048, 0.60)),
     cache_shape=LLAMA_8B,
     cache_tokens=65536,
+    fused_layer=LLAMA_1B_LAYER,
+    fused_tokens=(1, 256, 4096),
     sweep_decode=(
         (LLAMA_8B, DecodeCase(1, 8192, 0.70)),
         (LLAMA_8B, DecodeCase(64, 2048, 0.90)),
@@ -185,6 +219,8 @@ SMOKE = Plan(
     prefill_cases=(PrefillCase(2, 32, 0, None), PrefillCase(2, 32, 32, None)),
     cache_shape=TINY,
     cache_tokens=256,
+    fused_layer=TINY_LAYER,
+    fused_tokens=(1, 5),
     sweep_decode=((TINY, DecodeCase(2, 64, None)),),
     sweep_prefill=((TINY, PrefillCase(2, 32, 32, None)),),
     sweep_splits=(2,),
@@ -201,6 +237,7 @@ class Setup:
     device: torch.device
     dtype: torch.dtype
     cuda_graph: bool = False  # time attention (not the cache write) as CUDA-graph replays
+    fused_kernels: ModuleType | None = None  # the fused ops under test (the "fused" scenario)
 
 
 class Report:
@@ -566,6 +603,142 @@ def run_cache(report: Report, setup: Setup, shape: HeadShape, num_tokens: int) -
     )
 
 
+def fused_label(layer: LayerShape, op: str, num_tokens: int) -> Record:
+    """Fields that name a fused-op case in every record about it."""
+    return {
+        "scenario": "fused",
+        "case": f"{op} n{num_tokens}",
+        **_shape_fields(layer.heads),
+        "op": op,
+        "num_tokens": num_tokens,
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+    }
+
+
+@dataclass
+class FusedCase:
+    """One fused op three ways, each a call that returns the tensors the op produces: the kernel
+    under test, the torch reference and the model's unfused torch code. Each call starts from
+    inputs of its own, so the in-place updates of one do not feed another."""
+
+    bytes_moved: int  # inputs read once + outputs written once
+    call: Callable[[], tuple[torch.Tensor, ...]]
+    ref: Callable[[], tuple[torch.Tensor, ...]]
+    model: Callable[[], tuple[torch.Tensor, ...]]
+
+
+def rope_tables(
+    head_dim: int, max_positions: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """cos and sin [max_positions, head_dim] float32 in the "rotate half" layout of
+    engine/rotary.py (plain RoPE; scaling only changes the values)."""
+    exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
+    freqs = torch.arange(max_positions, device=device).float()[:, None] / ROPE_THETA**exponents
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def build_fused_case(setup: Setup, layer: LayerShape, op: str, num_tokens: int) -> FusedCase:
+    fused, device, dtype = setup.fused_kernels, setup.device, setup.dtype
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    size = torch.finfo(dtype).bits // 8
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    n, hidden, eps = num_tokens, layer.hidden_size, 1e-5
+    if op in ("rms_norm", "fused_add_rms_norm"):
+        x, weight = randn(n, hidden), randn(hidden)
+        if op == "rms_norm":
+            return FusedCase(
+                (2 * n * hidden + hidden) * size,
+                lambda: (fused.rms_norm(x, weight, eps),),
+                lambda: (reference.rms_norm(x, weight, eps),),
+                lambda: (reference.rms_norm(x, weight, eps),),  # the model's RMSNorm math
+            )
+        residuals = [randn(n, hidden)]
+        residuals += [residuals[0].clone() for _ in range(2)]
+
+        def model_add_norm() -> tuple[torch.Tensor, ...]:
+            # DecoderLayer: x = residual + sublayer output (a new tensor), then the next norm.
+            total = residuals[2] + x
+            return reference.rms_norm(total, weight, eps), total
+
+        return FusedCase(
+            (4 * n * hidden + hidden) * size,
+            lambda: fused.fused_add_rms_norm(x, residuals[0], weight, eps),
+            lambda: reference.fused_add_rms_norm(x, residuals[1], weight, eps),
+            model_add_norm,
+        )
+    if op == "silu_and_mul":
+        gate_up = randn(n, 2 * layer.intermediate_size)
+        return FusedCase(
+            3 * n * layer.intermediate_size * size,
+            lambda: (fused.silu_and_mul(gate_up),),
+            lambda: (reference.silu_and_mul(gate_up),),
+            lambda: (reference.silu_and_mul(gate_up),),  # the model's MLP math
+        )
+    heads = layer.heads
+    hq, hkv, d = heads.num_heads, heads.num_kv_heads, heads.head_dim
+    qkv = randn(n, (hq + 2 * hkv) * d)
+    positions = torch.randint(0, layer.max_positions, (n,), generator=gen, device=device)
+    cos_table, sin_table = rope_tables(d, layer.max_positions, device)
+    num_blocks = math.ceil(n / BLOCK_SIZE)
+    slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:n]
+    cache_shape = (num_blocks, BLOCK_SIZE, hkv, d)
+    caches = [torch.zeros(cache_shape, device=device, dtype=dtype) for _ in range(6)]
+    # The model looks cos/sin up once per step for all its layers: not part of a layer's cost.
+    cos = cos_table[positions].to(dtype).unsqueeze(1)
+    sin = sin_table[positions].to(dtype).unsqueeze(1)
+
+    def rotary(ops: ModuleType, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        q = ops.rotary_and_cache(
+            qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping, hq, hkv, d
+        )
+        return q, k_cache, v_cache
+
+    def model() -> tuple[torch.Tensor, ...]:
+        # engine/model.py Attention.forward up to attention, with engine/rotary.py apply_rotary.
+        qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
+        rotated = torch.cat((-qk[..., d // 2 :], qk[..., : d // 2]), dim=-1)
+        q, k = rotated.mul_(sin).addcmul_(qk, cos).split([hq, hkv], dim=1)
+        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        setup.kernels.reshape_and_cache(k, v, caches[4], caches[5], slot_mapping)
+        return q, caches[4], caches[5]
+
+    return FusedCase(
+        n * (2 * (hq + 2 * hkv) * d * size + 2 * d * 4 + 2 * 8),  # + cos/sin rows, indices
+        lambda: rotary(fused, caches[0], caches[1]),
+        lambda: rotary(reference, caches[2], caches[3]),
+        model,
+    )
+
+
+def run_fused(report: Report, setup: Setup, layer: LayerShape, op: str, num_tokens: int) -> None:
+    """Check (to FUSED_RTOL), then time, one fused op against its reference and the model's
+    unfused code."""
+    label = fused_label(layer, op, num_tokens)
+    device = setup.device
+    case = build_fused_case(setup, layer, op, num_tokens)
+    got, want, model_out = case.call(), case.ref(), case.model()
+    rtol = FUSED_RTOL[setup.dtype]
+    check(report, label, zip(got, want, strict=True), atol=FUSED_ATOL, rtol=rtol)
+    model_errs = [max_abs_err(a, b) for a, b in zip(model_out, want, strict=True)]
+    model_err = None if None in model_errs else max(model_errs)
+    del got, want, model_out
+    t, t_ref, t_model = (time_us(fn, device) for fn in (case.call, case.ref, case.model))
+    moved = case.bytes_moved
+    report.emit(
+        {"kind": "fused", **label, "bytes": moved}
+        | {"time_us": round(t, 2), "gbps": _sig(moved / t / 1e3)}
+        | {"ref_time_us": round(t_ref, 2), "ref_gbps": _sig(moved / t_ref / 1e3)}
+        | {"model_time_us": round(t_model, 2), "model_gbps": _sig(moved / t_model / 1e3)}
+        | {"model_ratio": _sig(t_model / t), "model_max_abs_err": model_err}
+        | _speed_fields(t, t_ref, None)
+    )
+
+
 def run_sweep(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> None:
     """Time each launch configuration in `plan` on its cases, against SDPA in the same run.
 
@@ -707,6 +880,7 @@ def environment(setup: Setup, smoke: bool) -> Record:
         "commit": _git("rev-parse", "HEAD"),
         "dirty": None if (status := _git("status", "--porcelain")) is None else bool(status),
         "kernels": setup.kernels.__name__,
+        "fused_kernels": None if setup.fused_kernels is None else setup.fused_kernels.__name__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "smoke": smoke,
         "dtype": str(setup.dtype).removeprefix("torch."),
@@ -744,6 +918,7 @@ def format_table(records: list[Record]) -> str:
         "decode": ("gbps", "sdpa_gbps", "GB/s"),
         "prefill": ("tflops", "sdpa_tflops", "TF/s"),
         "cache": ("gbps", "ref_gbps", "GB/s"),
+        "fused": ("gbps", "ref_gbps", "GB/s"),
     }
     for r in records:
         if r["kind"] not in units:
@@ -761,16 +936,24 @@ def format_table(records: list[Record]) -> str:
                 {None: "", True: "yes", False: "NO"}[r["ok"]],
             )
         )
+        if r["kind"] == "fused":
+            baseline = f"{r['model_gbps']:.4g} GB/s"
+            model_ratio = f"{r['model_ratio']:.3g}"
+            lines.append(row.format("", "  vs model", "", "", baseline, model_ratio, "", ""))
     checks = [r for r in records if r["kind"] == "check"]
     bad = [r["case"] for r in checks if not r["ok"]]
     errors = [r["max_abs_err"] for r in checks]
     worst = "non-finite" if None in errors else f"{max(errors, default=0.0):.4g}"
     lines.append(
         f"checks: {len(checks) - len(bad)}/{len(checks)} ok, max abs err {worst} "
-        f"(atol {ATOL}, rtol {RTOL}; cache exact)" + (f"; FAILED: {', '.join(bad)}" if bad else "")
+        f"(atol {ATOL}, rtol {RTOL}; cache exact; fused 2 ulps)"
+        + (f"; FAILED: {', '.join(bad)}" if bad else "")
     )
     lines += [f"error: {r['case']}: {r['error']}" for r in records if r["kind"] == "error"]
-    lines.append("baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache)")
+    lines.append(
+        "baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache, fused; "
+        '"vs model": the model\'s unfused torch code)'
+    )
     return "\n".join(lines)
 
 
@@ -804,6 +987,11 @@ def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> N
         shape, num_tokens = plan.cache_shape, plan.cache_tokens
         run = functools.partial(run_cache, report, setup, shape, num_tokens)
         run_case(report, device, cache_label(shape, num_tokens), run)
+    if "fused" in scenarios:
+        for num_tokens in plan.fused_tokens:
+            for op in FUSED_OPS:
+                run = functools.partial(run_fused, report, setup, plan.fused_layer, op, num_tokens)
+                run_case(report, device, fused_label(plan.fused_layer, op, num_tokens), run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -827,6 +1015,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--kernels", default=KERNELS_MODULE, help=f"module under test (default {KERNELS_MODULE})"
+    )
+    parser.add_argument(
+        "--fused-kernels",
+        default=FUSED_KERNELS_MODULE,
+        help=f"module of the fused ops under test (default {FUSED_KERNELS_MODULE})",
     )
     parser.add_argument(
         "--sweep",
@@ -853,13 +1046,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    modules = [args.kernels] + ([args.fused_kernels] if "fused" in scenarios else [])
     try:
-        kernels = importlib.import_module(args.kernels)
+        kernels, *fused = [importlib.import_module(name) for name in modules]
     except ImportError as exc:
-        print(f"bench.kernels: cannot import {args.kernels}: {exc}", file=sys.stderr)
+        print(f"bench.kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("fp16" if device.type == "cpu" else "bf16")
-    setup = Setup(kernels, device, DTYPES[dtype_name], args.cuda_graph and device.type == "cuda")
+    graph = args.cuda_graph and device.type == "cuda"
+    setup = Setup(kernels, device, DTYPES[dtype_name], graph, fused[0] if fused else None)
 
     plan = SMOKE if args.smoke else FULL
     sink = args.out.open("w") if args.out else None

@@ -29,9 +29,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.validation import check_paged_attention_args, check_reshape_and_cache_args
+from kernels.validation import (
+    check_fused_add_rms_norm_args,
+    check_paged_attention_args,
+    check_reshape_and_cache_args,
+    check_rms_norm_args,
+    check_rotary_and_cache_args,
+    check_silu_and_mul_args,
+)
 
-__all__ = ["paged_attention", "reshape_and_cache"]
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_and_cache",
+    "silu_and_mul",
+]
 
 # Padding keys not worth a separate SDPA call (its fixed cost is tens of microseconds on CPU).
 _MIN_PADDING = 128
@@ -291,3 +305,93 @@ def _attend(
         real = (steps[None, :] < q_lens[:, None]).flatten().nonzero().squeeze(1)
         o = o.reshape(-1, num_heads, head_dim).index_select(0, real)
         out.index_copy_(0, rows.flatten().index_select(0, real), o)
+
+
+# ----------------------------------------------------------------------------- fused layer ops
+# The Llama decoder's non-attention ops in the model's own math and rounding order (engine/model.py
+# RMSNorm and MLP, engine/rotary.py apply_rotary), so an engine that calls these instead of its
+# inline torch code produces the same tokens. `kernels.triton_fused` has the same signatures.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)): normalised in float32 and rounded to x's dtype
+    before the weight multiplies (in x's dtype), as transformers does.
+
+    x: [num_tokens, hidden_size], any float dtype; weight: [hidden_size] in x's dtype.
+    Returns a new [num_tokens, hidden_size] tensor in x's dtype.
+    """
+    check_rms_norm_args(x, weight, eps)
+    x32 = x.float()
+    inv_rms = torch.rsqrt((x32 * x32).mean(-1, keepdim=True).add_(eps))
+    return weight * (x32 * inv_rms).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual connection and the next norm: residual += x, then rms_norm(residual).
+
+    x, residual: [num_tokens, hidden_size], same dtype. `residual` is updated IN PLACE to
+    x + residual (rounded to the dtype, as `x + residual` is) and returned as the second result;
+    the first is a new tensor, rms_norm(x + residual, weight, eps).
+    """
+    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    residual.add_(x)
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: [num_tokens, 2 * I] (gate | up) -> silu(gate) * up, [num_tokens, I]
+    in the input dtype; silu is rounded to the dtype before the product, as in the model."""
+    check_silu_and_mul_args(gate_up)
+    gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def rotary_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Rotary embedding of q and k straight from the qkv projection, and the KV-cache write.
+
+    qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the q heads, then k, then v
+    positions: [num_tokens] int64, each token's position (a row of the tables)
+    cos_table, sin_table: [max_positions, head_dim] float32 in the Hugging Face "rotate half"
+        layout (engine/rotary.py RotaryEmbedding.cos / .sin); cast to qkv's dtype before use
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in qkv's dtype; rotated k
+        and raw v are written to slot_mapping's slots (negative = padding, not written), as
+        `reshape_and_cache` does
+    Returns the rotated q, a new [num_tokens, num_heads, head_dim] tensor.
+    """
+    check_rotary_and_cache_args(
+        qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim,
+    )  # fmt: skip
+    n = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    cos = cos_table[positions].to(qkv.dtype).unsqueeze(1)  # [N, 1, D]
+    sin = sin_table[positions].to(qkv.dtype).unsqueeze(1)
+    # Rotating q and k apart gives the same elements as the model's one call on [N, Hq + Hkv, D]
+    # (the ops are elementwise) and a contiguous q.
+    q = _rotate_half(qkv[:, :q_size].view(n, num_heads, head_dim), cos, sin)
+    k = _rotate_half(qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim), cos, sin)
+    v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rot(x) * sin with rot([x1 | x2]) = [-x2 | x1], rounded as engine/rotary.py's
+    apply_rotary rounds: rot(x) * sin to x's dtype, then the sum."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated.mul_(sin)
+    return rotated.addcmul_(x, cos)

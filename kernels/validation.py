@@ -149,3 +149,137 @@ def check_paged_attention_args(
         query_start_loc=query_start_loc,
         out=out,
     )
+
+
+# ----------------------------------------------------------------------------- fused layer ops
+# The same kind of checks for the decoder's non-attention ops (`kernels.reference.rms_norm`,
+# `fused_add_rms_norm`, `silu_and_mul`, `rotary_and_cache` and their Triton twins). Row tensors
+# must be contiguous along their last dim in both backends, so the two accept the same inputs.
+
+
+def _check_rows(name: str, t: torch.Tensor, layout: str) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim, got strides {t.stride()}")
+
+
+def _check_norm_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    hidden = x.shape[1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}] like x's last dim, got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(
+            f"weight dtype {weight.dtype} differs from x dtype {x.dtype} (the weight multiplies "
+            "in x's dtype)"
+        )
+    if hidden > 1 and weight.stride(0) != 1:
+        raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
+    if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative Python float, got {eps!r}")
+
+
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Raise ValueError unless the arguments fit `rms_norm`'s signature."""
+    _check_rows("x", x, "[num_tokens, hidden_size]")
+    _check_norm_weight(x, weight, eps)
+    _check_same_device(x=x, weight=weight)
+
+
+def check_fused_add_rms_norm_args(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """Raise ValueError unless the arguments fit `fused_add_rms_norm`'s signature."""
+    _check_rows("x", x, "[num_tokens, hidden_size]")
+    _check_rows("residual", residual, "[num_tokens, hidden_size]")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must be {tuple(x.shape)} {x.dtype} like x, "
+            f"got {tuple(residual.shape)} {residual.dtype}"
+        )
+    _check_norm_weight(x, weight, eps)
+    _check_same_device(x=x, residual=residual, weight=weight)
+
+
+def check_silu_and_mul_args(gate_up: torch.Tensor) -> None:
+    """Raise ValueError unless the argument fits `silu_and_mul`'s signature."""
+    _check_rows("gate_up", gate_up, "[num_tokens, 2 * intermediate_size]")
+    if gate_up.shape[1] % 2:
+        raise ValueError(
+            f"gate_up must hold gate and up side by side (an even last dim), "
+            f"got shape {tuple(gate_up.shape)}"
+        )
+
+
+def check_rotary_and_cache_args(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Raise ValueError unless the arguments fit `rotary_and_cache`'s signature."""
+    for name, value in (
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (rotary pairs dims i and i + D/2), got {head_dim}")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    _check_rows("qkv", qkv, f"[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim = {width}]")
+    if qkv.shape[1] != width:
+        raise ValueError(
+            f"qkv has {qkv.shape[1]} columns, but {num_heads} q heads + 2 x {num_kv_heads} kv "
+            f"heads of dim {head_dim} need {width}"
+        )
+    num_tokens = qkv.shape[0]
+    _check_index("positions", positions, 1, torch.int64)
+    _check_index("slot_mapping", slot_mapping, 1, torch.int64)
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape[0] != num_tokens:
+            raise ValueError(f"{name} has {t.shape[0]} entries for {num_tokens} tokens")
+    for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if table.dim() != 2 or table.shape[1] != head_dim:
+            raise ValueError(
+                f"{name} must be [max_positions, head_dim = {head_dim}], "
+                f"got shape {tuple(table.shape)}"
+            )
+        if table.dtype != torch.float32:
+            raise ValueError(f"{name} must be torch.float32, got {table.dtype}")
+        if table.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim, got {table.stride()}")
+    if sin_table.shape != cos_table.shape:
+        raise ValueError(
+            f"sin_table shape {tuple(sin_table.shape)} differs from "
+            f"cos_table shape {tuple(cos_table.shape)}"
+        )
+    _check_cache_pair(k_cache, v_cache)
+    if k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache holds {k_cache.shape[2]} kv heads of dim {k_cache.shape[3]}, "
+            f"expected {num_kv_heads} of dim {head_dim}"
+        )
+    if k_cache.dtype != qkv.dtype:
+        raise ValueError(f"qkv dtype {qkv.dtype} differs from the cache dtype {k_cache.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim, got {cache.stride()}")
+    _check_same_device(
+        qkv=qkv,
+        positions=positions,
+        cos_table=cos_table,
+        sin_table=sin_table,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slot_mapping,
+    )

@@ -14,6 +14,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The smoke plan's fused cases: every op for 1 token, then for 5.
+FUSED_CASES = [
+    f"{op} n{n}"
+    for n in (1, 5)
+    for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
+]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,28 +46,31 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = _records(out.read_text())
     assert _records(done.stdout) == records  # stdout is JSON lines only; the table is on stderr
-    assert "checks: 5/5 ok" in done.stderr
+    assert "checks: 13/13 ok" in done.stderr
 
     env = records[0]
     assert env["kind"] == "env"
     assert (env["device"], env["dtype"], env["smoke"]) == ("cpu", "float16", True)
     assert env["kernels"] == "kernels.triton_attention"
+    assert env["fused_kernels"] == "kernels.triton_fused"
     assert Counter(r["kind"] for r in records) == {
         "env": 1,
-        "check": 5,
+        "check": 13,
         "decode": 1,
         "prefill": 2,
         "cache": 1,
+        "fused": 8,
     }
 
     checks = [r for r in records if r["kind"] == "check"]
-    assert [(r["scenario"], r["case"]) for r in checks] == [
+    assert [(r["scenario"], r["case"]) for r in checks[:5]] == [
         ("decode", "tiny b2 ctx64"),
         ("decode", "tiny b2 ctx64 window32"),
         ("prefill", "tiny 2x32 +0"),
         ("prefill", "tiny 2x32 +32"),
         ("cache", "tiny 256 tokens"),
     ]
+    assert [r["case"] for r in checks[5:]] == FUSED_CASES
     assert all(r["ok"] is True for r in checks), checks
     assert [r["sliding_window"] for r in checks[:2]] == [None, 32]
     assert all(r["max_abs_err"] <= r["atol"] for r in checks[:4])
@@ -78,7 +87,26 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     (cache,) = [r for r in records if r["kind"] == "cache"]
     assert cache["bytes_written"] == 2 * 256 * 2 * 64 * 2
 
-    for r in [decode, *prefill, cache]:
+    fused = [r for r in records if r["kind"] == "fused"]
+    assert [r["case"] for r in fused] == FUSED_CASES
+    # float16 within 2 ulps (rtol 2 * 2^-10) of the reference; the model's own code is the
+    # reference's math exactly.
+    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[5:])
+    assert all(r["model_max_abs_err"] == 0.0 and r["model_ratio"] > 0 for r in fused)
+    # Bytes each op moves, per token of the tiny layer (hidden 96, intermediate 160, 4 q and 2 kv
+    # heads of 64): x and out (+ the weight once); x, residual in, residual out and out;
+    # gate_up and out; qkv read, q, k and v written, a cos and a sin row, position and slot.
+    per_token = {
+        "rms_norm": 2 * 96 * 2,
+        "fused_add_rms_norm": 4 * 96 * 2,
+        "silu_and_mul": 3 * 160 * 2,
+        "rotary_and_cache": 2 * 8 * 64 * 2 + 2 * 64 * 4 + 16,
+    }
+    weight = {"rms_norm": 96 * 2, "fused_add_rms_norm": 96 * 2}
+    for r in fused:
+        assert r["bytes"] == r["num_tokens"] * per_token[r["op"]] + weight.get(r["op"], 0), r
+
+    for r in [decode, *prefill, cache, *fused]:
         assert r["time_us"] > 0 and r["ratio"] > 0
         assert r["target"] is None and r["ok"] is None  # no speed claims on CPU
     for r in [decode, *prefill]:
@@ -90,8 +118,24 @@ def test_only_selects_scenarios_in_run_order():
     # The torch reference as the module under test: this checks the harness alone, quickly.
     done = _run("--smoke", "--kernels", "kernels.reference", "--only", "cache", "--only", "decode")
     assert done.returncode == 0, done.stderr[-3000:]
-    kinds = [r["kind"] for r in _records(done.stdout)]
-    assert kinds == ["env", "check", "check", "decode", "check", "cache"]
+    records = _records(done.stdout)
+    assert [r["kind"] for r in records] == ["env", "check", "check", "decode", "check", "cache"]
+    assert records[0]["fused_kernels"] is None  # not imported without the fused scenario
+
+
+def test_only_fused_runs_each_op_for_each_token_count():
+    done = _run(
+        "--smoke", "--only", "fused", "--kernels", "kernels.reference",
+        "--fused-kernels", "kernels.reference",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = _records(done.stdout)
+    assert records[0]["fused_kernels"] == "kernels.reference"
+    assert [r["kind"] for r in records] == ["env"] + ["check", "fused"] * 8
+    assert [r["case"] for r in records[1::2]] == FUSED_CASES
+    # The reference against itself: exact.
+    assert all(r["ok"] and r["max_abs_err"] == 0.0 for r in records[1::2])
+    assert "vs model" in done.stderr and "checks: 8/8 ok" in done.stderr
 
 
 def test_without_cuda_the_full_run_exits_2_and_says_why():

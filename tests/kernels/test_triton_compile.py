@@ -49,6 +49,10 @@ def test_every_variant_compiles_for_sm90_without_spills():
         "decode": ["_decode_kernel"],
         "extend": ["_extend_kernel"],
         "cache": ["_reshape_and_cache_kernel"],
+        "rms_norm": ["_rms_norm_kernel"],
+        "add_rms_norm": ["_rms_norm_kernel"],
+        "silu_and_mul": ["_silu_and_mul_kernel"],
+        "rotary_cache": ["_rotary_and_cache_kernel"],
     }
     for v in VARIANTS:
         want = list(expected[v.kind])
