@@ -589,16 +589,27 @@ async def _send(
     return recorder.finish(time.perf_counter() - t0, error)
 
 
+async def _max_model_len(client: httpx.AsyncClient, model: str) -> int | None:
+    """The served model's max_model_len from GET /v1/models; None when its card has none."""
+    models = await _setup_call(client, "GET", "/v1/models")
+    cards = models.get("data") if isinstance(models, dict) else None
+    for card in cards or []:
+        if isinstance(card, dict) and card.get("id") == model:
+            value = card.get("max_model_len")
+            return value if isinstance(value, int) else None
+    return None
+
+
 async def _prepare_prompts(
     client: httpx.AsyncClient, args: argparse.Namespace, model: str
 ) -> tuple[list[str] | list[list[int]], bool]:
     """The prompts to send, and whether to set ignore_eos."""
     if args.prompts_file:
         return read_prompts_file(args.prompts_file, args.num_prompts), False
-    # /tokenize is the cheapest call that reports max_model_len, so a workload that cannot fit
-    # fails here with a clear message instead of as num_prompts HTTP 400s.
-    info = await _setup_call(client, "POST", "/tokenize", {"model": model, "prompt": "hello"})
-    max_model_len = info.get("max_model_len") if isinstance(info, dict) else None
+    # A workload that cannot fit fails here with a clear message instead of as num_prompts HTTP
+    # 400s. The model card carries max_model_len (ours and vLLM's) and, unlike /tokenize, needs
+    # no tokenizer: token-id prompts work against a model served without one.
+    max_model_len = await _max_model_len(client, model)
     if max_model_len is not None and args.input_len + args.output_len > max_model_len:
         raise ValueError(
             f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the server's "

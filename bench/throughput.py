@@ -1,6 +1,15 @@
 """Offline throughput: random-token prompts with a fixed seed through the offline LLM API.
 
 pagedserve bench throughput --model M --num-prompts 64 --input-len 128 --output-len 64
+
+With --input-len-range / --output-len-range every request draws its own lengths the way
+nano-vllm's bench.py does; nano-vllm's own workload is
+
+pagedserve bench throughput --model M --num-prompts 256 --input-len-range 100 1024 \
+    --output-len-range 100 1024 --dataset-seed 0 --temperature 0.6
+
+(142,827 prompt tokens, 133,966 output tokens). Its "Throughput" is output tokens / time, our
+output_tokens_per_s.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from scheduler import SamplingParams
@@ -37,20 +47,122 @@ def random_token_prompts(
     return prompts
 
 
+# nano-vllm's bench.py draws prompt ids with randint(0, 10000) (both ends included).
+RANGE_TOKEN_ID_HIGH = 10000
+
+
+def random_length_workload(
+    num_prompts: int,
+    input_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> tuple[list[list[int]], list[int]]:
+    """Prompts and per-request output lengths drawn as nano-vllm's bench.py draws them.
+
+    With `random.Random(seed)`: for each prompt its length randint(*input_len_range), then its
+    ids randint(0, 10000) (capped to the vocabulary); after all prompts, one
+    randint(*output_len_range) per request. Seed 0, 256 prompts and both ranges (100, 1024)
+    give nano-vllm's exact workload: 142,827 prompt tokens and 133,966 output tokens.
+    """
+    rng = random.Random(seed)
+    high = min(RANGE_TOKEN_ID_HIGH, vocab_size - 1)
+    # The range() is evaluated before its ids are drawn, as in nano-vllm's list comprehension.
+    prompts = [
+        [rng.randint(0, high) for _ in range(rng.randint(*input_len_range))]
+        for _ in range(num_prompts)
+    ]
+    output_lens = [rng.randint(*output_len_range) for _ in range(num_prompts)]
+    return prompts, output_lens
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--input-len-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="draw each prompt's length uniformly from [LO, HI] (nano-vllm's workload; ids in "
+        "[0, 10000]); --input-len is then unused",
+    )
+    parser.add_argument(
+        "--output-len-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="draw each request's max_tokens uniformly from [LO, HI]; --output-len is then unused",
+    )
+    parser.add_argument(
+        "--dataset-seed",
+        type=int,
+        default=None,
+        help="seed of the prompts and lengths (default: --seed)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (nano-vllm: 0.6)"
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
 
 
-def measure(llm, prompts: list[list[int]], output_len: int, seed: int = 0) -> dict[str, Any]:
-    """Time `llm.generate` on token-id prompts, each producing exactly output_len tokens."""
-    params = SamplingParams(
-        temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True, seed=seed
+def _check_range(name: str, value: Sequence[int] | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    lo, hi = value
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{name} needs 1 <= LO <= HI, got {lo} {hi}")
+    return lo, hi
+
+
+def build_workload(
+    args: argparse.Namespace, vocab_size: int, special_ids: set[int]
+) -> tuple[list[list[int]], list[int]]:
+    """The prompts and per-request output lengths that `args` describe."""
+    seed = args.seed if getattr(args, "dataset_seed", None) is None else args.dataset_seed
+    input_range = _check_range("--input-len-range", getattr(args, "input_len_range", None))
+    output_range = _check_range("--output-len-range", getattr(args, "output_len_range", None))
+    if input_range is None and output_range is None:
+        prompts = random_token_prompts(
+            args.num_prompts, args.input_len, vocab_size, seed, special_ids
+        )
+        return prompts, [args.output_len] * args.num_prompts
+    return random_length_workload(
+        args.num_prompts,
+        input_range or (args.input_len, args.input_len),
+        output_range or (args.output_len, args.output_len),
+        vocab_size,
+        seed,
     )
-    # A short warm-up so one-time costs (allocator, kernel selection) are not timed.
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
+def measure(
+    llm,
+    prompts: list[list[int]],
+    output_len: int | Sequence[int],
+    seed: int = 0,
+    temperature: float = 1.0,
+) -> dict[str, Any]:
+    """Time `llm.generate` on token-id prompts; request i produces exactly output_len tokens, or
+    output_len[i] when a sequence is given (ignore_eos)."""
+    output_lens = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
+    if len(output_lens) != len(prompts):
+        raise ValueError(f"{len(output_lens)} output lengths for {len(prompts)} prompts")
+    params = [
+        SamplingParams(temperature=temperature, top_p=1.0, max_tokens=n, ignore_eos=True, seed=seed)
+        for n in output_lens
+    ]
+    # A short warm-up so one-time costs (allocator, kernel selection) are not timed. Reversed
+    # prompts: the timed run must not find them in the prefix cache. On CUDA a batch of 1, 16
+    # and 17 too: Triton compiles a kernel again for integer arguments equal to 1 or divisible
+    # by 16, and that compile must not land in the timed run.
+    warm_sizes = [2] if llm.engine.device.type == "cpu" else [1, 16, 17]
+    for size in warm_sizes:
+        warm = [p[::-1] for p in prompts[:size]]
+        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
     preemptions_before = llm.engine.scheduler.num_preemptions
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
@@ -62,7 +174,9 @@ def measure(llm, prompts: list[list[int]], output_len: int, seed: int = 0) -> di
         "requests_per_s": round(len(prompts) / elapsed, 3),
         "output_tokens_per_s": round(num_out / elapsed, 2),
         "total_tokens_per_s": round((num_in + num_out) / elapsed, 2),
+        "num_input_tokens": num_in,
         "num_output_tokens": num_out,
+        "expected_output_tokens": sum(output_lens),
         "num_preemptions": llm.engine.scheduler.num_preemptions - preemptions_before,
     }
 
@@ -72,21 +186,23 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, An
 
     llm = LLM(**engine_kwargs)
     engine = llm.engine
-    prompts = random_token_prompts(
-        args.num_prompts,
-        args.input_len,
-        engine.model_config.vocab_size,
-        args.seed,
-        set(engine.eos_token_ids),
+    prompts, output_lens = build_workload(
+        args, engine.model_config.vocab_size, set(engine.eos_token_ids)
     )
+    ranged = args.input_len_range is not None or args.output_len_range is not None
     result = {
         "model": engine_kwargs.get("model"),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        **measure(llm, prompts, args.output_len, args.seed),
+        "input_len": None if args.input_len_range else args.input_len,
+        "output_len": None if args.output_len_range else args.output_len,
+        "input_len_range": args.input_len_range,
+        "output_len_range": args.output_len_range,
+        "dataset_seed": args.seed if args.dataset_seed is None else args.dataset_seed,
+        "workload": "nano-vllm random lengths" if ranged else "fixed lengths",
+        "temperature": args.temperature,
+        **measure(llm, prompts, output_lens, args.seed, args.temperature),
     }
     print(
         f"Throughput: {result['requests_per_s']:.2f} requests/s, "

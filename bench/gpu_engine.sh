@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The engine on the H200 (issue 5), as one script for the device tool:
+#
+#     ../shared/device/wheels.sh                      # once, here: writes .whl/ (fastapi, gguf, ...)
+#     run(command="bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=590)
+#
+# Steps in order of importance, each under its own time limit so that one that hangs cannot take
+# the others' time (limit / estimate on an H200; every step starts a fresh Python that imports
+# torch and transformers, ~5-10 s, and most draw the 1B shape's dummy weights on the CPU, ~5-8 s):
+#
+#   env           20 s / ~8 s    versions, GPU, which of the wheels import.
+#   correctness  110 s / ~70 s   tiny Llama and the Llama-3.2-1B shape, random weights: fp32 greedy
+#                                tokens of 8 prompts x 32 = transformers' generate, CUDA graphs and
+#                                eager; bf16 matches counted. Per shape 4 engines and 2 transformers
+#                                models, weights drawn once; the first Triton compiles land here.
+#   decode        80 s / ~45 s   1B bf16, batch 1 and 256 at ~1.1k context: 50 timed decode steps
+#                                and 20 split by part, graphs then eager; then 10 profiled steps,
+#                                eager then graphs (3 engine builds, weights drawn once).
+#   offline      110 s / ~85 s   1B bf16, 256 x 512 in / 256 out: pagedserve (~5 s + start-up),
+#                                transformers generate_batch on 64 of the requests (~16k tokens at
+#                                ~1.2k tok/s: ~15 s), transformers generate at batch 256 (~10 s);
+#                                three fresh subprocesses, ~20 s start-up each.
+#   nano (qwen)   50 s / ~30 s   nano-vllm's workload (133,966 output tokens) on Qwen2.5-0.5B.
+#   nano (llama)  55 s / ~35 s   the same on Llama-3.2-1B.
+#   online        95 s / ~65 s   offline worker (512 x 512 in / 128 out, ~20 s), then a server
+#                                (~25 s to healthy) and bench serve at concurrency 1 (16 requests),
+#                                64 (256) and 256 (512).
+#   summary        -   / ~2 s
+#   total        520 s of limits + ~15 s wheel install, nvidia-smi and summary; ~350 s expected.
+#
+# Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
+# commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
+# summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
+# PYTHON picks the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu_engine}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SMOKE_FLAG=
+if [ "${SMOKE:-0}" = 1 ]; then
+    SMOKE_FLAG=--smoke
+elif [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
+else
+    echo "no .whl/: run ../shared/device/wheels.sh and carry .whl (gguf, fastapi, ... are missing)"
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export TOKENIZERS_PARALLELISM=false
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv \
+    > "$OUT/gpu.txt" 2>&1 || echo "no nvidia-smi" > "$OUT/gpu.txt"
+{ git rev-parse HEAD 2>/dev/null && git status --porcelain --untracked-files=no 2>/dev/null; } \
+    > "$OUT/commit.txt" || cat COMMIT > "$OUT/commit.txt" 2>/dev/null || echo unknown > "$OUT/commit.txt"
+
+failed=0
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    # timeout signals the whole process group: the server and workers a step started go too.
+    timeout -k 10 "$limit" "$PY" -m bench.gpu_engine "$@" $SMOKE_FLAG --out "$OUT" \
+        > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - start)) s (limit $limit s)"
+    if [ "$rc" != 0 ]; then
+        failed=1
+        tail -n 15 "$OUT/$name.log"
+    fi
+}
+
+step env 20 env
+step correctness 110 correctness
+step decode 80 decode
+step offline 110 offline
+step nano_qwen 50 nano --model qwen2.5-0.5b
+step nano_llama 55 nano --model llama-3.2-1b
+step online 95 online
+"$PY" -m bench.gpu_engine summary --out "$OUT"
+exit $failed

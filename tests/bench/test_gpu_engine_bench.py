@@ -1,0 +1,293 @@
+"""`bash bench/gpu_engine.sh` with SMOKE=1: every step of the H200 script runs on the CPU with a
+tiny Llama, and every record the GPU run writes is written, with the exact token counts the
+rates are computed from. Plus the pure parts: nano-vllm's workload, token comparison, and
+`bench serve` finding max_model_len without a tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.gpu_engine import SMOKE_SIZES, TINY_LLAMA, compare_tokens, summarize
+from bench.throughput import random_length_workload, random_token_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_NAMES = ("env", "correctness", "decode", "offline", "nano_qwen", "nano_llama", "online")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("gpu_engine")
+    env = os.environ | {
+        "SMOKE": "1",
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "CUDA_VISIBLE_DEVICES": "",  # the CPU path wherever the suite runs
+        # One thread: the smoke sizes gain nothing from more, and a busy machine's spinning
+        # OpenMP threads slowed the steps several-fold.
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        ["bash", "bench/gpu_engine.sh"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return out, done
+
+
+def _records(out: Path, step: str) -> list[dict]:
+    return [json.loads(line) for line in (out / f"{step}.jsonl").read_text().splitlines()]
+
+
+def _no_errors(records: list[dict]) -> None:
+    errors = [r for r in records if "error" in r]
+    assert not errors, errors[0].get("trace", errors[0]["error"])
+
+
+def test_every_step_runs_and_the_summary_is_written(smoke):
+    out, done = smoke
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    for name in STEP_NAMES:
+        assert f"{name}: rc=0 in " in done.stdout, done.stdout
+    summary = (out / "summary.txt").read_text()
+    assert "ERROR" not in summary and "no records" not in summary
+    assert summary == summarize(out) + "\n"
+    for step in ("correctness", "decode", "offline", "nano", "online"):
+        assert f"\n{step}: " in summary
+    assert (out / "commit.txt").read_text().strip()
+    assert (out / "online_server.log").is_file()
+
+
+def test_env_record(smoke):
+    out, _ = smoke
+    (env,) = _records(out, "env")
+    assert env["smoke"] is True and env["cuda_available"] is False
+    assert env["commit"] and env["torch"]
+    assert env["importable"]["gguf"] is True  # the engine imports it; wheels.sh brings it
+
+
+def test_correctness_fp32_equals_transformers_and_eager_equals_default(smoke):
+    out, _ = smoke
+    records = _records(out, "correctness")
+    _no_errors(records)
+    by_check = Counter((r["check"], r.get("engine")) for r in records)
+    assert by_check == {
+        ("float32_vs_transformers", "default"): 1,
+        ("float32_vs_transformers", "eager"): 1,
+        ("float32_eager_vs_default", None): 1,
+        ("bfloat16_vs_transformers", "default"): 1,
+        ("bfloat16_vs_transformers", "eager"): 1,
+        ("bfloat16_eager_vs_default", None): 1,
+        ("dummy_weights", None): 1,
+    }
+    n = SMOKE_SIZES.correctness_tokens
+    lens = list(SMOKE_SIZES.correctness_prompt_lens)
+    for r in records:
+        if r["check"] == "dummy_weights":
+            # Drawn once; loaded by 2 transformers models and 4 engines.
+            assert (r["draws"], r["calls"]) == (1, 6)
+            continue
+        assert r["model"] == "tiny" and r["prompt_lens"] == lens and r["num_tokens"] == n
+        assert r["num_prompts"] == len(lens) and len(r["prefix_match"]) == len(lens)
+        assert all(0 <= k <= n for k in r["prefix_match"] + r["positionwise_match"])
+        if r["check"].startswith("float32") or r["check"].endswith("eager_vs_default"):
+            assert r["equal"] is True, r["mismatches"]
+            assert r["prefix_match"] == [n] * len(lens) and r["mismatches"] == []
+        if "engine" in r:  # CPU: the torch backend, no graphs
+            assert r["attention_backend"] == "torch" and r["cuda_graphs"] is False
+
+
+def _tiny_weight_bytes_fp32() -> int:
+    c = TINY_LLAMA
+    h, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    per_layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * inter
+    # The untied embedding is not read whole in a decode step; lm_head is.
+    return 4 * (c["num_hidden_layers"] * per_layer + h + c["vocab_size"] * h)
+
+
+def test_decode_records(smoke):
+    out, _ = smoke
+    records = _records(out, "decode")
+    _no_errors(records)
+    kinds = Counter((r["kind"], r["enforce_eager"], r["batch_size"]) for r in records)
+    assert kinds == {
+        (kind, eager, b): 1
+        for kind in ("step_time", "cpu_split", "profile")
+        for eager in (False, True)
+        for b in SMOKE_SIZES.decode_batch_sizes
+    }
+    kv_bytes_per_token = 2 * 4 * 2 * 32 * 4  # K and V x layers x kv heads x head_dim x fp32
+    for r in records:
+        assert r["cuda_graphs"] is False and r["attention_backend"] == "torch"
+        if r["kind"] == "step_time":
+            assert r["num_steps"] == SMOKE_SIZES.decode_steps
+            assert r["all_steps_pure_decode"] is True and r["prefill_steps"] >= 1
+            assert r["weight_bytes"] == _tiny_weight_bytes_fp32()
+            assert r["kv_bytes_per_step"] == int(
+                r["batch_size"] * r["mean_context_len"] * kv_bytes_per_token
+            )
+            assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_p90"]
+            assert ("target_ms" in r) == (r["batch_size"] == 1)
+            if r["batch_size"] == 1:
+                # One prefill step gives the first token, 3 warm-up steps 3 more: the 4 timed
+                # steps attend to 24 + 4 .. 24 + 7 tokens.
+                assert r["prefill_steps"] == 1 and r["mean_context_len"] == 29.5
+        elif r["kind"] == "cpu_split":
+            assert {"schedule", "execute", "update"} <= set(r["parts_ms"])
+            parts = r["parts_ms"]
+            assert parts["schedule"] + parts["execute"] + parts["update"] <= r["step_ms"] * 1.01
+        else:
+            assert r["num_steps"] == SMOKE_SIZES.profile_steps and r["wall_ms_per_step"] > 0
+            assert "gpu_busy_ms_per_step" not in r  # no CUDA events on the CPU
+            assert 0 < len(r["top_cpu_ops"]) <= 10
+
+
+def test_offline_record_counts_exact_tokens(smoke):
+    out, _ = smoke
+    records = _records(out, "offline")
+    _no_errors(records)
+    (row,) = records
+    s = SMOKE_SIZES
+    runs = row["runs"]
+    assert runs["pagedserve"]["num_output_tokens"] == s.offline_prompts * s.offline_output_len
+    for engine in ("transformers", "transformers-static"):
+        num = s.offline_transformers_prompts if engine == "transformers" else s.offline_prompts
+        assert runs[engine]["num_output_tokens"] == num * s.offline_output_len
+    assert runs["pagedserve"]["num_preemptions"] == 0
+    ours = runs["pagedserve"]["output_tokens_per_s"]
+    assert row["ratio"] == round(ours / runs["transformers"]["output_tokens_per_s"], 2)
+    assert row["ratio_vs_static"] == round(
+        ours / runs["transformers-static"]["output_tokens_per_s"], 2
+    )
+
+
+def test_nano_records_have_the_exact_output_tokens(smoke):
+    out, _ = smoke
+    records = _records(out, "nano")
+    _no_errors(records)
+    s = SMOKE_SIZES
+    prompts, output_lens = random_length_workload(
+        s.nano_prompts, s.nano_input_range, s.nano_output_range, TINY_LLAMA["vocab_size"], 0
+    )
+    assert [r["model"] for r in records] == ["qwen2.5-0.5b", "llama-3.2-1b"]
+    for r in records:
+        assert r["model_run"] == "tiny-llama"  # smoke: the tiny config stands in
+        assert r["exact_output_tokens"] is True
+        assert r["num_output_tokens"] == r["expected_output_tokens"] == sum(output_lens)
+        assert r["num_input_tokens"] == sum(map(len, prompts))
+        assert r["temperature"] == 0.6 and r["num_preemptions"] == 0
+        assert r["input_len_range"] == list(s.nano_input_range)
+        assert "--input-len-range" in r["command"]
+
+
+def test_online_records(smoke):
+    out, _ = smoke
+    records = _records(out, "online")
+    _no_errors(records)
+    s = SMOKE_SIZES
+    offline, *serves = records
+    top_requests = s.online_runs[-1][1]
+    assert offline["kind"] == "offline" and offline["num_prompts"] == top_requests
+    assert offline["num_output_tokens"] == top_requests * s.online_output_len
+    assert [(r["max_concurrency"], r["num_requests"]) for r in serves] == list(s.online_runs)
+    for r in serves:
+        assert r["completed"] == r["num_requests"] and r["failed"] == 0
+        assert r["total_output_tokens"] == r["num_requests"] * s.online_output_len
+        assert r["p99_ttft_ms"] >= r["median_ttft_ms"] > 0
+        assert r["median_itl_ms"] > 0 and 0 < r["client_cpu_fraction"]
+    last = serves[-1]
+    assert last["ratio_online_to_offline"] == round(
+        last["output_throughput"] / offline["output_throughput"], 3
+    )
+    assert "ratio_online_to_offline" not in serves[0]
+
+
+# --- pure parts ------------------------------------------------------------------------------
+
+
+def test_random_length_workload_is_nano_vllms():
+    prompts, output_lens = random_length_workload(256, (100, 1024), (100, 1024), 151936, 0)
+    # nano-vllm's README: 133,966 output tokens; its Qwen3.5 table: 142,827 prompt tokens.
+    assert sum(output_lens) == 133_966
+    assert sum(map(len, prompts)) == 142_827
+    assert min(map(len, prompts)) >= 100 and max(map(len, prompts)) <= 1024
+    assert min(min(p) for p in prompts) >= 0 and max(max(p) for p in prompts) == 10_000
+    # A small vocabulary caps the ids.
+    small, _ = random_length_workload(4, (5, 9), (1, 2), 64, 0)
+    assert max(max(p) for p in small) <= 63
+
+
+def test_fixed_length_workload_is_unchanged():
+    from argparse import Namespace
+
+    from bench.throughput import build_workload
+
+    args = Namespace(
+        num_prompts=3,
+        input_len=5,
+        output_len=7,
+        seed=11,
+        dataset_seed=None,
+        input_len_range=None,
+        output_len_range=None,
+    )
+    prompts, output_lens = build_workload(args, 50000, {2})
+    assert prompts == random_token_prompts(3, 5, 50000, 11, {2})
+    assert output_lens == [7, 7, 7]
+    ranged = Namespace(**{**vars(args), "output_len_range": [2, 4], "dataset_seed": 3})
+    prompts, output_lens = build_workload(ranged, 50000, {2})
+    assert (prompts, output_lens) == random_length_workload(3, (5, 5), (2, 4), 50000, 3)
+    with pytest.raises(ValueError, match="--output-len-range"):
+        build_workload(Namespace(**{**vars(args), "output_len_range": [4, 2]}), 50000, {2})
+
+
+def test_compare_tokens_reports_the_first_difference_and_its_margin():
+    import torch
+
+    scores = [torch.zeros(3, 10), torch.zeros(3, 10)]
+    scores[1][1, 4], scores[1][1, 6] = 2.5, 2.0
+    result = compare_tokens([[1, 2, 3], [4, 4, 4]], [[1, 2, 3], [4, 6, 4]], scores)
+    assert result["equal"] is False and result["num_equal_prompts"] == 1
+    assert result["prefix_match"] == [3, 1] and result["positionwise_match"] == [3, 2]
+    assert result["mean_prefix_match"] == 2.0
+    assert result["mismatches"] == [
+        {
+            "prompt": 1,
+            "first_difference": 1,
+            "reference_token": 4,
+            "engine_token": 6,
+            "reference_logit_margin": 0.5,
+        }
+    ]
+
+
+def test_bench_serve_reads_max_model_len_from_the_model_card():
+    """Token-id prompts need no tokenizer: the length check reads GET /v1/models, not
+    /tokenize (which a model without a tokenizer answers with 400)."""
+    from bench.serve import _max_model_len
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/models"
+        cards = [{"id": "a", "max_model_len": 128}, {"id": "b", "max_model_len": 4096}]
+        return httpx.Response(200, json={"object": "list", "data": cards + [{"id": "c"}]})
+
+    async def ask(model: str) -> int | None:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _max_model_len(client, model)
+
+    assert asyncio.run(ask("b")) == 4096
+    assert asyncio.run(ask("c")) is None  # a card without the field: no check
+    assert asyncio.run(ask("missing")) is None
