@@ -614,7 +614,14 @@ def _kernel_summary(prof, steps: int, wall_s: float, device: str) -> dict[str, A
     events = list(prof.events())
     summary: dict[str, Any] = {"wall_ms_per_step": round(wall_s * 1000 / steps, 4)}
     if device.startswith("cuda"):
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        # Kernels, memcpys and memsets; not the GPU-side copies of record_function ranges,
+        # which span kernels already counted.
+        kernels = [
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA
+            and "annotation" not in str(getattr(e, "activity_type", ""))
+        ]
         intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
         busy_us, cur_start, cur_end = 0.0, None, None
         for start, end in intervals:
@@ -918,6 +925,7 @@ def step_nano(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
         "--output-len-range", *map(str, sizes.nano_output_range),
         "--dataset-seed", "0",
         "--temperature", "0.6",
+        "--no-request-seeds",
         "--max-model-len", "4096",
         "--max-num-batched-tokens", str(sizes.nano_max_batched_tokens),
     ]  # fmt: skip

@@ -6,7 +6,7 @@ With --input-len-range / --output-len-range every request draws its own lengths 
 nano-vllm's bench.py does; nano-vllm's own workload is
 
 pagedserve bench throughput --model M --num-prompts 256 --input-len-range 100 1024 \
-    --output-len-range 100 1024 --dataset-seed 0 --temperature 0.6
+    --output-len-range 100 1024 --dataset-seed 0 --temperature 0.6 --no-request-seeds
 
 (142,827 prompt tokens, 133,966 output tokens). Its "Throughput" is output tokens / time, our
 output_tokens_per_s.
@@ -106,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature (nano-vllm: 0.6)"
     )
+    parser.add_argument(
+        "--no-request-seeds",
+        action="store_true",
+        help="send requests without a seed of their own, as vLLM's and nano-vllm's benchmarks do "
+        "(the engine's --seed still fixes the run); by default each carries --seed, which costs "
+        "the sampler a host-side generator per row and step",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write the results here")
 
 
@@ -143,11 +150,12 @@ def measure(
     llm,
     prompts: list[list[int]],
     output_len: int | Sequence[int],
-    seed: int = 0,
+    seed: int | None = 0,
     temperature: float = 1.0,
 ) -> dict[str, Any]:
     """Time `llm.generate` on token-id prompts; request i produces exactly output_len tokens, or
-    output_len[i] when a sequence is given (ignore_eos)."""
+    output_len[i] when a sequence is given (ignore_eos). Every request carries `seed`; None
+    sends them unseeded (drawn from the engine's own seeded stream)."""
     output_lens = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
     if len(output_lens) != len(prompts):
         raise ValueError(f"{len(output_lens)} output lengths for {len(prompts)} prompts")
@@ -202,7 +210,14 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, An
         "dataset_seed": args.seed if args.dataset_seed is None else args.dataset_seed,
         "workload": "nano-vllm random lengths" if ranged else "fixed lengths",
         "temperature": args.temperature,
-        **measure(llm, prompts, output_lens, args.seed, args.temperature),
+        "request_seed": None if args.no_request_seeds else args.seed,
+        **measure(
+            llm,
+            prompts,
+            output_lens,
+            None if args.no_request_seeds else args.seed,
+            args.temperature,
+        ),
     }
     print(
         f"Throughput: {result['requests_per_s']:.2f} requests/s, "

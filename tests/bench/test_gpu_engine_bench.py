@@ -188,6 +188,7 @@ def test_nano_records_have_the_exact_output_tokens(smoke):
         assert r["num_output_tokens"] == r["expected_output_tokens"] == sum(output_lens)
         assert r["num_input_tokens"] == sum(map(len, prompts))
         assert r["temperature"] == 0.6 and r["num_preemptions"] == 0
+        assert r["request_seed"] is None and "--no-request-seeds" in r["command"]
         assert r["input_len_range"] == list(s.nano_input_range)
         assert "--input-len-range" in r["command"]
 
