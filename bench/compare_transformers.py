@@ -251,7 +251,9 @@ def _worker(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any
     )
 
 
-def _measure_in_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure_in_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One engine's measurement (the worker's JSON) in a fresh Python; `args` from
+    build_parser()."""
     cmd = [
         sys.executable,
         "-m",
@@ -289,6 +291,19 @@ def _measure_in_subprocess(engine: str, dtype: str, args: argparse.Namespace) ->
     if res.returncode != 0:
         raise RuntimeError(f"{engine} ({dtype}) failed:\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def comparison_row(dtype: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each engine's output tok/s and pagedserve's ratio to each transformers engine measured."""
+    row: dict[str, Any] = {"dtype": dtype}
+    for engine, run in runs.items():
+        row[RATE_KEYS[engine]] = round(run["output_tokens_per_s"], 1)
+    ours = runs.get("pagedserve")
+    for engine, key in (("transformers", "ratio"), ("transformers-static", "ratio_vs_static")):
+        if ours is not None and engine in runs:
+            row[key] = round(ours["output_tokens_per_s"] / runs[engine]["output_tokens_per_s"], 2)
+    row["runs"] = runs
+    return row
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,21 +358,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ).stdout.strip()
     results: list[dict[str, Any]] = []
     for dtype in args.dtypes:
-        runs = {engine: _measure_in_subprocess(engine, dtype, args) for engine in args.engines}
-        row: dict[str, Any] = {"dtype": dtype}
-        for engine, run in runs.items():
-            row[RATE_KEYS[engine]] = round(run["output_tokens_per_s"], 1)
-        ours = runs.get("pagedserve")
-        if ours is not None and "transformers" in runs:
-            row["ratio"] = round(
-                ours["output_tokens_per_s"] / runs["transformers"]["output_tokens_per_s"], 2
-            )
-        if ours is not None and "transformers-static" in runs:
-            row["ratio_vs_static"] = round(
-                ours["output_tokens_per_s"] / runs["transformers-static"]["output_tokens_per_s"],
-                2,
-            )
-        row["runs"] = runs
+        runs = {engine: measure_in_subprocess(engine, dtype, args) for engine in args.engines}
+        row = comparison_row(dtype, runs)
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {

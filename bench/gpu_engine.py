@@ -889,17 +889,23 @@ def step_offline(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     if args.smoke:  # the CPU default is a 4 GiB cache
         lens = [sizes.offline_input_len + sizes.offline_output_len] * sizes.offline_prompts
         argv += ["--num-kv-blocks", str(kv_blocks_for(lens, max_model_len))]
-    with rec.part(model=args.model):
-        for row in compare_transformers.main(argv):
-            rec.write(
-                {
-                    "model": args.model,
-                    "workload": f"{sizes.offline_prompts} requests x {sizes.offline_input_len} in"
-                    f" / {sizes.offline_output_len} out, temperature 1, ignore_eos; "
-                    f"generate_batch on the first {sizes.offline_transformers_prompts}",
-                    **row,
-                }
-            )
+    options = compare_transformers.build_parser().parse_args(argv)
+    base = {
+        "model": args.model,
+        "workload": f"{sizes.offline_prompts} requests x {sizes.offline_input_len} in / "
+        f"{sizes.offline_output_len} out, temperature 1, ignore_eos; generate_batch on the first "
+        f"{sizes.offline_transformers_prompts}",
+    }
+    # One record per engine as soon as it is measured, the slowest and least predictable
+    # (generate_batch) last: a time-out then costs only its own number.
+    runs: dict[str, dict[str, Any]] = {}
+    for engine in ("pagedserve", "transformers-static", "transformers"):
+        with rec.part(**base, kind="engine", engine=engine):
+            runs[engine] = compare_transformers.measure_in_subprocess(engine, sizes.dtype, options)
+            rec.write({**base, "kind": "engine", "engine": engine, **runs[engine]})
+    rec.write(
+        {**base, "kind": "comparison", **compare_transformers.comparison_row(sizes.dtype, runs)}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1218,6 +1224,11 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
                 f"{r.get('gpu_busy_ms_per_step')} ms, gap {r.get('cpu_gap_ms_per_step')} ms; {top}"
             )
     if step == "offline":
+        if r.get("kind") == "engine":
+            return (
+                f"{r['engine']} {r['output_tokens_per_s']} output tok/s ({r['num_prompts']} "
+                f"requests, {r['num_output_tokens']} tokens in {r['elapsed_s']} s)"
+            )
         return (
             f"{r.get('dtype')} pagedserve {r.get('pagedserve_output_tok_s')} tok/s | "
             f"generate_batch {r.get('transformers_generate_batch_output_tok_s')} "

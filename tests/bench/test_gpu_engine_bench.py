@@ -158,7 +158,15 @@ def test_offline_record_counts_exact_tokens(smoke):
     out, _ = smoke
     records = _records(out, "offline")
     _no_errors(records)
-    (row,) = records
+    *engines, row = records
+    assert [(r["kind"], r["engine"]) for r in engines] == [
+        ("engine", "pagedserve"),
+        ("engine", "transformers-static"),
+        ("engine", "transformers"),
+    ]
+    assert row["kind"] == "comparison"
+    for r in engines:  # each engine's record, written as it came, is its run in the row
+        assert {k: r[k] for k in row["runs"][r["engine"]]} == row["runs"][r["engine"]]
     s = SMOKE_SIZES
     runs = row["runs"]
     assert runs["pagedserve"]["num_output_tokens"] == s.offline_prompts * s.offline_output_len
@@ -292,3 +300,44 @@ def test_bench_serve_reads_max_model_len_from_the_model_card():
     assert asyncio.run(ask("b")) == 4096
     assert asyncio.run(ask("c")) is None  # a card without the field: no check
     assert asyncio.run(ask("missing")) is None
+
+
+def test_kernel_summary_of_cuda_events():
+    """The CUDA branch of the profile summary (the smoke run has no CUDA events): GPU busy time
+    is the union of kernel intervals, annotation ranges and host ops are left out."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.gpu_engine import _kernel_summary
+
+    def event(name, start, end, device=DeviceType.CUDA, activity="kernel"):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=span, activity_type=activity
+        )
+
+    events = [
+        event("gemm", 0, 100),
+        event("attention", 50, 150),  # overlaps gemm: busy 0-150
+        event("gemm", 300, 400),
+        event("Memcpy HtoD", 500, 520, activity="gpu_memcpy"),
+        event("decode step", 0, 1000, activity="gpu_user_annotation"),
+        event("aten::mm", 0, 900, device=DeviceType.CPU, activity="cpu_op"),
+    ]
+    host = [SimpleNamespace(key="aten::mm", self_cpu_time_total=900.0, count=4)]
+    prof = SimpleNamespace(events=lambda: events, key_averages=lambda: host)
+    summary = _kernel_summary(prof, steps=2, wall_s=0.010, device="cuda")
+    assert summary["wall_ms_per_step"] == 5.0
+    assert summary["kernels_per_step"] == 2.0
+    assert summary["kernel_ms_per_step"] == 0.16  # 320 us of kernels over 2 steps
+    assert summary["gpu_busy_ms_per_step"] == 0.135  # 150 + 100 + 20 us
+    assert summary["cpu_gap_ms_per_step"] == 4.865
+    assert summary["top_kernels"] == [
+        {"name": "gemm", "pct": 62.5, "calls_per_step": 1.0, "ms_per_step": 0.1},
+        {"name": "attention", "pct": 31.25, "calls_per_step": 0.5, "ms_per_step": 0.05},
+        {"name": "Memcpy HtoD", "pct": 6.25, "calls_per_step": 0.5, "ms_per_step": 0.01},
+    ]
+    assert summary["top_cpu_ops"] == [
+        {"name": "aten::mm", "self_cpu_ms_per_step": 0.45, "calls_per_step": 2.0}
+    ]
