@@ -1,10 +1,12 @@
 """Resolve the `--model` argument to a local model: a Hugging Face folder, a GGUF file, the
-embedded SmolLM2 model, or a built-in shape for dummy weights. Never touches the network.
+embedded SmolLM2 model, or a config for dummy weights (a built-in shape name or a config.json
+file). Never touches the network.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -26,6 +28,9 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
 
 ModelKind = Literal["hf_dir", "gguf", "dummy"]
 
+# Files that make a folder a Hugging Face tokenizer folder (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -34,8 +39,9 @@ class ModelSource:
     kind "hf_dir": `path` is a folder with config.json, *.safetensors and tokenizer files.
     kind "gguf": `gguf_file` is the .gguf file and `path` the folder holding it; the tokenizer
     is read from the same file.
-    kind "dummy": a built-in shape (`engine.config.BUILTIN_SHAPES`); no files, random weights,
-    no tokenizer.
+    kind "dummy": random weights for a config alone: a built-in shape
+    (`engine.config.BUILTIN_SHAPES`; `path` None, no tokenizer) or a Hugging Face config.json
+    file (`path` is the file; the tokenizer is its folder's, when the folder has tokenizer files).
     """
 
     name: str  # the name to serve the model under (the --model value as given)
@@ -43,7 +49,9 @@ class ModelSource:
     path: Path | None
     gguf_file: Path | None
     config: ModelConfig
-    tokenizer_source: Path | None  # the folder (hf_dir) or the .gguf file; None for dummy
+    # The folder (hf_dir, or a dummy config's folder with tokenizer files) or the .gguf file;
+    # None when the model has no tokenizer of its own.
+    tokenizer_source: Path | None
     # The parsed GGUF file (kind "gguf"), kept so that loading weights does not parse it again.
     gguf_reader: gguf.GGUFReader | None = field(default=None, compare=False, repr=False)
 
@@ -72,8 +80,9 @@ def embedded_model_path(name: str) -> Path:
 
 
 def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
-    """Resolve `--model`: a local HF folder, a .gguf file, an embedded model name, or a built-in
-    shape name (names are case-insensitive). Raises ValueError saying what was tried.
+    """Resolve `--model`: a local HF folder, a .gguf file, a Hugging Face config .json file
+    (dummy weights), an embedded model name, or a built-in shape name (names are
+    case-insensitive). Raises ValueError saying what was tried.
     """
     path = Path(model).expanduser()
     if path.is_dir():
@@ -98,9 +107,11 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return _gguf_source(model, path)
+        if path.suffix.lower() == ".json":
+            return _config_file_source(model, path)
         raise ValueError(
-            f"model file {str(path)!r} is not a .gguf file; pass a .gguf file or the Hugging "
-            "Face folder (with config.json) instead"
+            f"model file {str(path)!r} is not a .gguf file or a .json config; pass a .gguf "
+            "file, a Hugging Face config.json (dummy weights) or the Hugging Face folder instead"
         )
 
     key = model.lower()
@@ -117,7 +128,8 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
         )
     raise ValueError(
         f"model {model!r} not found: not a local directory with config.json "
-        f"({str(path.absolute())!r} does not exist), not a .gguf file, and not a known embedded "
+        f"({str(path.absolute())!r} does not exist), not a .gguf file or a config .json file, "
+        "and not a known embedded "
         f"model name ({', '.join(EMBEDDED_MODELS)}) or built-in shape for dummy weights "
         f"({', '.join(BUILTIN_SHAPES)})"
     )
@@ -134,4 +146,38 @@ def _gguf_source(name: str, gguf_file: Path) -> ModelSource:
         config=ModelConfig.from_gguf(reader),
         tokenizer_source=gguf_file,
         gguf_reader=reader,
+    )
+
+
+def _config_file_source(name: str, config_file: Path) -> ModelSource:
+    """A dummy-weight source from a Hugging Face config.json file (any name ending in .json)."""
+    what = f"model file {str(config_file)!r}"
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"{what} is not valid JSON ({e}); pass a Hugging Face config.json for dummy weights"
+        ) from e
+    if not isinstance(hf_config, dict):
+        raise ValueError(
+            f"{what} holds a JSON {type(hf_config).__name__}, not a Hugging Face config object; "
+            "pass a config.json for dummy weights"
+        )
+    try:
+        config = ModelConfig.from_hf_dict(hf_config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{what} is not a usable Hugging Face model config: {e}; pass the config.json of a "
+            "supported model for dummy weights"
+        ) from e
+    folder = config_file.parent
+    has_tokenizer = any((folder / file).is_file() for file in TOKENIZER_FILES)
+    return ModelSource(
+        name=name,
+        kind="dummy",
+        path=config_file,
+        gguf_file=None,
+        config=config,
+        tokenizer_source=folder if has_tokenizer else None,
     )

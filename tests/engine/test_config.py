@@ -17,6 +17,7 @@ from engine.config import (
     llama3_rope_freq_divisors,
 )
 from engine.model_source import embedded_model_path, resolve_model
+from engine.weights import load_weights
 from tests.helpers import tiny_config
 
 # Published config.json files (trimmed of keys we do not read).
@@ -419,6 +420,54 @@ def test_builtin_shape_name_is_a_dummy_source():
         None,
     )
     assert source.config == builtin_config("qwen2.5-0.5b")
+
+
+def test_config_json_file_is_a_dummy_source(tmp_path: Path):
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(tiny_config().to_hf_dict()))
+    source = resolve_model(str(config_file))
+    assert (source.kind, source.name, source.path, source.gguf_file, source.tokenizer_source) == (
+        "dummy",
+        str(config_file),
+        config_file,
+        None,
+        None,
+    )
+    assert source.config == tiny_config()
+    # load_format "auto" gives dummy weights in the config's shapes.
+    weights = dict(load_weights(source))
+    assert weights.keys() == tiny_config().weight_shapes().keys()
+    assert tuple(weights["model.embed_tokens.weight"].shape) == (64, 32)
+    # Any .json name works; tokenizer files beside it make the folder its tokenizer.
+    renamed = tmp_path / "Tiny.JSON"
+    renamed.write_text(config_file.read_text())
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert resolve_model(str(renamed)).tokenizer_source == tmp_path
+    assert resolve_model(str(config_file)).tokenizer_source == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", r"is not valid JSON \(Expecting property name"),
+        ("[1, 2]", "holds a JSON list, not a Hugging Face config object"),
+        (
+            '{"model_type": "bert"}',
+            "is not a usable Hugging Face model config: unsupported model: "
+            "architectures=None, model_type='bert'",
+        ),
+        (
+            '{"model_type": "llama", "hidden_size": 64}',
+            "is not a usable Hugging Face model config: config is missing required key "
+            "'num_attention_heads'; pass the config.json of a supported model",
+        ),
+    ],
+)
+def test_bad_config_json_file(tmp_path: Path, text: str, message: str):
+    config_file = tmp_path / "config.json"
+    config_file.write_text(text)
+    with pytest.raises(ValueError, match=f"^model file '{config_file}' {message}"):
+        resolve_model(str(config_file))
 
 
 def test_unknown_model_says_what_was_tried(tmp_path: Path):

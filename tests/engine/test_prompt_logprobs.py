@@ -50,6 +50,16 @@ def _params(k: int | None, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=k, **kwargs)
 
 
+def _synthetic_token_string(token_id: int) -> str:
+    """The tiny checkpoint has no tokenizer files, so the engine uses the synthetic tokenizer:
+    bos 1 and eos 2 are special, ids 0 and 3..257 the byte tokens, every other id is "<id>"."""
+    if token_id in (1, 2):
+        return "<|bos|>" if token_id == 1 else "<|eos|>"
+    if token_id <= 257:
+        return f"<0x{max(token_id - 2, 0):02X}>"
+    return f"<{token_id}>"
+
+
 def assert_prompt_logprobs(
     prompt_logprobs: list | None, prompt: list[int], ref: torch.Tensor, k: int
 ) -> None:
@@ -64,7 +74,7 @@ def assert_prompt_logprobs(
         sorted_row = row.sort(descending=True).values
         assert token in entry
         for token_id, lp in entry.items():
-            assert lp.decoded_token == ""  # the tiny checkpoint has no tokenizer
+            assert lp.decoded_token == _synthetic_token_string(token_id)
             assert lp.logprob == pytest.approx(row[token_id].item(), abs=ATOL)
             assert lp.logprob == pytest.approx(sorted_row[lp.rank - 1].item(), abs=ATOL)
         others = {token_id: lp.rank for token_id, lp in entry.items() if token_id != token}

@@ -14,6 +14,7 @@ from engine.tokenizer import (
     apply_chat_template,
     encode_prompt,
     eos_token_ids,
+    is_synthetic_tokenizer,
     load_tokenizer,
     normalize_messages,
     render_chat_prompt,
@@ -136,17 +137,21 @@ def test_where_tokenizers_come_from(monkeypatch, tmp_path: Path):
     assert load_tokenizer(gguf_path) == "tokenizer"
     assert load_tokenizer(tmp_path) == "tokenizer"
     shape = resolve_model("llama-3.2-1b")
-    assert load_tokenizer(shape) is None  # a built-in shape has no tokenizer of its own
+    # A built-in shape has no tokenizer of its own: it gets a synthetic one, never from files.
+    assert is_synthetic_tokenizer(load_tokenizer(shape))
     assert load_tokenizer(shape, "smollm2-135m-instruct") == "tokenizer"  # --tokenizer override
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
     (weights_only / "config.json").write_text(json.dumps(shape.config.to_hf_dict()))
-    assert load_tokenizer(resolve_model(str(weights_only))) is None
+    assert is_synthetic_tokenizer(load_tokenizer(resolve_model(str(weights_only))))
     gguf_call = (gguf_path.parent, {"gguf_file": gguf_path.name, "local_files_only": True})
     assert calls == [gguf_call, gguf_call, (tmp_path, {"local_files_only": True}), gguf_call]
 
     with pytest.raises(ValueError, match="model 'no-such-model' not found"):
         load_tokenizer("no-such-model")
+    # An explicit tokenizer location must hold a real tokenizer.
+    with pytest.raises(ValueError, match="model 'llama-3.2-1b' has no tokenizer of its own"):
+        load_tokenizer(shape, "llama-3.2-1b")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no tokenizer files"):
         load_tokenizer(tmp_path / "empty")
