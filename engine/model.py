@@ -3,6 +3,17 @@
 Reads top to bottom: embedding -> N x (RMSNorm -> attention -> RMSNorm -> SwiGLU MLP) -> norm.
 q/k/v and gate/up projections are stored stacked (one matmul each); `load_weights` maps Hugging
 Face parameter names onto the stacked tensors.
+
+Everything between the matmuls is a call into the backend module `ops` (`kernels.reference` in
+torch, `kernels.triton_ops` in Triton): RMSNorm, residual add + RMSNorm, rotary embedding + the
+KV-cache write, paged attention, SiLU-and-multiply. As in vLLM, the residual stream travels next
+to the hidden states, so that each residual add is fused into the norm that follows it:
+
+    h, r = x, x                       layer i:  h, r = add_rms_norm(h, r)   (r += h; h = norm(r))
+    h = norm(h)                                 h = attention(h)
+                                                h, r = add_rms_norm(h, r)
+                                                h = mlp(h)
+    after the last layer: h, _ = add_rms_norm(h, r)  (the final norm)
 """
 
 from __future__ import annotations
@@ -18,9 +29,7 @@ import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cpu_linear import linear, pack
-from engine.rotary import RotaryEmbedding, apply_rotary
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) for the step's positions, [N, 1, head_dim]
+from engine.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
 
@@ -31,21 +40,26 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """Normalises in float32 and casts back before the weight, as transformers does. With a
+    residual, adds x to it first (in place) and returns (normalised, the updated residual)."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: ModuleType = kernels) -> None:
         super().__init__()
+        self.ops = ops
         self.weight = _empty(hidden_size)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does.
-        x32 = x.float()
-        inv_rms = torch.rsqrt((x32 * x32).mean(-1, keepdim=True).add_(self.eps))
-        return self.weight * (x32 * inv_rms).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    """`ops` is the attention backend: a module with `reshape_and_cache` and `paged_attention`
-    (`kernels.reference`, `kernels.triton_attention`, or the `kernels` dispatcher itself)."""
+    """`ops` is the backend module (`kernels.reference`, `kernels.triton_ops`, or the `kernels`
+    dispatcher itself): `rotary_and_cache` and `paged_attention` here."""
 
     def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
         super().__init__()
@@ -63,21 +77,21 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        rope: Rope,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
         x: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        # Rotate q and k heads together: [N, Hq + Hkv, D] is a view of qkv's first columns.
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rotary(qk, *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        # Write this step's K/V first: the new tokens attend to themselves through the cache.
-        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Rotate q and k and write this step's K/V first: the new tokens attend to themselves
+        # through the cache.
+        q = self.ops.rotary_and_cache(
+            qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
         out = self.ops.paged_attention(
             q,
             k_cache,
@@ -92,34 +106,44 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate).mul_(up), self.down_proj)
+        return linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_ops: ModuleType = kernels) -> None:
+    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention_ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
 
     def forward(
         self,
-        rope: Rope,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, with residual None).
+        Returns this layer's MLP output and the residual stream before it is added."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, rotary, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     only the rows the sampler needs (one per sequence that samples this step) and, for requests
     that asked for prompt logprobs, the rows of the prompt positions they score.
 
-    `attention_ops` is the attention backend every layer calls (see `Attention`)."""
+    `attention_ops` is the backend module every layer calls (see the module docstring)."""
 
     def __init__(
         self, config: ModelConfig, max_positions: int, attention_ops: ModuleType = kernels
@@ -141,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention_ops) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_ops)
         self.lm_head = (
             None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)
         )
@@ -154,10 +178,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, self.rotary, x, residual, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -13,7 +13,8 @@ import torch
 
 from scheduler import SamplingParams
 
-_SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct generator seeds
+_SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct stream positions
+_MASK64 = (1 << 64) - 1
 
 # One position: (token logprob, token rank (1 = most likely), [(token id, logprob)] top-k)
 TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
@@ -134,10 +135,19 @@ class Sampler:
             uniforms[unseeded] = draws
         for i, row in enumerate(rows):
             if row.params.seed is not None:
-                seed = (row.params.seed * _SEED_STRIDE + row.num_output_tokens) % (2**63 - 1)
-                gen = torch.Generator().manual_seed(seed)
-                uniforms[i] = torch.rand(1, generator=gen, dtype=torch.float64)[0]
+                uniforms[i] = seeded_uniform(row.params.seed, row.num_output_tokens)
         return to_device(uniforms, torch.float64, device)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position): SplitMix64's output
+    function on seed * stride + position, top 53 bits. About a microsecond in Python, where
+    seeding a torch.Generator per row cost ~8 us (2 ms per step at batch 256)."""
+    z = (seed * _SEED_STRIDE + position + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
 
 
 def to_device(

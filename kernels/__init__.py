@@ -1,10 +1,12 @@
-"""Attention kernels behind one backend switch.
+"""The model's kernels behind one backend switch.
 
-`paged_attention` and `reshape_and_cache` route each call to a backend module with the same
+`paged_attention`, `reshape_and_cache` and the fused layer ops (`rms_norm`, `fused_add_rms_norm`,
+`silu_and_mul`, `rotary_and_cache`) route each call to a backend module with the same
 signatures:
 
     torch   `kernels.reference`, pure torch, any device; the default for CPU tensors
-    triton  `kernels.triton_attention`, Triton kernels; the default for CUDA tensors. On CPU
+    triton  `kernels.triton_ops` (the kernels of `kernels.triton_attention` and
+            `kernels.triton_fused`); the default for CUDA tensors. On CPU
             tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, set before
             the module is first imported).
 
@@ -26,12 +28,16 @@ from kernels import reference
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "fused_add_rms_norm",
     "get_backend",
     "paged_attention",
     "reference",
     "reshape_and_cache",
     "resolve_backend",
+    "rms_norm",
+    "rotary_and_cache",
     "select_backend",
+    "silu_and_mul",
 ]
 
 BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
@@ -65,9 +71,9 @@ def get_backend(name: str) -> ModuleType:
     if name == "torch":
         return reference
     if name == "triton":
-        from kernels import triton_attention
+        from kernels import triton_ops
 
-        return triton_attention
+        return triton_ops
     raise ValueError(f"{name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS))
 
 
@@ -108,3 +114,39 @@ def paged_attention(
         sliding_window=sliding_window,
         out=out,
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm; see `kernels.reference.rms_norm`."""
+    return get_backend(select_backend(x.device)).rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x, then RMSNorm; see `kernels.reference.fused_add_rms_norm`."""
+    return get_backend(select_backend(x.device)).fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; see `kernels.reference.silu_and_mul`."""
+    return get_backend(select_backend(gate_up.device)).silu_and_mul(gate_up)
+
+
+def rotary_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Rotary q/k and the K/V-cache write; see `kernels.reference.rotary_and_cache`."""
+    return get_backend(select_backend(qkv.device)).rotary_and_cache(
+        qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
+        num_heads, num_kv_heads, head_dim,
+    )  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from kernels import triton_attention
+from kernels import triton_attention, triton_ops
 from tests.helpers import hf_greedy
 
 pytestmark = pytest.mark.skipif(
@@ -52,19 +52,25 @@ def test_triton_backend_greedy_equals_torch_backend_and_transformers(
     # steps are pure decode (the split-context decode kernel).
     options = dict(num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
     _, with_torch = _generate(path, "torch", prompts, **options)
-    launches = {"decode": 0, "extend": 0}
+    # Every op of the Triton backend runs: both attention kernels and the fused layer ops.
+    fused = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
+    launches = dict.fromkeys(("decode", "extend", *fused), 0)
     for name in launches:
-        real = getattr(triton_attention, name)
+        module = triton_attention if name in ("decode", "extend") else triton_ops
+        real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name):
             launches[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(triton_attention, name, spy)
+        monkeypatch.setattr(module, name, spy)
     llm, with_triton = _generate(path, "triton", prompts, **options)
     assert with_torch == expected
     assert with_triton == expected
-    assert launches["decode"] > 0 and launches["extend"] > 0, launches
+    assert all(launches.values()), launches
+    # Per step: one norm (the first layer's input), then two fused norms per layer (the second
+    # layer's input norm, both post-attention norms and the final norm).
+    assert launches["fused_add_rms_norm"] == 2 * 2 * launches["rms_norm"], launches
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
@@ -128,7 +134,8 @@ def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     from_env = engine()
     assert from_env.attention_backend == "triton"
-    assert from_env.model.layers[1].self_attn.ops is triton_attention
+    layer = from_env.model.layers[1]
+    assert layer.self_attn.ops is layer.mlp.ops is layer.input_layernorm.ops is triton_ops
     assert engine(attention_backend="torch").attention_backend == "torch"  # option beats env
     monkeypatch.setenv(kernels.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="PAGEDSERVE_ATTENTION_BACKEND='flash' is not an"):

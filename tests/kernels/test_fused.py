@@ -16,13 +16,11 @@ instead changes 5-30% of them).
 from __future__ import annotations
 
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import MLP, Attention, RMSNorm
 from engine.rotary import RotaryEmbedding
 from kernels import reference, triton_attention, triton_fused
 
@@ -284,72 +282,61 @@ def model_weight(hidden: int, dtype: torch.dtype, seed: int) -> torch.nn.Paramet
     return torch.nn.Parameter(randn(hidden, dtype=dtype, seed=seed), requires_grad=False)
 
 
+# The references against the math the model ran before it called them (transformers' own modules
+# where they exist), so that the switch to ops left the engine's tokens unchanged.
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_reference_norms_equal_the_model_exactly(dtype):
-    norm = RMSNorm(896, EPS)
-    norm.weight = model_weight(896, dtype, seed=1)
+def test_reference_norms_equal_transformers_exactly(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(896, eps=EPS).to(dtype)
+    hf.weight.data = model_weight(896, dtype, seed=1)
     x = randn(17, 896, dtype=dtype, seed=2, scale=3.0)
     residual = randn(17, 896, dtype=dtype, seed=3)
-    assert torch.equal(reference.rms_norm(x, norm.weight, EPS), norm(x))
-    # DecoderLayer: x = residual + sublayer(...), then the next norm of x.
-    model_sum = residual + x
-    out, new_residual = reference.fused_add_rms_norm(x, residual, norm.weight, EPS)
-    assert torch.equal(new_residual, model_sum)
-    assert torch.equal(out, norm(model_sum))
+    with torch.no_grad():
+        assert torch.equal(reference.rms_norm(x, hf.weight, EPS), hf(x))
+        # transformers' decoder layer: x = residual + sublayer(...), then the next norm of x.
+        hf_sum = residual + x
+        out, new_residual = reference.fused_add_rms_norm(x, residual, hf.weight, EPS)
+        assert torch.equal(new_residual, hf_sum)
+        assert torch.equal(out, hf(hf_sum))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_silu_and_mul_equals_the_model_mlp_exactly(dtype):
-    # The MLP with an identity down projection returns its activation unchanged.
+def test_reference_silu_and_mul_equals_the_swiglu_activation_exactly(dtype):
     size = 96
-    mlp = MLP(SimpleNamespace(hidden_size=size, intermediate_size=size))
-    mlp.gate_up_proj.data = randn(2 * size, size, dtype=dtype, seed=4, scale=0.3)
-    mlp.down_proj.data = torch.eye(size, dtype=dtype)
-    x = randn(5, size, dtype=dtype, seed=5)
-    gate_up = F.linear(x, mlp.gate_up_proj)
-    assert torch.equal(reference.silu_and_mul(gate_up), mlp(x))
+    gate_up = randn(5, 2 * size, dtype=dtype, seed=5)
+    gate, up = gate_up[:, :size], gate_up[:, size:]
+    assert torch.equal(reference.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_reference_rotary_and_cache_equals_the_model_attention_exactly(dtype):
-    # engine/model.py Attention.forward up to the attention call, with an ops module that writes
-    # the cache with the reference and records the q it is given.
-    num_heads, num_kv_heads, head_dim, hidden, block_size = 6, 2, 64, 128, 8
-    config = SimpleNamespace(
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        sliding_window=None, hidden_size=hidden, attention_bias=False,
-    )  # fmt: skip
-    seen = {}
+def test_reference_rotary_and_cache_equals_apply_rotary_and_reshape_and_cache(dtype):
+    # What engine/model.py did before the fused op: rotate q and k heads together with
+    # engine/rotary.py, then reshape_and_cache.
+    from engine.rotary import apply_rotary
 
-    def paged_attention(q, *args, **kwargs):
-        seen["q"] = q
-        return torch.zeros_like(q)
-
-    ops = SimpleNamespace(
-        reshape_and_cache=reference.reshape_and_cache, paged_attention=paged_attention
-    )
-    attention = Attention(config, ops)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    attention.qkv_proj.data = randn(width, hidden, dtype=dtype, seed=6, scale=0.2)
-    attention.o_proj.data = torch.zeros(hidden, num_heads * head_dim, dtype=dtype)
+    num_heads, num_kv_heads, head_dim, block_size, n = 6, 2, 64, 8, 7
+    qkv = randn(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=6)
     rotary = rotary_tables(head_dim)
-    x = randn(7, hidden, dtype=dtype, seed=7)
     positions = torch.tensor([0, 1, 2, 700, 701, 4094, MAX_POSITIONS - 1])
     slot_mapping = torch.tensor([0, 1, -1, 9, 10, 30, 31])
     model_k, model_v, ref_k, ref_v = sentinel_caches(
         4, block_size, num_kv_heads, head_dim, dtype, 4
     )
-    meta = SimpleNamespace(
-        slot_mapping=slot_mapping, block_tables=None, seq_lens=None, query_start_loc=None
-    )
-    attention(rotary.cos_sin(positions, dtype), x, (model_k, model_v), meta)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qk = qkv[:, : q_size + kv_size].view(n, num_heads + num_kv_heads, head_dim)
+    qk = apply_rotary(qk, *rotary.cos_sin(positions, dtype))
+    model_q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
+    reference.reshape_and_cache(k, v, model_k, model_v, slot_mapping)
 
-    qkv = F.linear(x, attention.qkv_proj)
     q = reference.rotary_and_cache(
         qkv, positions, rotary.cos, rotary.sin, ref_k, ref_v, slot_mapping,
         num_heads, num_kv_heads, head_dim,
     )  # fmt: skip
-    assert torch.equal(q, seen["q"])
+    assert torch.equal(q, model_q)
     assert torch.equal(ref_k, model_k) and torch.equal(ref_v, model_v)
     written = (ref_k != SENTINEL).view(-1, num_kv_heads * head_dim).any(-1)
     assert written.nonzero().flatten().tolist() == [0, 1, 9, 10, 30, 31]

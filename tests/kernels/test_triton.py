@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from kernels import reference, triton_attention
+from kernels import reference, triton_attention, triton_ops
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 pytestmark = pytest.mark.skipif(
@@ -373,7 +373,7 @@ def test_backend_switch(monkeypatch):
     assert kernels.select_backend(torch.device("cpu")) == "torch"
     assert kernels.select_backend(torch.device("cuda")) == "triton"
     assert kernels.resolve_backend("torch", torch.device("cuda")) == "torch"
-    assert kernels.get_backend("triton") is triton_attention
+    assert kernels.get_backend("triton") is triton_ops
     with pytest.raises(ValueError, match="attention backend='cuda' is not an attention backend"):
         kernels.resolve_backend("cuda", batch.q.device)
 
