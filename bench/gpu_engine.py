@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -764,6 +765,11 @@ def _time_decode(llm, batch_size: int, sizes: Sizes, base: dict[str, Any], rec: 
             record["target_ms"] = DECODE_TARGET_MS_BATCH_1
             record["meets_target"] = median * 1000 <= DECODE_TARGET_MS_BATCH_1
         rec.write(record)
+        if device.startswith("cuda"):
+            with rec.part(**base, kind="host_syncs", batch_size=batch_size):
+                rec.write(
+                    {**base, "kind": "host_syncs", "batch_size": batch_size, **_count_syncs(batch)}
+                )
 
         with rec.part(**base, kind="cpu_split", batch_size=batch_size):
             with timed_parts(engine) as (totals, missing):
@@ -790,6 +796,25 @@ def _time_decode(llm, batch_size: int, sizes: Sizes, base: dict[str, Any], rec: 
                     "missing_parts": missing,
                 }
             )
+
+
+def _count_syncs(batch: _DecodeBatch, steps: int = 5) -> dict[str, Any]:
+    """Host-device synchronisations per decode step, with the lines that cause them, from
+    torch.cuda.set_sync_debug_mode("warn"). The goal is one: copying the sampled ids back."""
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                batch.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
+    return {"num_steps": steps, "syncs_per_step": len(caught) / steps, "sites": dict(sites)}
 
 
 def _profile_decode(

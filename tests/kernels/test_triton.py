@@ -382,13 +382,13 @@ def test_backend_switch(monkeypatch):
     assert kernels.resolve_backend("torch", batch.q.device) == "torch"  # explicit beats env
     calls = []
     for name in ("paged_attention", "reshape_and_cache"):
-        real = getattr(triton_attention, name)
+        real = getattr(triton_ops, name)
 
         def spy(*a, _real=real, _name=name, **kw):
             calls.append(_name)
             return _real(*a, **kw)
 
-        monkeypatch.setattr(triton_attention, name, spy)
+        monkeypatch.setattr(triton_ops, name, spy)
     got = kernels.paged_attention(*args(batch), batch.query_start_loc, 0.125)
     check(got, batch, 0.125)
     k = torch.zeros(1, 2, 64)
