@@ -15,7 +15,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="smollm2-135m-instruct",
-        help="local HF folder, .gguf file, or smollm2-135m-instruct (embedded)",
+        help="local HF folder, .gguf file, smollm2-135m-instruct (embedded), or for random "
+        "weights a config.json file or built-in shape (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, "
+        "smollm2-135m)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument(
