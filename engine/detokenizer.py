@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._backend_decode = _backend_decode(tokenizer)
         # Only the prompt's tail is ever decoded; ids before prefix_offset are never read again.
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -100,9 +101,33 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(self._ids[start:end], self._skip_special_tokens)
         return self._tokenizer.decode(
             self._ids[start:end], skip_special_tokens=self._skip_special_tokens
         )
+
+
+def _backend_decode(tokenizer: Any) -> Any:
+    """The Rust tokenizer's own `decode` when `tokenizer.decode` is exactly that call (a fast
+    tokenizer whose class keeps transformers' decode and that cleans up no spaces), else None.
+
+    Two decodes per output token go through it: transformers' Python wrapper around the same
+    call cost ~3 us each, ~1.5 ms a step at batch 256."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
+        return tokenizer.backend_tokenizer.decode
+    return None
 
 
 # ---------------------------------------------------------------------- stop strings

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
@@ -99,6 +101,21 @@ def test_decode_work_per_token_is_constant(tok, prompt_ids):
     # is the previous step's tokens plus any held-back bytes of one character (<= 4 tokens).
     assert len(counting.window_sizes) <= 2 * len(ids) + 1
     assert max(counting.window_sizes) <= 8
+
+
+def test_the_rust_decode_shortcut_equals_transformers_decode(tok):
+    from engine.detokenizer import _backend_decode
+
+    backend = _backend_decode(tok)
+    assert backend is not None  # SmolLM2's tokenizer takes the shortcut
+    ids = tok.encode(" ".join(TEXTS)) + [tok.eos_token_id, 0, 1, 2]
+    rng = random.Random(0)
+    windows = [ids] + [ids[i : i + rng.randrange(1, 9)] for i in range(0, len(ids), 3)]
+    for skip in (True, False):
+        for window in windows:
+            assert backend(window, skip) == tok.decode(window, skip_special_tokens=skip)
+    # A wrapper whose class overrides decode keeps the wrapper (CountingTokenizer above).
+    assert _backend_decode(CountingTokenizer(tok)) is None
 
 
 # ---------------------------------------------------------------------- stop strings
