@@ -1,0 +1,121 @@
+"""Host time of one decode step, the part a GPU cannot hide: scheduling, input preparation,
+sampling bookkeeping, output updates and detokenization, with the model's forward stubbed out.
+
+    python -m bench.host_step --batch-size 256 --context 1000 --steps 60
+
+A 1-layer, 64-wide Llama on CPU (vocab 2048, dummy weights) whose forward returns zeros, with
+SmolLM2's real tokenizer for detokenization: what remains is the engine's own Python and the
+small lm_head matmul. Prints one JSON object: the step's wall time
+and the time inside each part (schedule, execute, of which prepare_inputs and the sampler,
+update_from_output, the engine's per-request output work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 2048,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": True,
+}
+
+
+def measure(batch_size: int, context: int, steps: int) -> dict:
+    from engine import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    # Requests admitted first decode while the last ones prefill (2048 tokens a step): enough
+    # tokens for all of them to be decoding together for `steps` steps and the warm-up.
+    max_tokens = steps + 16 + -(-batch_size * context // 2048)
+    max_model_len = context + max_tokens + 16
+    llm = LLM(
+        str(folder),
+        load_format="dummy",
+        tokenizer="smollm2-135m-instruct",
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=batch_size * -(-max_model_len // 16),
+        max_num_seqs=batch_size,
+        max_model_len=max_model_len,
+    )
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"r{i}", [rng.randrange(3, 2000) for _ in range(context)], params)
+    while len(engine.step()) < batch_size:  # until every request has its first token
+        pass
+    hidden = TINY_CONFIG["hidden_size"]
+    engine.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
+
+    parts: collections.Counter[str] = collections.Counter()
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                parts[label] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    import engine.model_runner as model_runner
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.scheduler, "update_from_output", "update_from_output")
+    timed(engine.runner, "execute", "execute")
+    timed(model_runner, "prepare_inputs", "execute.prepare_inputs")
+    timed(engine.runner, "sampler", "execute.sampler")
+    for _ in range(5):
+        engine.step()
+    parts.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    parts_ms = {k: round(v / steps * 1e3, 3) for k, v in sorted(parts.items())}
+    named = parts_ms["schedule"] + parts_ms["execute"] + parts_ms["update_from_output"]
+    return {
+        "batch_size": batch_size,
+        "context": context,
+        "steps": steps,
+        "step_ms": round(step_ms, 3),
+        "parts_ms": parts_ms,
+        "outputs_and_detokenize_ms": round(step_ms - named, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps(measure(args.batch_size, args.context, args.steps)))
+
+
+if __name__ == "__main__":
+    main()
