@@ -57,12 +57,15 @@ class EngineConfig:
                 f"attention_backend must be 'auto' or one of {list(BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
-        if not isinstance(self.gpu_memory_utilization, float | int) or not (
-            0.0 < self.gpu_memory_utilization <= 1.0
+        utilization = self.gpu_memory_utilization
+        if (
+            isinstance(utilization, bool)
+            or not isinstance(utilization, float | int)
+            or not 0.0 < utilization <= 1.0
         ):
             raise ValueError(
                 "gpu_memory_utilization must be in (0, 1], the share of GPU memory to use, "
-                f"got {self.gpu_memory_utilization!r}"
+                f"got {utilization!r}"
             )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -118,6 +118,10 @@ def test_bad_requests_are_refused_and_nothing_is_queued(engine):
         ({"load_format": "pickle"}, "load_format must be"),
         ({"block_size": 0}, "block_size must be a positive integer"),
         ({"max_num_seqs": -3}, "max_num_seqs must be a positive integer"),
+        ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization must be in \(0, 1\]"),
+        ({"gpu_memory_utilization": 1.01}, "the share of GPU memory to use, got 1.01"),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization must be in"),
+        ({"max_cuda_graph_batch_size": 0}, "max_cuda_graph_batch_size must be a positive"),
     ],
 )
 def test_engine_config_validation(kwargs, message):

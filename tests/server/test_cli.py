@@ -157,6 +157,21 @@ def test_serve_on_a_busy_port_is_a_clear_error(tiny_llama_dir):
     assert f"error: could not serve on 127.0.0.1:{port}" in res.stderr
 
 
+def test_gpu_options_reach_the_engine_config():
+    from server.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--enforce-eager", "--gpu-memory-utilization", "0.5",
+         "--max-cuda-graph-batch-size", "64"]
+    )  # fmt: skip
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["enforce_eager"], kwargs["gpu_memory_utilization"]) == (True, 0.5)
+    assert kwargs["max_cuda_graph_batch_size"] == 64
+    defaults = _engine_kwargs(build_parser().parse_args(["serve"]))
+    assert (defaults["enforce_eager"], defaults["gpu_memory_utilization"]) == (False, 0.9)
+    assert defaults["max_cuda_graph_batch_size"] is None
+
+
 def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path):
     # TRITON_INTERPRET=1 (tests/conftest.py, inherited) lets the Triton kernels run on CPU.
     res = _run(
