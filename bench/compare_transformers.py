@@ -159,7 +159,9 @@ def _cpu_cache_kwargs(prompts: list[list[int]], output_len: int) -> dict[str, An
         from transformers import ContinuousBatchingConfig
     except ImportError:  # older transformers take the sizes on GenerationConfig
         return {}
-    page = ContinuousBatchingConfig().page_size
+    defaults = ContinuousBatchingConfig()
+    # The page size is `page_size` in transformers 5.24, `block_size` in 5.17 (the GPU machine).
+    page = getattr(defaults, "page_size", None) or defaults.block_size
     num_blocks = sum(-(-(len(p) + output_len) // page) for p in prompts) + 4
     return {
         "continuous_batching_config": ContinuousBatchingConfig(
