@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve as bench_serve
-from bench.server_process import server_process
+from engine.cpu_allocator import keep_large_allocations_in_heap
+from server.launch import server_process
 
 LATENCY_KEYS = (
     "median_ttft_ms",
@@ -44,6 +45,7 @@ LATENCY_KEYS = (
 def _offline_worker(args: argparse.Namespace) -> dict[str, Any]:
     from engine import LLM, SamplingParams
 
+    keep_large_allocations_in_heap()  # as `pagedserve serve` does
     prompts = bench_serve.random_token_ids(args.num_prompts, args.input_len, args.seed)
     llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

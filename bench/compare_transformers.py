@@ -36,7 +36,9 @@ from typing import Any
 import torch
 
 from bench.throughput import measure, random_token_prompts
+from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.model_source import resolve_model
+from scheduler.utils import cdiv
 
 ENGINES = ("pagedserve", "transformers", "transformers-static")
 # Row keys of each engine's output tokens/s (the first two are the historical names).
@@ -57,6 +59,7 @@ def run_pagedserve(
 ) -> dict[str, Any]:
     from engine import LLM
 
+    keep_large_allocations_in_heap()  # as `pagedserve` does; transformers' worker runs without
     engine_kwargs.setdefault("device", "cpu")
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     # No per-request seeds: transformers' requests have none either (and a seeded row costs the
@@ -162,7 +165,7 @@ def _cpu_cache_kwargs(prompts: list[list[int]], output_len: int) -> dict[str, An
     defaults = ContinuousBatchingConfig()
     # The page size is `page_size` in transformers 5.24, `block_size` in 5.17 (the GPU machine).
     page = getattr(defaults, "page_size", None) or defaults.block_size
-    num_blocks = sum(-(-(len(p) + output_len) // page) for p in prompts) + 4
+    num_blocks = sum(cdiv(len(p) + output_len, page) for p in prompts) + 4
     return {
         "continuous_batching_config": ContinuousBatchingConfig(
             num_blocks=num_blocks, max_batch_tokens=max(256, max(map(len, prompts)))

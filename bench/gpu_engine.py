@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler.utils import cdiv
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("env", "correctness", "decode", "offline", "nano", "online", "summary")
 
@@ -279,8 +281,8 @@ def kv_blocks_for(seq_lens: Sequence[int], max_model_len: int, block_size: int =
     """Enough KV blocks for all these sequences at once (and at least one of max_model_len):
     steps that run several engines in one process size each cache explicitly rather than
     letting every engine take --gpu-memory-utilization of the GPU."""
-    need = sum(-(-n // block_size) for n in seq_lens)
-    return max(need, -(-max_model_len // block_size)) + 16
+    need = sum(cdiv(n, block_size) for n in seq_lens)
+    return max(need, cdiv(max_model_len, block_size)) + 16
 
 
 @contextlib.contextmanager
@@ -436,7 +438,7 @@ def engine_greedy(
     """pagedserve's greedy tokens for all prompts generated together, and the engine's setup."""
     from engine import LLM, SamplingParams
 
-    max_model_len = max(256, -(-(max(map(len, prompts)) + num_tokens) // 256) * 256)
+    max_model_len = max(256, cdiv(max(map(len, prompts)) + num_tokens, 256) * 256)
     llm = LLM(
         model,
         device=device,
@@ -677,7 +679,7 @@ class _DecodeBatch:
         self.engine = engine
         self.batch_size = batch_size
         self.prompt_len = sizes.decode_prompt_len
-        est_prefill = -(-batch_size * self.prompt_len // sizes.decode_max_batched_tokens) + 2
+        est_prefill = cdiv(batch_size * self.prompt_len, sizes.decode_max_batched_tokens) + 2
         # Early requests decode while later ones prefill: room for those tokens too.
         params = SamplingParams(
             temperature=0, max_tokens=est_prefill + num_steps + 16, ignore_eos=True
@@ -710,7 +712,6 @@ class _DecodeBatch:
 def _time_decode(llm, batch_size: int, sizes: Sizes, base: dict[str, Any], rec: Recorder) -> None:
     """Time decode_steps pure decode steps (engine.step() wall time, host work included) against
     the memory roofline, then split split_steps of them by part."""
-    import torch
 
     engine = llm.engine
     config = engine.model_config
@@ -734,7 +735,7 @@ def _time_decode(llm, batch_size: int, sizes: Sizes, base: dict[str, Any], rec: 
             + (sizes.decode_steps - 1) / 2
         )
         median = statistics.median(times)
-        dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
+        dtype_bytes = engine.dtype.itemsize
         # Every weight is read once per step; an untied embedding only for the step's rows.
         untied_embedding = 0 if config.tie_word_embeddings else config.vocab_size
         weight_bytes = (config.num_params() - untied_embedding * config.hidden_size) * dtype_bytes
@@ -856,8 +857,8 @@ def step_decode(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     model = model_path(args.model, args.scratch)
     max_batch = max(sizes.decode_batch_sizes)
     longest = sizes.decode_prompt_len + 3 + sizes.decode_steps + sizes.split_steps + 64
-    longest += -(-max_batch * sizes.decode_prompt_len // sizes.decode_max_batched_tokens)
-    max_model_len = -(-longest // 256) * 256
+    longest += cdiv(max_batch * sizes.decode_prompt_len, sizes.decode_max_batched_tokens)
+    max_model_len = cdiv(longest, 256) * 256
     phases = ((False, _time_decode), (True, _time_decode), (True, _profile_decode))
     phases += ((False, _profile_decode),)
     llm, llm_eager = None, None
@@ -1083,7 +1084,7 @@ def _round(value: Any) -> Any:
 
 
 def step_online(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    from bench.server_process import DEFAULT_COMMAND, server_process
+    from server.launch import DEFAULT_COMMAND, server_process
 
     model = model_path(args.model, args.scratch)
     max_model_len = sizes.online_input_len + sizes.online_output_len + 256

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_allocator import keep_large_allocations_in_heap
+from scheduler.utils import cdiv
+
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "vocab_size": 2048,
@@ -45,7 +48,7 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
     (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
     # Requests admitted first decode while the last ones prefill (2048 tokens a step): enough
     # tokens for all of them to be decoding together for `steps` steps and the warm-up.
-    max_tokens = steps + 16 + -(-batch_size * context // 2048)
+    max_tokens = steps + 16 + cdiv(batch_size * context, 2048)
     max_model_len = context + max_tokens + 16
     llm = LLM(
         str(folder),
@@ -53,7 +56,7 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
         tokenizer="smollm2-135m-instruct",
         device="cpu",
         dtype="float32",
-        num_kv_blocks=batch_size * -(-max_model_len // 16),
+        num_kv_blocks=batch_size * cdiv(max_model_len, 16),
         max_num_seqs=batch_size,
         max_model_len=max_model_len,
     )
@@ -114,6 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    keep_large_allocations_in_heap()  # as `pagedserve` does
     print(json.dumps(measure(args.batch_size, args.context, args.steps)))
 
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from engine import LLM
+from engine.engine_config import EngineConfig
 from scheduler import SamplingParams
 
 
@@ -189,17 +191,18 @@ def measure(
     }
 
 
-def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    from engine import LLM
-
-    llm = LLM(**engine_kwargs)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """`pagedserve bench throughput`: the engine flags of `args` (EngineConfig's) and the
+    workload flags of `add_arguments`."""
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM.from_config(config)
     engine = llm.engine
     prompts, output_lens = build_workload(
         args, engine.model_config.vocab_size, set(engine.eos_token_ids)
     )
     ranged = args.input_len_range is not None or args.output_len_range is not None
     result = {
-        "model": engine_kwargs.get("model"),
+        "model": config.model,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "num_prompts": args.num_prompts,

@@ -2,7 +2,7 @@
 
     event loop thread (HTTP handlers)          engine loop thread (`run`)
     ─────────────────────────────────          ──────────────────────────
-    add_request(): validate, put ("add", ...) ──> drain commands ─> LLMEngine.add_request / abort
+    add_request(): check, put ("add", ...)    ──> drain commands ─> LLMEngine.enqueue / abort
     iterate the RequestStream (asyncio.Queue) <── LLMEngine.step() ─> snapshots, one
                                                   call_soon_threadsafe per step for all of them
 
@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from engine.inputs import Prompt
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from scheduler import SamplingParams
@@ -136,11 +137,9 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.engine.tokenize(text)
-
-    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        self.engine.validate_prompt(prompt_token_ids)
+    def process_prompt(self, prompt: str | Sequence[int] | Prompt) -> Prompt:
+        """`LLMEngine.process_prompt`, from the caller's thread."""
+        return self.engine.process_prompt(prompt)
 
     @property
     def is_running(self) -> bool:
@@ -191,21 +190,19 @@ class AsyncEngine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        prompt: str | Sequence[int] | Prompt,
         params: SamplingParams,
-        prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request; iterate the returned stream for its snapshots.
+        """Check a request (`LLMEngine.process_inputs`, on the caller's thread) and queue it;
+        iterate the returned stream for its snapshots.
 
-        Raises at once (nothing queued) ValueError for a prompt the engine cannot serve,
+        Raises at once (nothing queued) ValueError for inputs the engine cannot serve,
         QueueFullError when max_queue_len requests are already waiting and EngineDeadError when
         the loop has stopped. Call from a running event loop: outputs are delivered to it."""
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self.engine.validate_prompt(prompt_token_ids)
+        prompt = self.engine.process_inputs(prompt, params)
         with self._lock:
             if request_id in self._ids_in_use:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -220,9 +217,7 @@ class AsyncEngine:
             self._num_queued_adds += 1
             self._ids_in_use.add(request_id)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._commands.put(
-            ("add", (request_id, prompt, list(prompt_token_ids), params, arrival_time, stream))
-        )
+        self._commands.put(("add", (request_id, prompt, params, arrival_time, stream)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -276,21 +271,17 @@ class AsyncEngine:
             _post(stream.loop, stream.queue.put_nowait, error)
         self._streams.clear()
 
-    def _add(self, request_id, prompt, prompt_token_ids, params, arrival_time, stream) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None,
+        stream: RequestStream,
+    ) -> None:
         with self._lock:
             self._num_queued_adds -= 1
-        try:
-            self.engine.add_request(
-                request_id,
-                prompt if prompt is not None else prompt_token_ids,
-                params,
-                arrival_time=arrival_time,
-                prompt_token_ids=prompt_token_ids,
-            )
-        except ValueError as e:
-            self._finish(request_id, stream)
-            _post(stream.loop, stream.queue.put_nowait, e)
-            return
+        self.engine.enqueue(request_id, prompt, params, arrival_time)
         self._streams[request_id] = stream
 
     def _abort(self, request_id: str) -> None:

@@ -1,8 +1,19 @@
-"""Engine options, validated on construction (no I/O here)."""
+"""Engine options: each defined once, as an `EngineConfig` field with its default and its help.
+
+The command line's engine flags are generated from these fields (`EngineConfig.add_cli_args`,
+`EngineConfig.from_cli_args`), the way `vllm serve` derives its flags from `EngineArgs`: adding
+an option is one new field. Validation happens on construction; there is no I/O here.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,45 +29,105 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+GiB = 1 << 30
+
+
+def gib_to_bytes(text: str) -> int:
+    """A size in GiB as typed on the command line ("4", "0.25") to bytes."""
+    return int(float(text) * GiB)
+
+
+def option(
+    default: Any,
+    doc: str,
+    *,
+    choices: Sequence[str] | None = None,
+    cli_type: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+    aliases: Sequence[str] = (),
+) -> Any:
+    """A field of EngineConfig with what the command line needs to offer it.
+
+    `doc` is the field's documentation and the flag's help text. `cli_type` parses the flag's
+    text when it differs from the field's type (kv_cache_memory: GiB on the command line, bytes in
+    the field); `aliases` are further spellings of the flag."""
+    metadata = {"help": doc, "choices": choices, "cli_type": cli_type, "metavar": metavar}
+    return dataclasses.field(default=default, metadata={**metadata, "aliases": tuple(aliases)})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything LLMEngine needs besides requests. None means "derive from the model/machine"."""
 
-    model: str = "smollm2-135m-instruct"
-    tokenizer: str | None = None
-    load_format: str = "auto"
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 2048
-    max_model_len: int | None = None  # default: the model's context length
-    kv_cache_memory: int | None = None  # bytes; default: min(4 GiB, RAM / 4) on CPU
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests, reproducible plans)
-    enable_prefix_caching: bool = True
-    # "auto" = $PAGEDSERVE_ATTENTION_BACKEND, else triton on CUDA and torch on CPU
-    attention_backend: str = "auto"
-    # CUDA only: the share of the GPU's memory the engine may use (weights, activations at the
-    # largest step, CUDA graphs and the KV cache, which gets whatever is left).
-    gpu_memory_utilization: float = 0.9
-    # CUDA only: run every step eagerly instead of replaying captured CUDA graphs for decode.
-    enforce_eager: bool = False
-    # Largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512).
-    max_cuda_graph_batch_size: int | None = None
-    seed: int = 0
+    model: str = option(
+        "smollm2-135m-instruct",
+        "local Hugging Face folder, .gguf file, smollm2-135m-instruct (embedded), or for random "
+        "weights a config.json file or a built-in shape (llama-3.2-1b, llama-3.1-8b, "
+        "qwen2.5-0.5b, smollm2-135m)",
+    )
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    load_format: str = option(
+        "auto",
+        "how to read the weights; dummy = random weights of the model's shapes",
+        choices=LOAD_FORMATS,
+    )
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    dtype: str = option(
+        "auto",
+        "weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA",
+        choices=("auto", *DTYPES),
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "most tokens in one step; longer prompts are prefilled in chunks "
+        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
+    )
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's context length)"
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        "KV-cache budget: GiB on the command line, bytes in EngineConfig (default: on CPU "
+        "min(4 GiB, RAM / 4); on CUDA what gpu_memory_utilization leaves)",
+        cli_type=gib_to_bytes,
+        metavar="GiB",
+    )
+    num_kv_blocks: int | None = option(
+        None, "exact number of KV-cache blocks; overrides kv_cache_memory (reproducible plans)"
+    )
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of prompt prefixes seen before", aliases=("--prefix-caching",)
+    )
+    attention_backend: str = option(
+        "auto",
+        "paged-attention kernels: triton (default on CUDA) or torch (default on CPU); auto also "
+        "reads $PAGEDSERVE_ATTENTION_BACKEND",
+        choices=("auto", *BACKENDS),
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "CUDA: share of GPU memory for weights, activations at the largest step, CUDA graphs and "
+        "the KV cache, which gets whatever is left; ignored on CPU",
+    )
+    enforce_eager: bool = option(
+        False, "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs"
+    )
+    max_cuda_graph_batch_size: int | None = option(
+        None, "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512)"
+    )
+    seed: int = option(0, "seed of the sampler for requests without their own")
 
     def __post_init__(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            unset = value is None and f.default is None
+            if choices is not None and value not in choices and not unset:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.attention_backend not in ("auto", *BACKENDS):
-            raise ValueError(
-                f"attention_backend must be 'auto' or one of {list(BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
         utilization = self.gpu_memory_utilization
         if (
             isinstance(utilization, bool)
@@ -67,8 +138,6 @@ class EngineConfig:
                 "gpu_memory_utilization must be in (0, 1], the share of GPU memory to use, "
                 f"got {utilization!r}"
             )
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in (
             "block_size",
             "max_num_seqs",
@@ -83,6 +152,20 @@ class EngineConfig:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def step_token_budget(self) -> int:
+        """max_num_batched_tokens, or its default when unset."""
+        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
+    def model_len(self, context_length: int) -> int:
+        """max_model_len, or when unset the model's `context_length`; ValueError beyond it."""
+        max_model_len = self.max_model_len or context_length
+        if max_model_len > context_length:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context length {context_length}"
+            )
+        return max_model_len
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -101,3 +184,55 @@ class EngineConfig:
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
+
+    # ---- command line ----------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, names: Sequence[str] | None = None
+    ) -> None:
+        """One flag per field (or per field in `names`): `--max-num-seqs` for max_num_seqs; a bool
+        gets `--flag` and `--no-flag`. Types, defaults, choices and help come from the field."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(cls):
+            if names is not None and f.name not in names:
+                continue
+            meta = f.metadata
+            flags = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ())]
+            help_text = meta.get("help", "")
+            if f.default is not None:
+                help_text += f" (default: {f.default})"
+            kind = _scalar_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(
+                    *flags,
+                    dest=f.name,
+                    default=f.default,
+                    action=argparse.BooleanOptionalAction,
+                    help=help_text,
+                )
+                continue
+            group.add_argument(
+                *flags,
+                dest=f.name,
+                default=f.default,
+                type=meta.get("cli_type") or kind,
+                choices=meta.get("choices"),
+                metavar=meta.get("metavar"),
+                help=help_text,
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config the parsed flags describe (raises ValueError for invalid values)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _scalar_type(hint: Any) -> type:
+    """int for `int` and `int | None`: the type a flag's text is parsed to."""
+    if isinstance(hint, types.UnionType):
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+    if hint not in (str, int, float, bool):
+        raise TypeError(f"EngineConfig fields must be str, int, float or bool, got {hint!r}")
+    return hint

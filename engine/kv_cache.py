@@ -1,8 +1,9 @@
 """KV-cache sizing and allocation.
 
-bytes per token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes. The number of blocks is
-the memory budget divided by block_size x bytes per token; every layer gets one K and one V tensor
-of shape [num_blocks, block_size, num_kv_heads, head_dim].
+bytes per token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
+(`ModelConfig.kv_bytes_per_token`). The number of blocks is the memory budget divided by
+block_size x bytes per token; every layer gets one K and one V tensor of shape
+[num_blocks, block_size, num_kv_heads, head_dim].
 """
 
 from __future__ import annotations
@@ -12,23 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
+from scheduler.utils import cdiv
 
 GiB = 1 << 30
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return (
-        2
-        * config.num_hidden_layers
-        * config.num_key_value_heads
-        * config.head_dim
-        * dtype_bytes(dtype)
-    )
 
 
 def default_cpu_kv_memory() -> int:
@@ -53,10 +41,14 @@ class KVCachePlan:
         return self.num_tokens * self.bytes_per_token
 
     @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one sequence of max_model_len tokens takes."""
+        return cdiv(self.max_model_len, self.block_size)
+
+    @property
     def max_concurrency(self) -> float:
         """How many sequences of max_model_len tokens fit at once."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        return self.num_blocks / blocks_per_seq
+        return self.num_blocks / self.blocks_per_seq
 
     def describe(self) -> str:
         return (
@@ -96,19 +88,55 @@ def plan_kv_cache(
 ) -> KVCachePlan:
     """Blocks for a memory budget (or an explicit block count). Raises ValueError when not even one
     sequence of max_model_len tokens would fit, saying how much memory that needs."""
-    per_token = kv_bytes_per_token(config, dtype)
+    per_token = config.kv_bytes_per_token(dtype.itemsize)
     if num_blocks is None:
         budget = default_cpu_kv_memory() if memory_bytes is None else memory_bytes
         num_blocks = budget // (per_token * block_size)
-    blocks_per_seq = -(-max_model_len // block_size)
-    if num_blocks < blocks_per_seq:
-        need = blocks_per_seq * block_size * per_token
+    plan = KVCachePlan(num_blocks, block_size, per_token, max_model_len)
+    # The scheduler relies on this: a request of max_model_len tokens must fit on its own, or it
+    # could preempt everyone, itself included, and never finish.
+    if num_blocks < plan.blocks_per_seq:
+        need = plan.blocks_per_seq * block_size * per_token
         raise ValueError(
             f"KV cache of {num_blocks} blocks cannot hold one sequence of max_model_len="
-            f"{max_model_len} tokens ({blocks_per_seq} blocks, {need / 2**20:.1f} MiB); "
+            f"{max_model_len} tokens ({plan.blocks_per_seq} blocks, {need / 2**20:.1f} MiB); "
             "raise --kv-cache-memory or lower --max-model-len"
         )
-    return KVCachePlan(num_blocks, block_size, per_token, max_model_len)
+    return plan
+
+
+def kv_plan_report(
+    name: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+) -> str:
+    """What `pagedserve kv-plan` prints: the bytes one token takes, worked out step by step, and
+    the memory and blocks that num_seqs sequences of max_model_len tokens need."""
+    L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    s = dtype.itemsize
+    per_token = config.kv_bytes_per_token(s)
+    per_layer = per_token // L
+    plan = KVCachePlan(
+        num_seqs * cdiv(max_model_len, block_size), block_size, per_token, max_model_len
+    )
+    # Every sequence's last block is partly empty; the formula counts tokens, not blocks.
+    total = num_seqs * max_model_len * per_token
+    B, T = num_seqs, max_model_len
+    return "\n".join(
+        (
+            f"model: {name} ({config.architecture}), {L} layers, {H} KV heads, head_dim {D}, "
+            f"dtype {str(dtype).removeprefix('torch.')} ({s} bytes)",
+            f"per layer per token: 2 x {H} x {D} x {s} = {per_layer} bytes (K and V)",
+            f"per token: {L} layers x {per_layer} = {per_token} bytes ({per_token / 1024:.1f} KiB)",
+            f"total for {B} sequences x {T} tokens: M = 2*B*L*T*H_kv*D*s = "
+            f"2*{B}*{L}*{T}*{H}*{D}*{s} = {total} bytes ({total / GiB:.3f} GiB)",
+            f"blocks: {plan.blocks_per_seq} per sequence of block_size {block_size}, "
+            f"{plan.num_blocks} in all ({plan.total_bytes} bytes)",
+        )
+    )
 
 
 def allocate_kv_caches(

@@ -14,20 +14,29 @@ from engine.outputs import RequestOutput
 from engine.tokenizer import apply_chat_template
 from scheduler import SamplingParams
 
-Prompt = str | Sequence[int]
+PromptInput = str | Sequence[int]
 Message = dict[str, Any]
 
 
 class LLM:
     """Runs batches of prompts to completion through the continuous-batching engine.
 
-    LLM(model="smollm2-135m-instruct", device="cpu", dtype="float32", block_size=16,
-        max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=None, ...)
-    Keyword arguments are those of EngineConfig.
+    LLM(model="smollm2-135m-instruct", device="cpu", dtype="float32", ...): the keyword arguments
+    are EngineConfig's fields (`pagedserve serve --help` lists them with their defaults).
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._start(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM whose engine runs `config` (an EngineConfig, or a subclass of it)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -35,25 +44,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (strings or token-id lists), in input order.
-
-        Every prompt is validated before any is queued, so a bad one raises ValueError with
-        nothing scheduled."""
+        A bad prompt or params raises ValueError before anything is queued."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = self._params_for(len(prompt_list), sampling_params)
-        token_lists = []
-        for prompt in prompt_list:
-            if isinstance(prompt, str):
-                ids = self.engine.tokenize(prompt) if prompt else []
-            else:
-                ids = list(prompt)
-            self.engine.validate_prompt(ids)
-            token_lists.append(ids)
-        return self._run(prompt_list, token_lists, params_list, use_tqdm)
+        return self._run(prompt_list, self._params_for(len(prompt_list), sampling_params), use_tqdm)
 
     def chat(
         self,
@@ -64,19 +62,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of conversations, rendered with the
         model's chat template."""
-        if self.engine.tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        token_lists = [
+        prompt_list = [
             apply_chat_template(
                 self.engine.tokenizer, conv, add_generation_prompt=add_generation_prompt
             )
             for conv in conversations
         ]
-        for ids in token_lists:
-            self.engine.validate_prompt(ids)
-        params_list = self._params_for(len(token_lists), sampling_params)
-        return self._run([None] * len(token_lists), token_lists, params_list, use_tqdm)
+        return self._run(prompt_list, self._params_for(len(prompt_list), sampling_params), use_tqdm)
 
     def _params_for(
         self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
@@ -90,16 +83,19 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {count} prompts")
         return params
 
-    def _run(self, prompts, token_lists, params_list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        # Every prompt and params was checked before the first is queued: a bad one raises with
+        # nothing scheduled.
+        inputs = [
+            self.engine.process_inputs(prompt, params)
+            for prompt, params in zip(prompts, params_list, strict=True)
+        ]
         ids = []
-        for prompt, token_ids, params in zip(prompts, token_lists, params_list, strict=True):
+        for prompt, params in zip(inputs, params_list, strict=True):
             request_id = str(next(self._ids))
-            self.engine.add_request(
-                request_id,
-                token_ids if prompt is None else prompt,
-                params,
-                prompt_token_ids=token_ids,
-            )
+            self.engine.enqueue(request_id, prompt, params)
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
@@ -112,7 +108,7 @@ class LLM:
         return [finished[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)

@@ -15,21 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from engine.config import ModelConfig
-from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.cpu_linear import can_pack
 from engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.engine_config import EngineConfig
-from engine.kv_cache import (
-    GiB,
-    KVCachePlan,
-    allocate_kv_caches,
-    gpu_kv_cache_budget,
-    kv_bytes_per_token,
-    plan_kv_cache,
-)
+from engine.inputs import Prompt
+from engine.kv_cache import GiB, KVCachePlan, allocate_kv_caches, gpu_kv_cache_budget, plan_kv_cache
 from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, profile_step
 from engine.model_source import ModelSource, resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -44,10 +37,9 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from scheduler.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -56,7 +48,7 @@ class _Sample:
 
     parent: _Parent
     output: CompletionOutput
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer
     full_text: str = ""  # everything detokenized so far (may end in held-back text)
 
 
@@ -110,17 +102,10 @@ class LLMEngine:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        if self.device.type == "cpu":
-            keep_large_allocations_in_heap()
         self.source: ModelSource = resolve_model(config.model)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's context length "
-                f"{mc.max_position_embeddings}"
-            )
+        self.max_model_len = config.model_len(mc.max_position_embeddings)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.attention_ops = kernels.get_backend(self.attention_backend)
         if self.attention_backend == "triton":  # refuse now, not at the first step after loading
@@ -142,9 +127,7 @@ class LLMEngine:
             time.perf_counter() - start,
         )
 
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(
-            DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs
-        )
+        self.max_num_batched_tokens = config.step_token_budget
         kv_memory = config.kv_cache_memory
         if self.device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
             kv_memory = self._profile_kv_cache_budget()
@@ -211,7 +194,7 @@ class LLMEngine:
         )
         num_blocks = sum(len(s.block_table) for s in step.scheduled)
         scratch = KVCachePlan(
-            num_blocks, block_size, kv_bytes_per_token(mc, self.dtype), self.max_model_len
+            num_blocks, block_size, mc.kv_bytes_per_token(self.dtype.itemsize), self.max_model_len
         )
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -259,7 +242,7 @@ class LLMEngine:
             self.model,
             kv_caches,
             max_batch,
-            -(-self.max_model_len // self.config.block_size),
+            cdiv(self.max_model_len, self.config.block_size),
             self.device,
         )
         graphs.capture_all()
@@ -268,55 +251,69 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(
-                f"model {self.config.model!r} has no tokenizer; pass token ids or a --tokenizer"
-            )
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        """Raise ValueError for prompts the engine cannot serve (before anything is scheduled)."""
-        if len(prompt_token_ids) == 0:
+    def process_prompt(self, prompt: str | Sequence[int] | Prompt) -> Prompt:
+        """Where a prompt is checked, once: tokenize text, then refuse (ValueError) an empty
+        prompt, ids outside the vocabulary, and a prompt that leaves no room for one output
+        token. A Prompt is returned as it is. Safe from any thread: it reads only the tokenizer
+        and the config."""
+        if isinstance(prompt, Prompt):
+            return prompt
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = (self.tokenize(prompt) if prompt else []) if text is not None else list(prompt)
+        if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"prompt has {len(token_ids)} tokens but max_model_len is "
                 f"{self.max_model_len}: it must be shorter to leave room for one output token"
             )
         vocab = self.model_config.vocab_size
-        for t in prompt_token_ids:
+        for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return Prompt(token_ids, text)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-    ) -> list[int]:
-        """Queue a request (its n samples). Returns the prompt token ids.
-
-        `prompt` is text or token ids; callers that already tokenized the text pass the ids in
-        `prompt_token_ids` so it is not done twice."""
+    def process_inputs(
+        self, prompt: str | Sequence[int] | Prompt, params: SamplingParams
+    ) -> Prompt:
+        """`process_prompt`, and the params' type (their values were checked when they were
+        built)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
+        return self.process_prompt(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Prompt:
+        """Check a request (`process_inputs`) and queue its n samples. `prompt` is text, token
+        ids, or a Prompt from `process_prompt`. Returns the Prompt."""
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is not None:
-            prompt_token_ids = list(prompt_token_ids)
-        elif isinstance(prompt, str):
-            prompt_token_ids = self.tokenize(prompt) if prompt else []
-        else:
-            prompt_token_ids = list(prompt)
-        self.validate_prompt(prompt_token_ids)
+        prompt = self.process_inputs(prompt, params)
+        self.enqueue(request_id, prompt, params, arrival_time)
+        return prompt
 
+    def enqueue(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request whose inputs `process_inputs` accepted (AsyncEngine checks them on the
+        caller's thread, then queues them here on the engine's)."""
+        assert request_id not in self._parents, f"request id {request_id!r} is already in use"
+        prompt_token_ids = prompt.token_ids
         parent = _Parent(
-            request_id, prompt_text, prompt_token_ids, params, arrival_time or time.time()
+            request_id, prompt.text, prompt_token_ids, params, arrival_time or time.time()
         )
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
@@ -332,11 +329,9 @@ class LLMEngine:
                     n=1, prompt_logprobs=params.prompt_logprobs if k == 0 else None
                 )
             child_id = _child_id(request_id, k)
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
-                )
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
             output = CompletionOutput(
                 index=k,
                 logprobs=[] if params.logprobs is not None else None,
@@ -355,7 +350,6 @@ class LLMEngine:
                 )
             )
         self._parents[request_id] = parent
-        return prompt_token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort every sample of a request in whatever state it is; its blocks are freed now."""
@@ -430,8 +424,6 @@ class LLMEngine:
             last = delta.new_token_ids[-1] if delta.new_token_ids else None
             if delta.status == RequestStatus.FINISHED_STOPPED and last in params.stop_token_ids:
                 out.stop_reason = last
-        if sample.detokenizer is None:
-            return
         new_text = sample.detokenizer.add_tokens(list(delta.new_token_ids))
         if delta.finished:
             new_text += sample.detokenizer.flush()  # bytes held for an unfinished character
@@ -476,8 +468,6 @@ class LLMEngine:
             self._samples.pop(_child_id(parent.request_id, k), None)
 
     def _decode_one(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return ""
         return self.tokenizer.decode([token_id])
 
 

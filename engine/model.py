@@ -27,8 +27,8 @@ from torch import nn
 
 import kernels
 from engine.attention_metadata import AttentionMetadata
-from engine.config import ModelConfig
 from engine.cpu_linear import linear, pack
+from engine.model_config import ModelConfig
 from engine.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]

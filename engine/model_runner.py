@@ -24,6 +24,7 @@ from engine.sampler import (
     token_logprobs,
 )
 from scheduler import Request, SamplingParams, ScheduledRequest, SchedulerOutput
+from scheduler.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -198,13 +199,13 @@ def profile_step(
     """The largest step the scheduler can hand the runner: `num_tokens` prompt tokens spread over
     as many sequences as may sample (each sampling with top-k and top-p, the sampler's costliest
     path), on consecutive blocks from 0. Run once at start-up to measure peak GPU memory."""
-    num_seqs = max(min(max_num_seqs, num_tokens), -(-num_tokens // (max_model_len - 1)))
+    num_seqs = max(min(max_num_seqs, num_tokens), cdiv(num_tokens, max_model_len - 1))
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
     scheduled = []
     next_block = 0
     for i in range(num_seqs):
         length = num_tokens // num_seqs + (i < num_tokens % num_seqs)
-        num_blocks = -(-length // block_size)
+        num_blocks = cdiv(length, block_size)
         scheduled.append(
             ScheduledRequest(
                 request_id=f"profile-{i}",

@@ -11,22 +11,25 @@ import math
 
 import torch
 
+# The rope_scaling types the model implements, with the keys each needs. ModelConfig refuses any
+# other type when the config is read, so nothing below sees one.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with optional linear or Llama-3 scaling."""
+    """Inverse frequencies [head_dim // 2] in float32, with optional linear or Llama-3 scaling
+    (`scaling` is a config's rope_scaling dict, or None for plain RoPE)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
+    rope_type = scaling["rope_type"]
+    assert rope_type in ROPE_SCALING_KEYS, f"ModelConfig let rope_type {rope_type!r} through"
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
+    return _llama3_inv_freq(inv_freq, scaling)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -12,7 +12,7 @@ import jinja2
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model_source import (
     EMBEDDED_MODELS,
     TOKENIZER_FILES,

@@ -16,10 +16,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.config import ModelConfig
+from engine.engine_config import LOAD_FORMATS
+from engine.model_config import ModelConfig
 from engine.model_source import ModelSource
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 # GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.).
 _GGUF_LAYER_NAMES = {

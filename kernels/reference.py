@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import validation
 from kernels.validation import (
     check_fused_add_rms_norm_args,
     check_paged_attention_args,
@@ -65,7 +66,8 @@ def reshape_and_cache(
     slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a token whose slot
         is negative is padding and is not written.
     """
-    check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    if validation.CHECK_ARGS:
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -117,9 +119,10 @@ def paged_attention(
     batches only when its context lengths differ by more than 2x (see `_buckets`). The only host
     sync is one read of seq_lens and query_start_loc.
     """
-    check_paged_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
-    )
+    if validation.CHECK_ARGS:
+        check_paged_attention_args(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
+        )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = block_tables.shape[0]
@@ -240,7 +243,7 @@ def _attend(
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     max_q = max(group_q_lens)
-    num_blocks = -(-max(group_seq_lens) // block_size)
+    num_blocks = (max(group_seq_lens) - 1) // block_size + 1  # through the last key's block
     num_keys = num_blocks * block_size
     uniform = all(n == max_q for n in group_q_lens)
     whole = batch == num_seqs and seqs == list(range(num_seqs))
@@ -320,7 +323,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x: [num_tokens, hidden_size], any float dtype; weight: [hidden_size] in x's dtype.
     Returns a new [num_tokens, hidden_size] tensor in x's dtype.
     """
-    check_rms_norm_args(x, weight, eps)
+    if validation.CHECK_ARGS:
+        check_rms_norm_args(x, weight, eps)
     x32 = x.float()
     inv_rms = torch.rsqrt((x32 * x32).mean(-1, keepdim=True).add_(eps))
     return weight * (x32 * inv_rms).to(x.dtype)
@@ -335,7 +339,8 @@ def fused_add_rms_norm(
     x + residual (rounded to the dtype, as `x + residual` is) and returned as the second result;
     the first is a new tensor, rms_norm(x + residual, weight, eps).
     """
-    check_fused_add_rms_norm_args(x, residual, weight, eps)
+    if validation.CHECK_ARGS:
+        check_fused_add_rms_norm_args(x, residual, weight, eps)
     residual.add_(x)
     return rms_norm(residual, weight, eps), residual
 
@@ -343,7 +348,8 @@ def fused_add_rms_norm(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: [num_tokens, 2 * I] (gate | up) -> silu(gate) * up, [num_tokens, I]
     in the input dtype; silu is rounded to the dtype before the product, as in the model."""
-    check_silu_and_mul_args(gate_up)
+    if validation.CHECK_ARGS:
+        check_silu_and_mul_args(gate_up)
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
 
@@ -371,10 +377,11 @@ def rotary_and_cache(
         `reshape_and_cache` does
     Returns the rotated q, a new [num_tokens, num_heads, head_dim] tensor.
     """
-    check_rotary_and_cache_args(
-        qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim,
-    )  # fmt: skip
+    if validation.CHECK_ARGS:
+        check_rotary_and_cache_args(
+            qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
+            num_heads, num_kv_heads, head_dim,
+        )  # fmt: skip
     n = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     cos = cos_table[positions].to(qkv.dtype).unsqueeze(1)  # [N, 1, D]

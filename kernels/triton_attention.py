@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import validation
 from kernels.validation import check_paged_attention_args, check_reshape_and_cache_args
 
 __all__ = [
@@ -112,9 +113,10 @@ def reshape_and_cache(
     Unlike the reference, a slot past the end of the cache is skipped instead of raising: the
     check would need the slots on the host.
     """
-    check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
-    check_runnable(key.device)
-    _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
+    if validation.CHECK_ARGS:
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+        check_runnable(key.device)
+        _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -504,11 +506,12 @@ def paged_attention(
     that need the host (query_start_loc monotone, seq_len >= q_len, block-table capacity) are the
     reference's; here, as in the model runner, the caller guarantees them.
     """
-    check_paged_attention_args(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
-    )
-    check_runnable(q.device)
-    _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
+    if validation.CHECK_ARGS:
+        check_paged_attention_args(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
+        )
+        check_runnable(q.device)
+        _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_tokens, num_seqs = q.shape[0], block_tables.shape[0]

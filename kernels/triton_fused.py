@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_attention
+from kernels import triton_attention, validation
 from kernels.validation import (
     check_fused_add_rms_norm_args,
     check_rms_norm_args,
@@ -89,8 +89,9 @@ def _rms_norm_kernel(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)), rounded as the reference; see `kernels.reference`.
     One program per token."""
-    check_rms_norm_args(x, weight, eps)
-    triton_attention.check_runnable(x.device)
+    if validation.CHECK_ARGS:
+        check_rms_norm_args(x, weight, eps)
+        triton_attention.check_runnable(x.device)
     return _launch_rms_norm(x, None, weight, eps)
 
 
@@ -100,8 +101,9 @@ def fused_add_rms_norm(
     """residual += x IN PLACE, then (rms_norm(residual, weight, eps), residual), as the reference
     does; see `kernels.reference.fused_add_rms_norm`. One program per token: the row is read
     once, the sum written back once and the norm computed from registers."""
-    check_fused_add_rms_norm_args(x, residual, weight, eps)
-    triton_attention.check_runnable(x.device)
+    if validation.CHECK_ARGS:
+        check_fused_add_rms_norm_args(x, residual, weight, eps)
+        triton_attention.check_runnable(x.device)
     return _launch_rms_norm(x, residual, weight, eps), residual
 
 
@@ -162,8 +164,9 @@ def _silu_and_mul_kernel(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[num_tokens, 2 * I] (gate | up) -> silu(gate) * up, [num_tokens, I]; see
     `kernels.reference.silu_and_mul`. A program per (token, 1024 columns)."""
-    check_silu_and_mul_args(gate_up)
-    triton_attention.check_runnable(gate_up.device)
+    if validation.CHECK_ARGS:
+        check_silu_and_mul_args(gate_up)
+        triton_attention.check_runnable(gate_up.device)
     num_tokens, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0 or intermediate == 0:
@@ -283,11 +286,12 @@ def rotary_and_cache(
     Unlike the reference, a position outside the tables is clamped into them and a slot past
     the end of the cache is skipped instead of raising: the checks would need the host.
     """
-    check_rotary_and_cache_args(
-        qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim,
-    )  # fmt: skip
-    triton_attention.check_runnable(qkv.device)
+    if validation.CHECK_ARGS:
+        check_rotary_and_cache_args(
+            qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
+            num_heads, num_kv_heads, head_dim,
+        )  # fmt: skip
+        triton_attention.check_runnable(qkv.device)
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:

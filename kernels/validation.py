@@ -1,13 +1,22 @@
-"""Argument checks shared by every backend of the attention kernels.
+"""Argument checks shared by every backend of the kernels, behind a debug switch.
 
-They look only at shapes, dtypes, devices and strides, never at tensor values, so they cost a few
-microseconds and never synchronise with the device. Each failure is a ValueError that names the
-argument and says what was expected.
+They look only at shapes, dtypes, devices and strides, never at tensor values, so they never
+synchronise with the device. Each failure is a ValueError that names the argument and says what
+was expected.
+
+They run only when PAGEDSERVE_CHECK_KERNEL_ARGS=1 (read once, at import): an eager step calls
+the ops several times per layer, and the engine's own calls are right by construction. The tests
+turn them on (tests/conftest.py); turn them on when writing a new caller.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+CHECK_ARGS_ENV = "PAGEDSERVE_CHECK_KERNEL_ARGS"
+CHECK_ARGS: bool = os.environ.get(CHECK_ARGS_ENV, "0") == "1"
 
 
 def _check_same_device(**tensors: torch.Tensor | None) -> None:

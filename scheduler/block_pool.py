@@ -45,7 +45,7 @@ class BlockPool:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")

@@ -1,13 +1,16 @@
-"""Scheduler limits, validated on construction."""
+"""Scheduler limits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Sizes and limits of the continuous-batching scheduler.
+
+    The engine builds it from an `EngineConfig` (whose fields hold the defaults and the checks a
+    user sees) and a KV-cache plan; here the invariants the scheduler relies on are asserted.
 
     `max_num_batched_tokens` may be smaller than `max_model_len`: long prompts are then
     prefilled in chunks over several steps. The pool must hold one request of
@@ -16,24 +19,19 @@ class SchedulerConfig:
     """
 
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_prefix_caching: bool
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if field.name == "enable_prefix_caching":
-                if not isinstance(value, bool):
-                    raise ValueError(f"enable_prefix_caching must be a bool, got {value!r}")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field.name} must be an int >= 1, got {value!r}")
-        capacity = self.num_blocks * self.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks x "
-                f"{self.block_size}) but max_model_len is {self.max_model_len}: lower "
-                "max_model_len or give the KV cache more memory"
-            )
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            assert type(value) is int and value >= 1, f"{name} must be an int >= 1, got {value!r}"
+        assert type(self.max_model_len) is int and self.max_model_len >= 1, self.max_model_len
+        assert isinstance(self.enable_prefix_caching, bool), self.enable_prefix_caching
+        assert self.num_blocks * self.block_size >= self.max_model_len, (
+            f"the KV cache holds {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
+            f"blocks x {self.block_size}) but max_model_len is {self.max_model_len}"
+        )

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from scheduler.block_hash import BlockHash, hash_block_tokens
 from scheduler.block_pool import Block, BlockPool
 from scheduler.request import Request
+from scheduler.utils import cdiv
 
 
 class KVCacheManager:
@@ -30,7 +31,7 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -129,7 +130,7 @@ class KVCacheManager:
         )
         num_total_tokens = num_computed_tokens + num_new_tokens
         num_held_blocks = len(new_computed_blocks) + (len(table) if table else 0)
-        num_new_blocks = max(0, -(-num_total_tokens // self.block_size) - num_held_blocks)
+        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held_blocks)
 
         # Hit blocks that sit in the free list leave it when touched: they must not be
         # counted as capacity for the fresh blocks of this same call.

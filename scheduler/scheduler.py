@@ -70,21 +70,18 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request; raises ValueError if it can never be served."""
+        """Queue a new request. Its prompt was checked where it entered the engine
+        (`LLMEngine.process_prompt`); here the scheduler's invariants are only asserted."""
         request_id = request.request_id
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {request_id!r} is not new (status {request.status.name})")
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_prompt_tokens == 0:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
-        if num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"request {request_id!r} has a prompt of {num_prompt_tokens} tokens but "
-                f"max_model_len is {self.config.max_model_len}: the prompt must be shorter "
-                "than max_model_len to leave room for at least one generated token"
-            )
+        assert request_id not in self.requests, f"request id {request_id!r} is already in use"
+        assert request.status == RequestStatus.WAITING and not request.num_computed_tokens, (
+            f"request {request_id!r} is not new ({request.status.name})"
+        )
+        # A prompt of max_model_len tokens or more leaves no room for an output token.
+        assert 0 < request.num_prompt_tokens < self.config.max_model_len, (
+            f"request {request_id!r} has {request.num_prompt_tokens} prompt tokens "
+            f"(max_model_len {self.config.max_model_len})"
+        )
         self.requests[request_id] = request
         self.waiting.append(request)
 

@@ -138,8 +138,6 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         tokenizer = engine.tokenizer
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
             tokens = chat_prompt_ids(state, body)
         else:
@@ -153,8 +151,6 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(state, body.model)
         tokenizer = engine.tokenizer
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
         vocab = engine.engine.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

@@ -1,4 +1,9 @@
-"""`pagedserve` command line: serve, generate, kv-plan, bench throughput, bench serve."""
+"""`pagedserve` command line: serve, generate, kv-plan, and bench (throughput, serve).
+
+The engine flags come from `EngineConfig`'s fields (`EngineConfig.add_cli_args`). `bench` is
+parsed by `bench.cli`, imported only when that command runs: the server never loads the
+benchmarks or their dependencies.
+"""
 
 from __future__ import annotations
 
@@ -6,91 +11,15 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
 
-GiB = 1 << 30
-
-
-def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="smollm2-135m-instruct",
-        help="local HF folder, .gguf file, smollm2-135m-instruct (embedded), or for random "
-        "weights a config.json file or built-in shape (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, "
-        "smollm2-135m)",
-    )
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument(
-        "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        help="KV cache budget in GiB (default on CPU: min(4, RAM/4))",
-    )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="paged attention kernels: triton (default on CUDA) or torch (default on CPU); "
-        "auto also reads $PAGEDSERVE_ATTENTION_BACKEND",
-    )
-    p.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="CUDA: share of GPU memory for weights, activations, CUDA graphs and the KV cache "
-        "(the KV cache gets what the profiling step leaves); ignored on CPU",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
-    )
-    p.add_argument(
-        "--max-cuda-graph-batch-size",
-        type=int,
-        default=None,
-        help="largest decode batch captured as a CUDA graph (default: --max-num-seqs, <= 512)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": args.model,
-        "tokenizer": args.tokenizer,
-        "load_format": args.load_format,
-        "device": args.device,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "kv_cache_memory": None
-        if args.kv_cache_memory is None
-        else int(args.kv_cache_memory * GiB),
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "attention_backend": args.attention_backend,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": args.enforce_eager,
-        "max_cuda_graph_batch_size": args.max_cuda_graph_batch_size,
-        "seed": args.seed,
-    }
+from engine.cpu_allocator import keep_large_allocations_in_heap
+from engine.engine_config import DTYPES, EngineConfig
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(**_engine_kwargs(args))
+    llm = LLM.from_config(args.config_cls.from_cli_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
@@ -103,44 +32,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_plan(args: argparse.Namespace) -> int:
-    from engine.config import ModelConfig
-    from engine.engine_config import DTYPES
-    from engine.kv_cache import dtype_bytes
+    from engine.kv_cache import kv_plan_report
     from engine.model_source import resolve_model
 
-    config: ModelConfig = resolve_model(args.model).config
-    s = dtype_bytes(DTYPES[args.dtype])
-    L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    per_layer = 2 * H * D * s
-    per_token = L * per_layer
-    B, T = args.num_seqs, args.max_model_len
-    total = 2 * B * L * T * H * D * s
-    blocks_per_seq = -(-T // args.block_size)
-    print(
-        f"model: {args.model} ({config.architecture}), {L} layers, {H} KV heads, head_dim {D}, "
-        f"dtype {args.dtype} ({s} bytes)"
+    if args.num_seqs < 1:
+        raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
+    options = EngineConfig(
+        model=args.model, block_size=args.block_size, max_model_len=args.max_model_len
     )
-    print(f"per layer per token: 2 x {H} x {D} x {s} = {per_layer} bytes (K and V)")
-    print(f"per token: {L} layers x {per_layer} = {per_token} bytes ({per_token / 1024:.1f} KiB)")
-    print(
-        f"total for {B} sequences x {T} tokens: M = 2*B*L*T*H_kv*D*s = 2*{B}*{L}*{T}*{H}*{D}*{s} "
-        f"= {total} bytes ({total / GiB:.3f} GiB)"
+    config = resolve_model(options.model).config
+    max_model_len = options.model_len(config.max_position_embeddings)
+    report = kv_plan_report(
+        options.model, config, DTYPES[args.dtype], args.num_seqs, max_model_len, args.block_size
     )
-    print(
-        f"blocks: {blocks_per_seq} per sequence of block_size {args.block_size}, "
-        f"{blocks_per_seq * B} in all"
-    )
+    print(report)
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from engine.engine_config import EngineConfig
     from server.api_server import run_server
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     run_server(
-        EngineConfig(**_engine_kwargs(args)),
+        args.config_cls.from_cli_args(args),
         host=args.host,
         port=args.port,
         served_model_names=args.served_model_name,
@@ -153,26 +68,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench import throughput
+    from bench.cli import main as bench_main
 
-    throughput.run(args, _engine_kwargs(args))
-    return 0
-
-
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from bench import serve
-
-    serve.run(args)
-    return 0
+    return bench_main(args.bench_args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.ArgumentParser:
+    """The `pagedserve` parser; `config_cls` (EngineConfig or a subclass) supplies the engine
+    flags of `serve` and `generate`."""
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.set_defaults(config_cls=config_cls)
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_engine_arguments(srv)
+    config_cls.add_cli_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -196,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    _add_engine_arguments(gen)
+    config_cls.add_cli_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -204,34 +114,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     plan = sub.add_parser("kv-plan", help="KV-cache bytes for a model and workload")
-    plan.add_argument("--model", default="smollm2-135m-instruct")
-    plan.add_argument("--max-model-len", type=int, required=True)
-    plan.add_argument("--num-seqs", type=int, required=True)
-    plan.add_argument("--dtype", default="bfloat16")
-    plan.add_argument("--block-size", type=int, default=16)
+    config_cls.add_cli_args(plan, names=("model", "max_model_len", "block_size"))
+    plan.add_argument("--num-seqs", type=int, required=True, help="sequences held at once")
+    plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     plan.set_defaults(func=_cmd_kv_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput with random-token prompts")
-    _add_engine_arguments(tp)
-    from bench import throughput
-
-    throughput.add_arguments(tp)
-    tp.set_defaults(func=_cmd_bench)
-    bs = bench_sub.add_parser("serve", help="load-test a running server, like vllm bench serve")
-    from bench import serve
-
-    serve.add_arguments(bs)
-    bs.set_defaults(func=_cmd_bench_serve)
+    # Everything after `bench` goes to bench.cli (see main).
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: `bench throughput` (offline), `bench serve` (load-test a server)",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, config_cls: type[EngineConfig] = EngineConfig) -> int:
+    parser = build_parser(config_cls)
+    # parse_known_args: `pagedserve bench --help` must reach bench's parser, not this one.
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = unknown + args.bench_args
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    # A process-wide allocator setting: the command line's to make, not the engine's (a library
+    # object someone may embed). Why it matters on CPU: engine/cpu_allocator.py.
+    keep_large_allocations_in_heap()
     try:
         return args.func(args)
     except ValueError as e:

@@ -38,11 +38,8 @@ from server.serving_common import (
 
 def chat_prompt_ids(state: ServerState, req: Any) -> list[int]:
     """Token ids of the conversation (also used by /tokenize with messages)."""
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so chat is unavailable; use completions")
     return apply_chat_template(
-        tokenizer,
+        state.engine.tokenizer,
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         **(getattr(req, "chat_template_kwargs", None) or {}),
@@ -71,17 +68,16 @@ async def create_chat_completion(
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                 param="top_logprobs",
             )
-    prompt_ids = chat_prompt_ids(state, req)
-    state.engine.validate_prompt(prompt_ids)
+    prompt = state.engine.process_prompt(chat_prompt_ids(state, req))
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
-    max_tokens = check_max_tokens(requested, len(prompt_ids), state.engine.max_model_len)
+    max_tokens = check_max_tokens(requested, len(prompt.token_ids), state.engine.max_model_len)
     top_k = req.top_logprobs or 0
     params = sampling_params(req, max_tokens, logprobs=top_k if req.logprobs else None)
     arrival = time.monotonic()
     request_id = new_id("chatcmpl")
-    queued = add_requests(state, request_id, [(None, prompt_ids)], [params], arrival)
+    queued = add_requests(state, request_id, [prompt], [params], arrival)
     if req.stream:
         return StreamingResponse(
             _stream(state, req, request_id, queued), media_type="text/event-stream"

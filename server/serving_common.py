@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from engine.async_engine import AsyncEngine, RequestStream
+from engine.inputs import Prompt
 from engine.outputs import RequestOutput
 from scheduler import SamplingParams
 from server.errors import APIError, as_api_error, error_body
@@ -69,7 +70,7 @@ def warn_unknown_fields(body: Any, endpoint: str) -> None:
 def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
     """The number of tokens to generate: the request's, or all the room left in the context.
 
-    The prompt itself is checked (and rejected when too long) by the engine before this."""
+    The prompt itself was checked (`process_prompt`) before this."""
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
         return room
@@ -133,17 +134,17 @@ def sampling_params(
 def add_requests(
     state: ServerState,
     request_id: str,
-    prompts: Sequence[tuple[str | None, list[int]]],
+    prompts: Sequence[Prompt],
     params: Sequence[SamplingParams],
     arrival: float,
 ) -> list[tuple[RequestStream, RequestMetrics]]:
     """Queue one engine request per prompt; all or nothing (a failure aborts the ones queued)."""
     queued: list[tuple[RequestStream, RequestMetrics]] = []
     try:
-        for i, ((text, token_ids), p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            stream = state.engine.add_request(rid, token_ids, p, prompt=text)
-            queued.append((stream, state.metrics.track(len(token_ids), arrival)))
+            stream = state.engine.add_request(rid, prompt, p)
+            queued.append((stream, state.metrics.track(len(prompt.token_ids), arrival)))
     except BaseException:
         for stream, _ in queued:
             stream.abort()

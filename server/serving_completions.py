@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.inputs import Prompt
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from server.errors import APIError
 from server.protocol import CompletionRequest
@@ -37,13 +37,6 @@ from server.serving_common import (
 )
 
 
-@dataclass
-class _Prompt:
-    text: str | None  # None when given as token ids
-    token_ids: list[int]
-    echo_text: str  # what `echo` prepends: the text, or the token ids decoded
-
-
 async def create_completion(
     state: ServerState, req: CompletionRequest, raw_request: Request
 ) -> JSONResponse | StreamingResponse:
@@ -65,7 +58,6 @@ async def create_completion(
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
     params = []
     for prompt in prompts:
-        state.engine.validate_prompt(prompt.token_ids)
         max_tokens = 1 if echo_only else req.max_tokens
         max_tokens = check_max_tokens(max_tokens, len(prompt.token_ids), state.engine.max_model_len)
         params.append(
@@ -78,9 +70,7 @@ async def create_completion(
         )
     arrival = time.monotonic()
     request_id = new_id("cmpl")
-    queued = add_requests(
-        state, request_id, [(p.text, p.token_ids) for p in prompts], params, arrival
-    )
+    queued = add_requests(state, request_id, prompts, params, arrival)
     writer = _ChoiceWriter(state, req, prompts, echo_only)
     if req.stream:
         return StreamingResponse(
@@ -107,9 +97,9 @@ async def create_completion(
     )
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
-    """The request's prompts, tokenized. `prompt` has passed pydantic: a string, a list of strings,
-    a list of token ids or a list of token-id lists."""
+def _prompts(state: ServerState, prompt: Any) -> list[Prompt]:
+    """The request's prompts, tokenized and checked. `prompt` has passed pydantic: a string, a list
+    of strings, a list of token ids or a list of token-id lists."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -118,18 +108,7 @@ def _prompts(state: ServerState, prompt: Any) -> list[_Prompt]:
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    tokenizer = state.engine.tokenizer
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            ids = state.engine.tokenize(item) if item else []
-            prompts.append(_Prompt(item, ids, item))
-        else:
-            ids = list(item)
-            state.engine.validate_prompt(ids)  # out-of-vocabulary ids must not reach decode
-            echo = tokenizer.decode(ids) if tokenizer is not None else ""
-            prompts.append(_Prompt(None, ids, echo))
-    return prompts
+    return [state.engine.process_prompt(item) for item in items]
 
 
 class _ChoiceWriter:
@@ -139,12 +118,19 @@ class _ChoiceWriter:
         self,
         state: ServerState,
         req: CompletionRequest,
-        prompts: Sequence[_Prompt],
+        prompts: Sequence[Prompt],
         echo_only: bool,
     ) -> None:
         self.state = state
         self.req = req
         self.prompts = prompts
+        tokenizer = state.engine.tokenizer
+        # What `echo` prepends: the text, or the token ids decoded (checked in range already).
+        self.echo_texts = (
+            [p.text if p.text is not None else tokenizer.decode(p.token_ids) for p in prompts]
+            if req.echo
+            else []
+        )
         self.echo_only = echo_only
         # stream cursors per choice index: (text chars, tokens, logprob entries, text offset)
         self._sent: dict[int, list[int]] = {}
@@ -160,7 +146,7 @@ class _ChoiceWriter:
         text, logprobs = "", None
         lp = _LogprobWriter(self.state) if self.req.logprobs is not None else None
         if self.req.echo:
-            text = prompt.echo_text
+            text = self.echo_texts[prompt_index]
             if lp is not None:
                 lp.add(prompt.token_ids, output.prompt_logprobs)
         if not self.echo_only:
@@ -190,7 +176,7 @@ class _ChoiceWriter:
             lp = _LogprobWriter(self.state, lp_offset) if self.req.logprobs is not None else None
             text = ""
             if first and self.req.echo:
-                text = prompt.echo_text
+                text = self.echo_texts[prompt_index]
                 if lp is not None:
                     lp.add(prompt.token_ids, output.prompt_logprobs)
             new_tokens = sample.token_ids[num_tokens:]
@@ -242,7 +228,7 @@ class _LogprobWriter:
         for i, token_id in enumerate(token_ids):
             entry = entries[i] if entries is not None and i < len(entries) else None
             if entry is None or token_id not in entry:
-                token = tokenizer.decode([token_id]) if tokenizer is not None else ""
+                token = tokenizer.decode([token_id])
                 self.tokens.append(token)
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)

@@ -19,6 +19,18 @@ import torch
 # and the server subprocesses use the torch attention backend unless a test asks for triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The kernels' argument checks are off by default (kernels/validation.py); the tests, and the
+# servers they start, run with them on. Read when kernels is first imported: after this line.
+os.environ.setdefault("PAGEDSERVE_CHECK_KERNEL_ARGS", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The test process tunes the allocator as `pagedserve` does (the engine never does it
+    # itself): the CPU prefill of the real model is several times faster with it.
+    from engine.cpu_allocator import keep_large_allocations_in_heap
+
+    keep_large_allocations_in_heap()
+
 
 TINY_LLAMA = dict(
     vocab_size=512,

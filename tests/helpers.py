@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 
 def smollm2_gguf_path() -> Path:

@@ -8,14 +8,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from engine import model_source
-from engine.config import (
-    BUILTIN_SHAPES,
-    ModelConfig,
-    builtin_config,
-    llama3_rope_freq_divisors,
-)
+from engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
 from engine.model_source import embedded_model_path, resolve_model
 from engine.weights import load_weights
 from tests.helpers import tiny_config
@@ -214,6 +210,12 @@ def test_from_json_file(tmp_path: Path):
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a positive number"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        # Refused when the config is read, not after the weights are loaded.
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "rope_scaling type 'yarn' is not supported; supported: linear, llama3",
+        ),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "type 'dynamic' is not supported"),
     ],
 )
 def test_validation_errors(change, message):
@@ -267,6 +269,7 @@ def test_to_hf_dict_builds_a_transformers_model_with_our_shapes(arch):
 
 
 def test_kv_bytes_per_token():
+    # The one formula that kv-plan, start-up sizing and the log lines use.
     c = builtin_config("smollm2-135m")
     assert c.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4 == 46080
     assert builtin_config("llama-3.1-8b").kv_bytes_per_token(2) == 131072
@@ -326,6 +329,55 @@ def _write_metadata_gguf(path: Path, arch: str, rope_freqs: np.ndarray | None = 
     return path
 
 
+def _hf_rope_divisors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
+    """What llama.cpp's converter stores in rope_freqs: plain RoPE's inverse frequencies over the
+    scaled ones, computed by transformers (the reference, not our engine.rotary)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, rope_theta=theta,
+        rope_scaling=dict(scaling), max_position_embeddings=131072,
+    )  # fmt: skip
+    plain, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
+    scaled, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    return (plain / scaled).numpy()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rope_inv_freq_equals_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from engine.rotary import rope_inv_freq
+
+    hf = LlamaConfig(
+        hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=10000.0,
+        rope_scaling=scaling and dict(scaling), max_position_embeddings=4096,
+    )  # fmt: skip
+    if scaling is None:
+        want, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    got = rope_inv_freq(128, 10000.0, scaling)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_from_gguf_recovers_llama3_rope_scaling_from_rope_freqs(tmp_path: Path):
     scaling = {
         "rope_type": "llama3",
@@ -334,7 +386,7 @@ def test_from_gguf_recovers_llama3_rope_scaling_from_rope_freqs(tmp_path: Path):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    freqs = np.array(llama3_rope_freq_divisors(scaling, 64, 500000.0))
+    freqs = _hf_rope_divisors(scaling, head_dim=64, theta=500000.0)
     path = _write_metadata_gguf(tmp_path / "llama3.gguf", "llama", freqs)
     c = ModelConfig.from_gguf(gguf.GGUFReader(path))
     assert c.rope_scaling_dict() == scaling

@@ -17,6 +17,7 @@ from engine.cuda_graph import DecodeGraphs, capture_batch_sizes
 from engine.kv_cache import GiB, gpu_kv_cache_budget
 from engine.model_runner import ModelRunner, profile_step
 from kernels import triton_attention
+from scheduler.utils import cdiv
 from tests.helpers import hf_greedy
 
 PROMPT_LENGTHS = [1, 5, 12, 23, 40]
@@ -39,7 +40,7 @@ def _with_buffers(llm: LLM, max_batch_size: int) -> tuple[DecodeGraphs, list[int
         engine.model,
         engine.runner.kv_caches,
         max_batch_size,
-        -(-engine.max_model_len // engine.config.block_size),
+        cdiv(engine.max_model_len, engine.config.block_size),
         engine.device,
         capture=False,
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig, builtin_config
+from engine.model_config import ModelConfig, builtin_config
 from engine.model_source import resolve_model
 from engine.tokenizer import (
     apply_chat_template,

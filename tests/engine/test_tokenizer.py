@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import tokenizer as tokenizer_module
-from engine.config import builtin_config
+from engine.model_config import builtin_config
 from engine.model_source import embedded_model_path, resolve_model
 from engine.tokenizer import (
     apply_chat_template,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model_source import embedded_model_path, resolve_model
 from engine.weights import (
     dummy_weights,

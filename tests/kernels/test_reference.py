@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import reference, validation
+from kernels.validation import CHECK_ARGS_ENV
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 
@@ -354,3 +358,35 @@ def test_paged_attention_rejects_mixed_devices():
     # The meta device stands in for a GPU here: the check must fire before any data is read.
     with pytest.raises(ValueError, match="all tensors must be on one device"):
         reference.paged_attention(**_attention_args(q=torch.zeros(4, 6, 8, device="meta")))
+
+
+# --------------------------------------------------------------------------- the debug switch
+
+
+@pytest.mark.parametrize(("switch", "checked"), [(None, False), ("0", False), ("1", True)])
+def test_argument_checks_run_only_behind_the_debug_switch(switch, checked):
+    # A weight in another dtype than x: the checks refuse it; unchecked, torch just promotes.
+    code = (
+        "import torch\n"
+        "from kernels import reference\n"
+        "out = reference.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=torch.float64), 1e-6)\n"
+        "print(out.dtype)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != CHECK_ARGS_ENV}
+    if switch is not None:
+        env[CHECK_ARGS_ENV] = switch
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    if checked:
+        assert done.returncode == 1
+        assert "ValueError: weight dtype torch.float64 differs from x dtype torch.float32" in (
+            done.stderr
+        )
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "torch.float64"
+
+
+def test_the_tests_run_with_the_checks_on():
+    assert validation.CHECK_ARGS

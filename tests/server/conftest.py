@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.server_process import server_process
+from server.launch import server_process
 
 PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
 MAX_MODEL_LEN = 2048

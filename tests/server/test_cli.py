@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from engine.engine_config import EngineConfig, option
+from server.cli import build_parser, main
 
 PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
 
@@ -157,19 +163,78 @@ def test_serve_on_a_busy_port_is_a_clear_error(tiny_llama_dir):
     assert f"error: could not serve on 127.0.0.1:{port}" in res.stderr
 
 
-def test_gpu_options_reach_the_engine_config():
-    from server.cli import _engine_kwargs, build_parser
+def _serve_config(*flags: str, config_cls=EngineConfig) -> EngineConfig:
+    args = build_parser(config_cls).parse_args(["serve", *flags])
+    return args.config_cls.from_cli_args(args)
 
-    args = build_parser().parse_args(
-        ["serve", "--enforce-eager", "--gpu-memory-utilization", "0.5",
-         "--max-cuda-graph-batch-size", "64"]
+
+def _serve_help(capsys, config_cls=EngineConfig) -> str:
+    """`pagedserve serve --help`, white space folded."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"], config_cls=config_cls)
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_every_engine_option_is_a_flag_with_the_fields_default(capsys):
+    # The flags are generated from EngineConfig: nothing to keep in step by hand.
+    assert _serve_config() == EngineConfig()
+    help_text = _serve_help(capsys)
+    for f in dataclasses.fields(EngineConfig):
+        assert f"--{f.name.replace('_', '-')}" in help_text
+
+
+def test_flags_reach_the_engine_config():
+    config = _serve_config(
+        "--enforce-eager", "--gpu-memory-utilization", "0.5", "--max-cuda-graph-batch-size", "64",
+        "--kv-cache-memory", "0.25", "--no-prefix-caching", "--num-kv-blocks", "100",
+        "--dtype", "bf16", "--max-num-batched-tokens", "512",
     )  # fmt: skip
-    kwargs = _engine_kwargs(args)
-    assert (kwargs["enforce_eager"], kwargs["gpu_memory_utilization"]) == (True, 0.5)
-    assert kwargs["max_cuda_graph_batch_size"] == 64
-    defaults = _engine_kwargs(build_parser().parse_args(["serve"]))
-    assert (defaults["enforce_eager"], defaults["gpu_memory_utilization"]) == (False, 0.9)
-    assert defaults["max_cuda_graph_batch_size"] is None
+    assert (config.enforce_eager, config.gpu_memory_utilization) == (True, 0.5)
+    assert config.max_cuda_graph_batch_size == 64
+    assert config.kv_cache_memory == 1 << 28  # GiB on the command line, bytes in the config
+    assert (config.enable_prefix_caching, config.num_kv_blocks) == (False, 100)
+    assert (config.dtype, config.max_num_batched_tokens) == ("bf16", 512)
+    assert _serve_config("--enable-prefix-caching").enable_prefix_caching is True
+    assert _serve_config("--no-enable-prefix-caching").enable_prefix_caching is False
+
+
+def test_the_help_states_each_default_once_and_right(capsys):
+    help_text = _serve_help(capsys)
+    assert "--block-size BLOCK_SIZE tokens per KV-cache block (default: 16)" in help_text
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step (default: 256)" in help_text
+    # Unset, the step budget is derived, and the help says how (it once claimed 2048).
+    assert "in chunks (default: max(2048, max_num_seqs))" in help_text
+    assert EngineConfig(max_num_seqs=4096).step_token_budget == 4096
+    assert EngineConfig().step_token_budget == 2048
+    assert "captured CUDA graphs (default: False)" in help_text
+
+
+def test_a_new_engine_config_field_appears_in_serve_help(capsys):
+    @dataclasses.dataclass(frozen=True)
+    class WithNewOption(EngineConfig):
+        num_speculative_tokens: int = option(3, "draft tokens proposed per step")
+        quantization: str | None = option(None, "weight quantization", choices=("fp8",))
+
+    help_text = _serve_help(capsys, WithNewOption)
+    assert (
+        "--num-speculative-tokens NUM_SPECULATIVE_TOKENS draft tokens proposed per step "
+        "(default: 3)" in help_text
+    )
+    assert "--quantization {fp8} weight quantization" in help_text
+    config = _serve_config("--num-speculative-tokens", "5", config_cls=WithNewOption)
+    assert isinstance(config, WithNewOption) and config.num_speculative_tokens == 5
+    assert _serve_config(config_cls=WithNewOption).num_speculative_tokens == 3
+    assert _serve_config("--quantization", "fp8", config_cls=WithNewOption).quantization == "fp8"
+    with pytest.raises(ValueError, match=r"quantization must be one of \['fp8'\], got 'int4'"):
+        WithNewOption(quantization="int4")
+
+
+def test_bad_flag_values_are_refused_by_the_config():
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
+        _serve_config("--block-size", "0")
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        _serve_config("--gpu-memory-utilization", "1.5")
 
 
 def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path):

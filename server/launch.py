@@ -1,5 +1,5 @@
-"""A `pagedserve serve` process for benchmarks and end-to-end tests: start it on a free port,
-wait until /health answers, stop it (SIGTERM, then SIGKILL) on exit."""
+"""`pagedserve serve` in a child process: start it on a free port, wait until /health answers,
+stop it (SIGTERM, then SIGKILL) on exit. For end-to-end tests and the serving benchmarks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import httpx
 
 # `python -m server.cli` is the `pagedserve` console script without needing it on PATH.
 DEFAULT_COMMAND = (sys.executable, "-m", "server.cli")
@@ -48,14 +48,9 @@ def server_process(
         )
         try:
             deadline = time.monotonic() + timeout
-            while True:
+            while not _healthy(base):
                 if proc.poll() is not None:
                     raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
-                try:
-                    if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server not healthy after {timeout} s:\n{_tail(log_path)}")
                 time.sleep(0.2)
@@ -67,6 +62,14 @@ def server_process(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False  # not listening yet, or 503 while the engine loop is not running
 
 
 def _tail(path: Path, chars: int = 4000) -> str:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.rotary import ROPE_SCALING_KEYS, rope_inv_freq
+
 if TYPE_CHECKING:
     import gguf
 
@@ -34,14 +36,6 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072},
 }
 
-# Keys each rope type needs; the model's rotary embedding reads them.
-_ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor",),
-}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -49,7 +43,7 @@ class ModelConfig:
 
     Invariants (checked in `__post_init__`): all sizes positive, `num_attention_heads` a multiple
     of `num_key_value_heads`, every eos id inside the vocabulary, and `rope_scaling` (when set)
-    carrying the keys its `rope_type` needs.
+    of a type the model implements (`engine.rotary.ROPE_SCALING_KEYS`) with the keys it needs.
     """
 
     architecture: str
@@ -118,11 +112,17 @@ class ModelConfig:
         if self.rope_scaling is not None:
             scaling = dict(self.rope_scaling)
             rope_type = scaling.get("rope_type")
-            missing = [k for k in _ROPE_REQUIRED_KEYS.get(str(rope_type), ()) if k not in scaling]
-            if rope_type is None or missing:
+            if rope_type is None:
+                raise ValueError(f"rope_scaling {scaling} is incomplete: needs 'rope_type'")
+            if rope_type not in ROPE_SCALING_KEYS:
                 raise ValueError(
-                    f"rope_scaling {scaling} is incomplete: needs 'rope_type'"
-                    + (f" and {missing} for rope_type {rope_type!r}" if missing else "")
+                    f"rope_scaling type {rope_type!r} is not supported; supported: "
+                    f"{', '.join(ROPE_SCALING_KEYS)} (or plain RoPE: no rope_scaling)"
+                )
+            missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in scaling]
+            if missing:
+                raise ValueError(
+                    f"rope_scaling {scaling} is incomplete: rope_type {rope_type!r} needs {missing}"
                 )
 
     # ------------------------------------------------------------------ derived values
@@ -464,7 +464,9 @@ def _llama3_rope_scaling_from_freqs(
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    expected = llama3_rope_freq_divisors(scaling, head_dim, rope_theta)
+    # llama.cpp's divisors are plain RoPE's frequencies over the scaled ones.
+    plain = rope_inv_freq(head_dim, rope_theta, None)
+    expected = (plain / rope_inv_freq(head_dim, rope_theta, scaling)).tolist()
     if len(expected) != len(freqs) or any(
         not math.isclose(a, b, rel_tol=1e-4) for a, b in zip(expected, freqs, strict=False)
     ):
@@ -474,27 +476,6 @@ def _llama3_rope_scaling_from_freqs(
             "Hugging Face folder instead"
         )
     return scaling
-
-
-def llama3_rope_freq_divisors(
-    scaling: dict[str, Any], head_dim: int, rope_theta: float
-) -> list[float]:
-    """Per-frequency divisors of llama3 rope scaling, as llama.cpp's converter computes them."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    divisors = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * rope_theta ** (i / head_dim)
-        if wavelen < high_wavelen:
-            divisors.append(1.0)
-        elif wavelen > low_wavelen:
-            divisors.append(factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return divisors
 
 
 # ---------------------------------------------------------------------- built-in shapes

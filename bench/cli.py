@@ -1,0 +1,31 @@
+"""`pagedserve bench`: throughput (offline) and serve (load-test a running server).
+
+`pagedserve bench ...` hands its arguments here, importing this module only then, so that
+nothing outside bench/ loads the benchmarks or their dependencies (the `bench` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import serve, throughput
+from engine.engine_config import EngineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve bench", description=__doc__)
+    sub = parser.add_subparsers(dest="bench_command", required=True)
+    tp = sub.add_parser("throughput", help="offline throughput with random-token prompts")
+    EngineConfig.add_cli_args(tp)
+    throughput.add_arguments(tp)
+    tp.set_defaults(func=throughput.run)
+    bs = sub.add_parser("serve", help="load-test a running server, like vllm bench serve")
+    serve.add_arguments(bs)
+    bs.set_defaults(func=serve.run)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    return 0
