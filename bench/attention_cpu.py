@@ -1,7 +1,7 @@
 """Micro-benchmark of the attention kernels on CPU: milliseconds per call, i.e. per layer.
 
-    python bench/attention_cpu.py                      # SmolLM2-135M shapes, fp32 and bf16
-    python bench/attention_cpu.py --threads 1 --iters 50
+    python -m bench.attention_cpu                      # SmolLM2-135M shapes, fp32 and bf16
+    python -m bench.attention_cpu --threads 1 --iters 50
 
 Scenarios (each over a paged cache with the sequences' blocks scattered at random):
   decode   --batch sequences, one new token each, context ~--context tokens (+-25%)
@@ -72,7 +72,7 @@ def time_ms(fn, iters: int, repeats: int) -> float:
     return best * 1e3
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=192)
@@ -87,7 +87,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

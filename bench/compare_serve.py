@@ -30,6 +30,7 @@ from typing import Any
 
 from bench import serve as bench_serve
 from engine.cpu_allocator import keep_large_allocations_in_heap
+from engine.engine_config import EngineConfig
 from server.launch import server_process
 
 LATENCY_KEYS = (
@@ -84,9 +85,7 @@ def _common_args(args: argparse.Namespace) -> list[str]:
 
 
 def _run_online(args: argparse.Namespace, base: str, plot: str | None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    bench_args = parser.parse_args(
+    bench_args = bench_serve.parse_args(
         [
             "--base-url", base,
             "--num-prompts", str(args.num_prompts),
@@ -100,7 +99,7 @@ def _run_online(args: argparse.Namespace, base: str, plot: str | None) -> dict[s
     return bench_serve.run(bench_args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
@@ -114,8 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="bench serve's PNG for the online run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--max-num-seqs", type=int, default=256, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig().max_num_seqs, help=argparse.SUPPRESS
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.worker:
         print(json.dumps(_offline_worker(args)))
         return 0
@@ -127,15 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.gettempdir()) / f"compare_serve_{os.getpid()}.log"
     with server_process(serve_args, log, port=args.port) as base:
         # A short warm-up request so one-time costs are not timed (as offline).
-        parser = argparse.ArgumentParser()
-        bench_serve.add_arguments(parser)
         warm = ["--base-url", base, "--num-prompts", "2", "--seed", "1000000"]
-        bench_serve.run(parser.parse_args(warm))
+        bench_serve.run(bench_serve.parse_args(warm))
         for r in range(args.repeats):
             # New prompts each repeat (seed + r): the server keeps its prefix cache between
             # repeats, and the same prompts again would skip their prefill.
             rep = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
-            offline_all = _run_offline(rep, max_num_seqs=256)["output_throughput"]
+            offline_all = _run_offline(rep, EngineConfig().max_num_seqs)["output_throughput"]
             offline_capped = _run_offline(rep, max_num_seqs=args.max_concurrency)
             plot = args.plot if r == args.repeats - 1 else None
             online = _run_online(rep, base, plot)

@@ -277,10 +277,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kv_blocks_for(seq_lens: Sequence[int], max_model_len: int, block_size: int = 16) -> int:
-    """Enough KV blocks for all these sequences at once (and at least one of max_model_len):
-    steps that run several engines in one process size each cache explicitly rather than
-    letting every engine take --gpu-memory-utilization of the GPU."""
+def kv_blocks_for(seq_lens: Sequence[int], max_model_len: int) -> int:
+    """Enough KV blocks (of the engine's default block size) for all these sequences at once, and
+    at least one of max_model_len: steps that run several engines in one process size each cache
+    explicitly rather than letting every engine take --gpu-memory-utilization of the GPU."""
+    from engine.engine_config import EngineConfig
+
+    block_size = EngineConfig().block_size
     need = sum(cdiv(n, block_size) for n in seq_lens)
     return max(need, cdiv(max_model_len, block_size)) + 16
 
@@ -1055,9 +1058,7 @@ def offline_serve_worker(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_serve(base_url: str, argv: list[str]) -> dict[str, Any]:
     from bench import serve as bench_serve
 
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    return bench_serve.run(parser.parse_args(["--base-url", base_url, *argv]))
+    return bench_serve.run(bench_serve.parse_args(["--base-url", base_url, *argv]))
 
 
 ONLINE_KEYS = (

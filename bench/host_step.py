@@ -110,12 +110,16 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=60)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     keep_large_allocations_in_heap()  # as `pagedserve` does
     print(json.dumps(measure(args.batch_size, args.context, args.steps)))

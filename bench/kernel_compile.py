@@ -228,11 +228,15 @@ def compile_all(arch: int) -> list[dict[str, Any]]:
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     records = compile_all(args.arch)
     problems = [r for r in records if r["local_bytes"] > 0 or r["shared_bytes"] > MAX_SHARED_BYTES]
     for r in records:

@@ -89,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`argv` parsed as `pagedserve bench serve` parses it (for callers that run it in-process)."""
+    parser = argparse.ArgumentParser(prog="pagedserve bench serve")
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
 def _validate(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")

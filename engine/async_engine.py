@@ -7,11 +7,10 @@
                                                   call_soon_threadsafe per step for all of them
 
 Why threads and not processes: the model's matmuls release the GIL, so the HTTP side runs while
-the engine computes, and a thread hands RequestOutput objects over without pickling. Measured
-with `bench.compare_serve`, the HTTP path keeps ~90% of the offline throughput at the same batch
-size (BENCHMARKS.md). `pagedserve serve` runs the engine loop on the *main* thread and uvicorn
-on a second one: on CPU, OpenMP regions started from a non-main thread ran 20-40% slower on the
-development VM (a decode step of 16 sequences: 46 ms on the main thread, 75-105 ms on another).
+the engine computes, and a thread hands RequestOutput objects over without pickling (what the
+HTTP path costs: BENCHMARKS.md, "Serving over HTTP on CPU"). `pagedserve serve` runs the engine
+loop on the *main* thread and uvicorn on a second one: on CPU, oneDNN/OpenMP work started from a
+non-main thread runs markedly slower (measured: BENCHMARKS.md, "What changed on the way").
 `start()` runs the loop on a background thread instead, for tests and embedding.
 
 Only the loop touches LLMEngine (it is not thread-safe); handlers only read immutable things (the

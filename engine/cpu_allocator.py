@@ -1,15 +1,17 @@
-"""Keep large CPU tensors out of mmap: a measured 2-5x on element-wise ops during inference.
+"""Keep large CPU tensors out of mmap, so element-wise ops on big activations stay cheap.
 
 glibc's malloc serves big requests (the activations of a prefill step are megabytes) with a fresh
 mmap and returns them to the kernel on free, so every temporary tensor pays page faults and page
 zeroing again on first touch. Raising the mmap and trim thresholds keeps those allocations in the
-reused heap. Measured on the 2-core dev machine, bf16 [2048, 576]: RMSNorm 4.1 ms -> 0.8 ms,
-rotary 5.1 ms -> 0.7 ms. (vLLM's CPU backend gets the same effect by preloading tcmalloc.)
+reused heap (measured: BENCHMARKS.md, "What moved the numbers"). vLLM's CPU backend gets the same
+effect by preloading tcmalloc.
 
-The thresholds govern the main arena only. A thread other than the main one (the server's engine
-thread) would get its own arena, whose heaps are capped at 64 MiB and trimmed eagerly, and so
-pay the page faults all over again: a served decode step took 105 ms instead of 46. Limiting
-malloc to one arena keeps every thread on the tuned heap.
+A thread other than the main one would get its own arena, whose heaps are capped at 64 MiB and
+trimmed eagerly, and so pay the page faults again. Limiting malloc to one arena keeps every
+thread on the tuned heap.
+
+The setting is process-wide, so the `pagedserve` entry point (server/cli.py) applies it, not the
+engine.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Linear layers with weights pre-packed for oneDNN, for bfloat16 on CPU.
 
 `F.linear` in bf16 on CPU reorders the weight into oneDNN's blocked layout on every call; for
-the small row counts of decode steps that reorder costs as much as the matmul. Packing once at
-load time made the linears of a 16-sequence SmolLM2 decode step about 1.9x faster on the
-development VM (1.4x at 64 sequences); see BENCHMARKS.md. The packed copy lives next to the
-parameter (as an attribute), so the plain weight stays usable for embeddings and references.
+the small row counts of decode steps that reorder costs as much as the matmul, so the weights
+are packed once at load time (measured: BENCHMARKS.md, "What changed on the way"). The packed
+copy lives next to the parameter (as an attribute), so the plain weight stays usable for
+embeddings and references.
 
 float32 keeps plain `F.linear`: its results must match transformers' bit for bit in the parity
 tests, and oneDNN's packed kernels accumulate in a different order.

@@ -4,7 +4,7 @@ A decode step of a small model is dozens of short kernels per layer; launched on
 Python, the GPU waits on the CPU. A CUDA graph records the launches of one forward pass once and
 replays them with a single call. A graph is fixed: same shapes, same tensor addresses. So:
 
-    batch sizes   graphs are captured for a few sizes (1 2 4 8 16 24 32 ... max) and a batch of n
+    batch sizes   graphs are captured for a few sizes (1 2 4 8 16 32 48 ... max) and a batch of n
                   sequences runs in the smallest captured size >= n, padded
     buffers       the graphs read persistent input tensors (token ids, positions, slots, block
                   tables, lengths) that each step overwrites, and write one persistent output
@@ -36,8 +36,8 @@ MAX_CAPTURE_BATCH_SIZE = 512
 def capture_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_batch_size (which is always included).
 
-    A batch of n runs padded to the next size: at most 15 wasted rows, and about 40 graphs at
-    512 (vLLM captures 1, 2, 4 and multiples of 8)."""
+    A batch of n runs padded to the next size: at most 15 wasted rows, and 36 graphs at 512
+    (vLLM captures 1, 2, 4 and multiples of 8)."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size]

@@ -121,22 +121,23 @@ class EngineConfig:
     seed: int = option(0, "seed of the sampler for requests without their own")
 
     def __post_init__(self) -> None:
+        # Every field: its type (None only where the type allows it), then its choices.
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value, choices = getattr(self, f.name), f.metadata.get("choices")
-            unset = value is None and f.default is None
-            if choices is not None and value not in choices and not unset:
+            if value is None and isinstance(hints[f.name], types.UnionType):
+                continue  # unset: derived from the model or the machine
+            kind = _scalar_type(hints[f.name])
+            if not _is_a(value, kind):
+                raise ValueError(f"{f.name} must be {_TYPE_NAMES[kind]}, got {value!r}")
+            if choices is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        utilization = self.gpu_memory_utilization
-        if (
-            isinstance(utilization, bool)
-            or not isinstance(utilization, float | int)
-            or not 0.0 < utilization <= 1.0
-        ):
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 "gpu_memory_utilization must be in (0, 1], the share of GPU memory to use, "
-                f"got {utilization!r}"
+                f"got {self.gpu_memory_utilization!r}"
             )
         for name in (
             "block_size",
@@ -148,9 +149,7 @@ class EngineConfig:
             "max_cuda_graph_batch_size",
         ):
             value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     @property
@@ -227,6 +226,16 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         """The config the parsed flags describe (raises ValueError for invalid values)."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a bool"}
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    # bool is an int to Python, but `block_size=True` is a bug; an int is a fine float.
+    if kind is bool or isinstance(value, bool):
+        return isinstance(value, bool) and kind is bool
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
 
 
 def _scalar_type(hint: Any) -> type:

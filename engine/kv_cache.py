@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.engine_config import GiB
 from engine.model_config import ModelConfig
 from scheduler.utils import cdiv
-
-GiB = 1 << 30
 
 
 def default_cpu_kv_memory() -> int:

@@ -260,8 +260,11 @@ class LLMEngine:
         and the config."""
         if isinstance(prompt, Prompt):
             return prompt
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = (self.tokenize(prompt) if prompt else []) if text is not None else list(prompt)
+        if isinstance(prompt, str):
+            # "" is an empty prompt, not the bos token the tokenizer would add to it.
+            text, token_ids = prompt, self.tokenize(prompt) if prompt else []
+        else:
+            text, token_ids = None, list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(token_ids) >= self.max_model_len:

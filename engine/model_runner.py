@@ -56,8 +56,8 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
     query_start_loc = cumsum([0, len_0, len_1, ...]); seq_lens_i = start_i + len_i
     slot(token) = block_table[pos // block_size] * block_size + pos % block_size
     """
-    # numpy for the index arithmetic: a few microseconds per op where torch's CPU ops cost
-    # tens (torch.repeat_interleave alone took 10 ms for 256 sequences).
+    # numpy for the index arithmetic: on small host arrays its per-op overhead is far below
+    # torch's CPU ops (BENCHMARKS.md, "Host time of a decode step").
     scheduled = out.scheduled
     num_seqs = len(scheduled)
     q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)

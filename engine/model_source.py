@@ -136,7 +136,8 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
 
 
 def _gguf_source(name: str, gguf_file: Path) -> ModelSource:
-    # Parsing the metadata reads every tokenizer string (~2 s for a 49k vocabulary).
+    # Parsing the metadata reads every tokenizer string, which is slow for large vocabularies:
+    # the reader is kept so that loading the weights does not parse the file again.
     reader = gguf.GGUFReader(gguf_file)
     return ModelSource(
         name=name,

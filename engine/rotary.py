@@ -67,8 +67,8 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions, [N, 1, D] in `dtype`: looked up once per step and
-        shared by every layer."""
+        """cos and sin for `positions`, [N, 1, D] in `dtype`, as `apply_rotary` takes them (the
+        model itself passes the whole tables to the backend's `rotary_and_cache`)."""
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(
             1
         )

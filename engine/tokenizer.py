@@ -45,8 +45,8 @@ def load_tokenizer(
     Face folder without tokenizer files) gets `synthetic_tokenizer(source.config)`, with a
     warning. An explicit path or name must hold a real tokenizer.
 
-    Reads local files only. From a GGUF file transformers rebuilds the tokenizer from the
-    metadata: about 4 s for SmolLM2's 49k vocabulary (2 s of it parsing the file).
+    Reads local files only. From a GGUF file transformers parses the file again and rebuilds
+    the tokenizer from its metadata, which is slow for large vocabularies.
     """
     if tokenizer is not None:
         source = tokenizer
@@ -128,8 +128,7 @@ def synthetic_tokenizer(config: ModelConfig, name: str = "synthetic") -> PreTrai
     byte tokens besides the special ones has none: such text encodes to one unknown token per
     character, the lowest non-special id.
 
-    Marked with `is_synthetic = True` (see `is_synthetic_tokenizer`). Builds in about 0.3 s for
-    a 152k vocabulary.
+    Marked with `is_synthetic = True` (see `is_synthetic_tokenizer`).
     """
     special: dict[int, str] = {}
     if config.bos_token_id is not None:

@@ -48,7 +48,8 @@ __all__ = [
     "silu_and_mul",
 ]
 
-# Padding keys not worth a separate SDPA call (its fixed cost is tens of microseconds on CPU).
+# Padding keys not worth a separate SDPA call (each call has a fixed cost that a few padded keys
+# do not outweigh).
 _MIN_PADDING = 128
 
 
@@ -116,8 +117,9 @@ def paged_attention(
 
     Decode sequences (one new token) and prefill/extend sequences are attended to in separate
     batched SDPA calls, each batch padded to its longest member; a kind is split into more
-    batches only when its context lengths differ by more than 2x (see `_buckets`). The only host
-    sync is one read of seq_lens and query_start_loc.
+    batches only when its context lengths differ by more than 2x plus _MIN_PADDING keys (see
+    `_buckets`). The host reads seq_lens and query_start_loc once; the only other sync is the
+    `nonzero` over real rows of a batch whose sequences have unequal new-token counts.
     """
     if validation.CHECK_ARGS:
         check_paged_attention_args(
@@ -311,9 +313,9 @@ def _attend(
 
 
 # ----------------------------------------------------------------------------- fused layer ops
-# The Llama decoder's non-attention ops in the model's own math and rounding order (engine/model.py
-# RMSNorm and MLP, engine/rotary.py apply_rotary), so an engine that calls these instead of its
-# inline torch code produces the same tokens. `kernels.triton_fused` has the same signatures.
+# The Llama decoder's non-attention ops, in transformers' math and rounding order (as
+# engine/rotary.py apply_rotary rounds), so the engine, which calls them for every layer, produces
+# transformers' tokens. `kernels.triton_fused` has the same signatures.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -347,7 +349,7 @@ def fused_add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: [num_tokens, 2 * I] (gate | up) -> silu(gate) * up, [num_tokens, I]
-    in the input dtype; silu is rounded to the dtype before the product, as in the model."""
+    in the input dtype; silu is rounded to the dtype before the product, as transformers does."""
     if validation.CHECK_ARGS:
         check_silu_and_mul_args(gate_up)
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)

@@ -7,8 +7,8 @@
     rotary_and_cache    RoPE on q and k straight from the stacked qkv projection; rotated k and
                         raw v written to the paged KV cache, rotated q returned
 
-Each op reads its inputs once and writes its outputs once, where the torch code it replaces
-makes float32 copies, rotated copies and temporaries. The arithmetic is float32 and results are
+Each op reads its inputs once and writes its outputs once, where the torch reference makes
+float32 copies, rotated copies and temporaries. The arithmetic is float32 and results are
 rounded to the input dtype exactly where the reference rounds (the normalised x before the
 weight, silu before the product, rot(x) * sin before the sum), so float32 outputs agree with the
 reference to a few ulps and float16/bfloat16 outputs to within two ulps (an intermediate that
@@ -236,7 +236,7 @@ def _rotary_and_cache_kernel(
     pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)  # see the module docstring
     half = tl.arange(0, BLOCK_HALF)
     half_ok = half < HEAD_DIM // 2
-    # The tables are float32; the model casts them to the activations' dtype first.
+    # The tables are float32; the reference casts them to the activations' dtype first.
     cos_row = cos_ptr + pos * cos_stride + half
     sin_row = sin_ptr + pos * sin_stride + half
     cos1 = tl.load(cos_row, mask=half_ok).to(dtype).to(tl.float32)[None, :]

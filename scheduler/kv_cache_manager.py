@@ -38,7 +38,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._tables: dict[str, list[Block]] = {}
         # The same tables as block ids, kept next to them: a decode step reads every running
-        # request's table, and rebuilding 256 id lists from Block objects cost ~1 ms a step.
+        # request's table, and rebuilding the id lists from Block objects would cost per-request
+        # Python on every step.
         self._table_ids: dict[str, list[int]] = {}
         # Per request: chained hashes of its full blocks, computed once (tokens are
         # append-only, so they stay valid), and how many table entries were offered to the

@@ -1,6 +1,6 @@
 """The FastAPI app: routes, API-key check, lifespan of the engine thread.
 
-`build_app(async_engine, ...)` is all a caller needs; `server.api_server.serve` wraps it in
+`build_app(async_engine, ...)` is all a caller needs; `server.api_server.run_server` wraps it in
 uvicorn for the CLI.
 """
 

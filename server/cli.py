@@ -68,8 +68,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.cli import main as bench_main
-
+    try:
+        from bench.cli import main as bench_main
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"{e}: the benchmarks' dependencies come with pip install 'pagedserve[bench]'"
+        ) from e
     return bench_main(args.bench_args)
 
 

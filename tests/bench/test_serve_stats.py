@@ -1,5 +1,5 @@
-"""The pure parts of `pagedserve bench serve`: statistics, SSE parsing, arrivals, prompt files,
-the plot. The run against a real server is tested end to end elsewhere."""
+"""`pagedserve bench serve`: its pure parts (statistics, SSE parsing, arrivals, prompt files, the
+plot), then a whole run against a real server of the dummy model."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import serve as bench_serve
 from bench.serve import (
     TOKEN_ID_HIGH,
     TOKEN_ID_LOW,
@@ -337,3 +338,21 @@ def test_plot_without_successes_still_writes_a_png(tmp_path: Path):
     path = tmp_path / "empty.png"
     plot_results(records, summarize(records, duration=1.0), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "prompt_tokens"),
+    # The dummy server's synthetic tokenizer: chat prompts are the 16 detokenized ids inside the
+    # template's 22 bytes, 38 tokens.
+    [("completions", 16), ("chat", 38)],
+)
+def test_bench_serve_runs_on_random_ids(dummy_server, endpoint, prompt_tokens, capsys):
+    args = bench_serve.parse_args(
+        ["--base-url", dummy_server.base_url, "--endpoint", endpoint, "--num-prompts", "4",
+         "--input-len", "16", "--output-len", "4"]
+    )  # fmt: skip
+    result = bench_serve.run(args)
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["total_input_tokens"] == 4 * prompt_tokens
+    assert result["total_output_tokens"] == 4 * 4

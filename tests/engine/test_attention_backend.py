@@ -20,7 +20,7 @@ from tests.helpers import hf_greedy
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m bench.kernels` checks the compiled kernels",
+    "machines without a GPU; on a GPU, `python -m bench.gpu_kernels` checks the compiled kernels",
 )
 
 PROMPT_LENGTHS = [1, 5, 12, 23, 40]
@@ -140,5 +140,5 @@ def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="PAGEDSERVE_ATTENTION_BACKEND='flash' is not an"):
         engine()
-    with pytest.raises(ValueError, match=r"attention_backend must be one of \['auto', 'torch', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \['auto', 'torch'"):
         EngineConfig(attention_backend="flash")

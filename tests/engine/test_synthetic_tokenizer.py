@@ -20,25 +20,11 @@ from engine.tokenizer import (
     render_chat_prompt,
     synthetic_tokenizer,
 )
-
-# A tiny Llama config.json: 300 ids, bos 1, eos 2 (ids 0 and 3..257 are the byte tokens).
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 300,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+from tests.helpers import TINY_CONFIG_JSON  # 300 ids, bos 1, eos 2; 0 and 3..257 are bytes
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    return ModelConfig.from_hf_dict({**TINY_CONFIG, **overrides})
+    return ModelConfig.from_hf_dict({**TINY_CONFIG_JSON, **overrides})
 
 
 def expected_strings(config: ModelConfig) -> list[str]:
@@ -173,7 +159,7 @@ def test_load_tokenizer_warns_and_files_win(tok, caplog, tmp_path: Path):
     assert not is_synthetic_tokenizer(override) and len(override) == 300
     assert override.encode("<260><|eos|>h") == [260, 2, ord("h") + 2]
     # A config.json next to tokenizer files: those are the model's tokenizer.
-    (tmp_path / "tok" / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (tmp_path / "tok" / "config.json").write_text(json.dumps(TINY_CONFIG_JSON))
     with caplog.at_level(logging.WARNING, logger="engine.tokenizer"):
         beside = load_tokenizer(resolve_model(str(tmp_path / "tok" / "config.json")))
     assert not is_synthetic_tokenizer(beside) and len(beside) == 300
@@ -183,7 +169,7 @@ def test_load_tokenizer_warns_and_files_win(tok, caplog, tmp_path: Path):
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory) -> LLM:
     path = tmp_path_factory.mktemp("tiny-config") / "config.json"
-    path.write_text(json.dumps(TINY_CONFIG))
+    path.write_text(json.dumps(TINY_CONFIG_JSON))
     return LLM(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64)
 
 

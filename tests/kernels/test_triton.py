@@ -5,7 +5,7 @@ Without a GPU (CI) these run the real Triton kernels under Triton's interpreter
 (TRITON_INTERPRET=1, set in tests/conftest.py), which executes every program of the grid with
 numpy: same kernel code, same index arithmetic, same masks; only the compiler and the hardware are
 left out. The coverage list's dtypes: float32 throughout, float16 once; bfloat16 only on the
-GPU (`python -m bench.kernels`), as the interpreter cannot compute a bf16 tl.dot.
+GPU (`python -m bench.gpu_kernels`), as the interpreter cannot compute a bf16 tl.dot.
 
 Tolerance: float32 against float64 dense attention, atol = rtol = 1e-5, as for the reference (the
 observed error is about 2e-6: softmax rounding summed over a few hundred keys).
@@ -30,7 +30,7 @@ from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m bench.kernels` checks the compiled kernels",
+    "machines without a GPU; on a GPU, `python -m bench.gpu_kernels` checks the compiled kernels",
 )
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -208,7 +208,7 @@ def test_num_decode_splits_fills_the_machine_from_shapes():
 @pytest.mark.parametrize("seqs", [MIXED, [(0, 1), (40, 1), (300, 1)]], ids=["extend", "decode"])
 def test_float16_close_to_float64(seqs):
     # The interpreter runs fp16 tl.dot for real (not bf16: it would multiply raw bit patterns,
-    # triton-lang/triton#11584, so bf16 is checked on the GPU by bench.kernels). fp16 keeps 11
+    # triton-lang/triton#11584, so bf16 is checked on the GPU by bench.gpu_kernels). fp16 keeps 11
     # significant bits; 5e-3 bounds the rounding of q, K, V, P and the output.
     batch = make_batch(
         seqs, num_heads=9, num_kv_heads=3, head_dim=128, block_size=16, dtype=torch.float16

@@ -5,17 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from engine.engine_config import EngineConfig, option
 from server.cli import build_parser, main
-
-PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
+from tests.server.util import PAGEDSERVE
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

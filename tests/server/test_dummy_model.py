@@ -1,54 +1,17 @@
 """A real server on a bare config.json: dummy weights and the synthetic tokenizer. Token-id and
 chat requests through the official openai client agree exactly with /tokenize, /detokenize and
-the offline engine, and `bench serve` runs against it."""
+the offline engine. (`bench serve` against it: tests/bench/test_serve_stats.py.)"""
 
 from __future__ import annotations
 
-import argparse
-import json
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
-import pytest
 
-from bench import serve as bench_serve
 from engine import LLM, SamplingParams
-from tests.engine.test_synthetic_tokenizer import TINY_CONFIG
-from tests.server.conftest import RunningServer, run_server
-from tests.server.util import client, token_count
+from tests.server.util import RunningServer, client, token_count
 
-# The engine tests' tiny Llama with 10240 ids: `bench serve` draws random prompt ids from
-# [1000, 10000). bos 1 and eos 2 are special; ids 0 and 3..257 are the synthetic byte tokens,
-# every other id i reads "<i>".
-CONFIG = {**TINY_CONFIG, "vocab_size": 10240}
 PROMPT_IDS = [300, 5, 10239, 0, 2000]
 # "<|user|>hi\n<|assistant|>": the synthetic chat template, one byte token per character.
 CHAT_PROMPT_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("dummy-model") / "config.json"
-    path.write_text(json.dumps(CONFIG))
-    return path
-
-
-@pytest.fixture(scope="module")
-def dummy_server(config_file, tmp_path_factory) -> Iterator[RunningServer]:
-    log_path = tmp_path_factory.mktemp("dummy-server") / "server.log"
-    with run_server(
-        log_path,
-        "--model",
-        str(config_file),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "0.01",
-    ) as s:
-        yield s
 
 
 def _post(server: RunningServer, path: str, **body) -> dict:
@@ -61,18 +24,18 @@ def _ids_of(server: RunningServer, text: str) -> list[int]:
     return _post(server, "/tokenize", prompt=text)["tokens"]
 
 
-def test_the_server_says_its_tokenizer_is_synthetic(dummy_server, config_file):
+def test_the_server_says_its_tokenizer_is_synthetic(dummy_server, dummy_config_file):
     assert (
-        f"model '{config_file}' has no tokenizer: using a synthetic one over its 10240 token ids"
-        in dummy_server.log()
+        f"model '{dummy_config_file}' has no tokenizer: using a synthetic one over its 10240 "
+        "token ids" in dummy_server.log()
     )
     (card,) = client(dummy_server).models.list().data
-    assert card.id == str(config_file)
+    assert card.id == str(dummy_config_file)
 
 
-def test_completion_from_token_ids(dummy_server, config_file):
+def test_completion_from_token_ids(dummy_server, dummy_config_file):
     response = client(dummy_server).completions.create(
-        model=str(config_file),
+        model=str(dummy_config_file),
         prompt=PROMPT_IDS,
         max_tokens=8,
         temperature=0,
@@ -89,7 +52,7 @@ def test_completion_from_token_ids(dummy_server, config_file):
     ]
     assert "".join(choice.logprobs.tokens) == choice.text
     # The offline engine on the same config.json and seed samples the same tokens.
-    llm = LLM(model=str(config_file), device="cpu", dtype="float32", num_kv_blocks=16)
+    llm = LLM(model=str(dummy_config_file), device="cpu", dtype="float32", num_kv_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (offline,) = llm.generate([PROMPT_IDS], params)
     assert offline.outputs[0].token_ids == ids
@@ -98,7 +61,7 @@ def test_completion_from_token_ids(dummy_server, config_file):
     prompt_text = _post(dummy_server, "/detokenize", tokens=PROMPT_IDS)["prompt"]
     assert prompt_text == "<300><0x03><10239><0x00><2000>"
     from_text = client(dummy_server).completions.create(
-        model=str(config_file),
+        model=str(dummy_config_file),
         prompt=prompt_text,
         max_tokens=8,
         temperature=0,
@@ -108,11 +71,11 @@ def test_completion_from_token_ids(dummy_server, config_file):
     assert from_text.choices[0].text == choice.text
 
 
-def test_chat_completion_and_its_stream(dummy_server, config_file):
+def test_chat_completion_and_its_stream(dummy_server, dummy_config_file):
     messages = [{"role": "user", "content": "hi"}]
     assert token_count(dummy_server, messages=messages) == CHAT_PROMPT_TOKENS
     kwargs = dict(
-        model=str(config_file),
+        model=str(dummy_config_file),
         messages=messages,
         max_tokens=6,
         temperature=0,
@@ -130,32 +93,3 @@ def test_chat_completion_and_its_stream(dummy_server, config_file):
     stream = client(dummy_server).chat.completions.create(**kwargs, stream=True)
     deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta]
     assert "".join(d for d in deltas if d) == content
-
-
-@pytest.mark.parametrize(
-    ("endpoint", "prompt_tokens"),
-    # Chat prompts are the 16 detokenized ids inside the template's 22 bytes: 38 tokens.
-    [("completions", 16), ("chat", 38)],
-)
-def test_bench_serve_runs_on_random_ids(dummy_server, endpoint, prompt_tokens, capsys):
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            "--base-url",
-            dummy_server.base_url,
-            "--endpoint",
-            endpoint,
-            "--num-prompts",
-            "4",
-            "--input-len",
-            "16",
-            "--output-len",
-            "4",
-        ]
-    )
-    result = bench_serve.run(args)
-    assert "Serving Benchmark Result" in capsys.readouterr().out
-    assert (result["completed"], result["failed"]) == (4, 0)
-    assert result["total_input_tokens"] == 4 * prompt_tokens
-    assert result["total_output_tokens"] == 4 * 4

@@ -11,8 +11,7 @@ import time
 import httpx
 import openai
 
-from tests.server.conftest import PAGEDSERVE
-from tests.server.util import client, metric, token_count
+from tests.server.util import PAGEDSERVE, client, metric, token_count
 
 NUM_CLIENTS = 32
 MAX_TOKENS = 12

@@ -1,12 +1,47 @@
-"""Small helpers for the end-to-end server tests (importable as tests.server.util)."""
+"""Helpers for the end-to-end server tests (importable as tests.server.util): real
+`pagedserve serve` processes and small clients of them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+
+from server.launch import server_process
+
+# The console script, as a user runs it.
+PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    base_url: str  # http://127.0.0.1:PORT
+    log_path: Path
+    api_key: str | None = None
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def run_server(log_path: Path, *args: str) -> Iterator[RunningServer]:
+    """`pagedserve serve ARGS` (the console script, as a user runs it) on a free port."""
+    with server_process(
+        ["--no-access-log", *args], log_path, command=[PAGEDSERVE], timeout=180
+    ) as base_url:
+        yield RunningServer(base_url, log_path)
 
 
 def client(server, **kwargs: Any) -> openai.OpenAI:

@@ -1,11 +1,11 @@
 """GPU benchmark of the Triton kernels: correctness against the torch reference first, then speed
 against torch's own kernels, both measured side by side in one run.
 
-    python -m bench.kernels                                 # every case on a CUDA device
-    python -m bench.kernels --only decode,cache --out $OUT/kernels.jsonl
-    python -m bench.kernels --only fused                    # the fused layer ops alone
-    python -m bench.kernels --sweep                         # launch configurations instead
-    TRITON_INTERPRET=1 python -m bench.kernels --smoke      # tiny shapes, also on CPU
+    python -m bench.gpu_kernels                                 # every case on a CUDA device
+    python -m bench.gpu_kernels --only decode,cache --out $OUT/kernels.jsonl
+    python -m bench.gpu_kernels --only fused                    # the fused layer ops alone
+    python -m bench.gpu_kernels --sweep                         # launch configurations instead
+    TRITON_INTERPRET=1 python -m bench.gpu_kernels --smoke      # tiny shapes, also on CPU
 
 Scenarios, in bf16 (--dtype) over a paged cache of block size 16 whose blocks lie in a random
 permutation (the scatter a long-running server's block pool ends up with):
@@ -994,9 +994,9 @@ def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> N
                 run_case(report, device, fused_label(plan.fused_layer, op, num_tokens), run)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.kernels", description=__doc__.split("\n\n")[0]
+        prog="python -m bench.gpu_kernels", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--only", action="append", metavar="|".join(SCENARIOS))
     parser.add_argument("--smoke", "--quick", action="store_true", help="tiny shapes; CPU too")
@@ -1027,6 +1027,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of the regular cases, time the launch configurations of the decode and "
         "prefill kernels (tile, warps, stages, rows; decode splits) on a few cases against SDPA",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         scenarios = parse_scenarios(args.only)
@@ -1041,8 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
             print("warning: on CPU the Triton kernels need TRITON_INTERPRET=1", file=sys.stderr)
     else:
         print(
-            "bench.kernels: no CUDA device. The benchmark needs a GPU; to check the code path on "
-            "CPU run: TRITON_INTERPRET=1 python -m bench.kernels --smoke",
+            "bench.gpu_kernels: no CUDA device. The benchmark needs a GPU; to check the code path "
+            "on CPU run: TRITON_INTERPRET=1 python -m bench.gpu_kernels --smoke",
             file=sys.stderr,
         )
         return 2
@@ -1050,7 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kernels, *fused = [importlib.import_module(name) for name in modules]
     except ImportError as exc:
-        print(f"bench.kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
+        print(f"bench.gpu_kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("fp16" if device.type == "cpu" else "bf16")
     graph = args.cuda_graph and device.type == "cuda"

@@ -1,4 +1,4 @@
-"""`python -m bench.kernels --smoke` end to end on CPU: the Triton kernels run under the
+"""`python -m bench.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under the
 interpreter, are checked against the torch reference, and every record the GPU run writes is
 written, with the byte and FLOP counts the rates are computed from."""
 
@@ -26,7 +26,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     # CUDA hidden: the smoke run must take the CPU path wherever the suite runs.
     env = os.environ | {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "bench.kernels", *args],
+        [sys.executable, "-m", "bench.gpu_kernels", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

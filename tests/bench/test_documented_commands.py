@@ -1,0 +1,163 @@
+"""Every command README.md and BENCHMARKS.md show runs as written: its arguments parse with the
+real parser (`pagedserve`, `python -m bench.*`), its script exists and is valid shell, its make
+target exists; `python -m bench.attention_cpu` runs whole, and each `python -m` module answers
+`--help` in a fresh interpreter.
+
+Commands are found in code blocks (one per line, `\\` continuations joined) and in inline code
+spans; a bare program name ("the `pagedserve` command") is a mention, not a command. Not checked:
+`../shared/...` (the workplace's tools, outside this repository). Most of these commands are
+bench's, hence this file's place under tests/bench/."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.engine_config import EngineConfig
+from server.cli import build_parser as pagedserve_parser
+from tests.server.util import PAGEDSERVE
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("README.md", "BENCHMARKS.md")
+_ENV = r"(?:[A-Z_]+=(?:<[^>]*>|\S+)\s+)*"
+COMMAND = re.compile(rf"^{_ENV}(pagedserve|python3? -m|\.venv/bin/python -m|python|bash|make)\b")
+# Placeholders the docs use for "a value of your choice".
+PLACEHOLDERS = {"M": "smollm2-135m", "STEP": "env"}
+
+
+def _doc_commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S):
+            # `\` continues a command; so does a synopsis line that starts with "[".
+            block = re.sub(r"\\\n|\n\s+(?=\[)", " ", block)
+            for line in block.splitlines():
+                line = line.split(" #", 1)[0].strip()
+                if COMMAND.match(line):
+                    found.append((doc, " ".join(line.split())))
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        for span in re.findall(r"`([^`]+)`", prose):
+            span = " ".join(span.split())
+            if COMMAND.match(span):
+                found.append((doc, span))
+    return sorted({(doc, command) for doc, command in found if " " in command})
+
+
+COMMANDS = _doc_commands()
+
+
+def _argv(command: str) -> list[str]:
+    command = re.sub(rf"^{_ENV}", "", command)
+    return [PLACEHOLDERS.get(token, token) for token in shlex.split(command)]
+
+
+def _parse_pagedserve(argv: list[str]) -> None:
+    parser = pagedserve_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from bench.cli import build_parser as bench_parser
+
+        args = bench_parser().parse_args(unknown + args.bench_args)
+        if args.bench_command == "throughput":
+            EngineConfig.from_cli_args(args)
+        return
+    assert unknown == [], f"unknown arguments {unknown}"
+    if args.command in ("serve", "generate"):
+        args.config_cls.from_cli_args(args)
+
+
+def _synopsis_flags_exist(argv: list[str]) -> None:
+    # `pagedserve serve [--model M] [--port 8000] ...`: every flag named is a flag of the command.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        pagedserve_parser().parse_args([argv[0], "--help"])
+    known = set(re.findall(r"--[a-z][a-z-]*", out.getvalue()))
+    named = {token.strip("[]") for token in argv if token.startswith("[--")}
+    assert named and named <= known, f"not flags of `pagedserve {argv[0]}`: {named - known}"
+
+
+def test_the_docs_show_commands_of_every_kind():
+    programs = {COMMAND.match(command).group(1) for _, command in COMMANDS}
+    assert programs >= {"pagedserve", "python -m", "bash", "make"}, programs
+    assert len(COMMANDS) >= 25, COMMANDS
+
+
+@pytest.mark.parametrize(("doc", "command"), COMMANDS, ids=[c for _, c in COMMANDS])
+def test_documented_command_parses(doc, command):
+    argv = _argv(command)
+    program = argv[0]
+    if program == "pagedserve":
+        if any(token.startswith("[") for token in argv):
+            _synopsis_flags_exist(argv[1:])
+        elif "--help" in argv:
+            with pytest.raises(SystemExit) as exit_info:
+                _parse_pagedserve(argv[1:])
+            assert exit_info.value.code == 0
+        else:
+            _parse_pagedserve(argv[1:])
+    elif program in ("python", "python3", ".venv/bin/python"):
+        assert argv[1] == "-m", (
+            f"{doc}: run bench scripts as modules (python -m bench.X): {command}"
+        )
+        module = importlib.import_module(argv[2])
+        module.build_parser().parse_args(argv[3:])
+    elif program == "bash":
+        script = ROOT / argv[1]
+        assert script.is_file(), f"{doc}: no {argv[1]}"
+        done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    else:
+        assert program == "make"
+        done = subprocess.run(["make", "-n", *argv[1:]], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
+
+PYTHON_MODULES = sorted(
+    {argv[2] for argv in map(_argv, (c for _, c in COMMANDS)) if argv[1:2] == ["-m"]}
+)
+
+
+@pytest.mark.parametrize("module", PYTHON_MODULES)
+def test_documented_module_answers_help_in_a_fresh_interpreter(module):
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ")
+
+
+def test_attention_cpu_runs_as_written():
+    # The documented form; as a script (python bench/attention_cpu.py) bench/ came first on the
+    # path and shadowed the kernels package.
+    assert ("BENCHMARKS.md", "python -m bench.attention_cpu") in COMMANDS
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.attention_cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "backend torch" in lines[0]
+    rows = [line.split()[:2] for line in lines[2:]]
+    assert rows == [[s, d] for s in ("decode", "prefill", "mixed") for d in ("fp32", "bf16")]
+
+
+def test_pagedserve_help_lists_its_commands():
+    done = subprocess.run([PAGEDSERVE, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "{serve,generate,kv-plan,bench}" in done.stdout
