@@ -26,6 +26,7 @@ import time
 import torch
 
 from engine.attention_metadata import AttentionMetadata
+from engine.engine_config import GiB
 from engine.model import KVCache, LlamaForCausalLM
 
 logger = logging.getLogger("pagedserve")
@@ -117,7 +118,7 @@ class DecodeGraphs:
             len(self.graphs),
             self.max_batch_size,
             time.perf_counter() - start,
-            used / 2**30,
+            used / GiB,
         )
 
     def run(

@@ -18,8 +18,11 @@ use, so CPU-only runs never import Triton.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -77,76 +80,22 @@ def get_backend(name: str) -> ModuleType:
     raise ValueError(f"{name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS))
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each token's K/V into its cache slot; see `kernels.reference.reshape_and_cache`."""
-    backend = get_backend(select_backend(key.device))
-    backend.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+def _dispatcher(name: str) -> Callable[..., Any]:
+    """`kernels.<name>`: the op of the backend for the device of its first argument (a tensor in
+    every op), with `kernels.reference.<name>`'s signature and documentation."""
+    reference_op = getattr(reference, name)
+
+    @functools.wraps(reference_op)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else next(iter(kwargs.values()))
+        return getattr(get_backend(select_backend(first.device)), name)(*args, **kwargs)
+
+    return op
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention over the paged KV cache; see `kernels.reference.paged_attention`."""
-    backend = get_backend(select_backend(q.device))
-    return backend.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        sliding_window=sliding_window,
-        out=out,
-    )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm; see `kernels.reference.rms_norm`."""
-    return get_backend(select_backend(x.device)).rms_norm(x, weight, eps)
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual += x, then RMSNorm; see `kernels.reference.fused_add_rms_norm`."""
-    return get_backend(select_backend(x.device)).fused_add_rms_norm(x, residual, weight, eps)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up; see `kernels.reference.silu_and_mul`."""
-    return get_backend(select_backend(gate_up.device)).silu_and_mul(gate_up)
-
-
-def rotary_and_cache(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Rotary q/k and the K/V-cache write; see `kernels.reference.rotary_and_cache`."""
-    return get_backend(select_backend(qkv.device)).rotary_and_cache(
-        qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
-        num_heads, num_kv_heads, head_dim,
-    )  # fmt: skip
+paged_attention = _dispatcher("paged_attention")
+reshape_and_cache = _dispatcher("reshape_and_cache")
+rms_norm = _dispatcher("rms_norm")
+fused_add_rms_norm = _dispatcher("fused_add_rms_norm")
+silu_and_mul = _dispatcher("silu_and_mul")
+rotary_and_cache = _dispatcher("rotary_and_cache")

@@ -17,18 +17,14 @@ MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
 
 
+# The real model as both servers run it.
+SMOLLM2_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with run_server(
-        log_path,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--kv-cache-memory",
-        "1",
-    ) as s:
+    with run_server(log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "1") as s:
         yield s
 
 
@@ -36,21 +32,7 @@ def server(tmp_path_factory) -> Iterator[RunningServer]:
 def limited_server(tmp_path_factory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("limited-server") / "server.log"
     with run_server(
-        log_path,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--kv-cache-memory",
-        "0.25",
-        "--max-num-seqs",
-        "1",
-        "--max-queue-len",
-        "1",
-        "--api-key",
-        API_KEY,
-        "--served-model-name",
-        "smol",
-        "smol-alias",
-    ) as s:
+        log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.25", "--max-num-seqs", "1",
+        "--max-queue-len", "1", "--api-key", API_KEY, "--served-model-name", "smol", "smol-alias",
+    ) as s:  # fmt: skip
         yield RunningServer(s.base_url, s.log_path, API_KEY)
