@@ -22,9 +22,10 @@ permutation (the scatter a long-running server's block pool ends up with):
            silu_and_mul, rotary_and_cache) at Llama-3.2-1B's layer shape for 1, 256 and 4096
            tokens. Memory-bound: GB/s of the bytes each op must move (its inputs read once, its
            outputs written once), against the torch reference of the same op and against the
-           unfused torch code the model runs today ("model": an out-of-place residual add
-           before the norm; rotary on the stacked q/k view, then the attention backend's
-           reshape_and_cache), timed eagerly. Checked to 2 ulps of the dtype, see FUSED_RTOL.
+           unfused torch code the model ran before the fused ops ("model": an out-of-place
+           residual add before the norm; rotary on the stacked q/k view, then the attention
+           backend's reshape_and_cache), timed eagerly. Checked to 2 ulps of the dtype, see
+           FUSED_RTOL.
 
 Before it is timed, each case's Triton output is compared with `kernels.reference` in the same
 dtype on the same device (attention: |triton - ref| <= ATOL + RTOL * |ref|; the cache write must
@@ -619,8 +620,9 @@ def fused_label(layer: LayerShape, op: str, num_tokens: int) -> Record:
 @dataclass
 class FusedCase:
     """One fused op three ways, each a call that returns the tensors the op produces: the kernel
-    under test, the torch reference and the model's unfused torch code. Each call starts from
-    inputs of its own, so the in-place updates of one do not feed another."""
+    under test, the torch reference and the unfused torch code the model ran before the fused
+    ops. Each call starts from inputs of its own, so the in-place updates of one do not feed
+    another."""
 
     bytes_moved: int  # inputs read once + outputs written once
     call: Callable[[], tuple[torch.Tensor, ...]]
