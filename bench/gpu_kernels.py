@@ -399,46 +399,35 @@ def check(
     )
 
 
-def _shape_fields(shape: HeadShape) -> Record:
+def _label(scenario: str, case: str, shape: HeadShape, **fields: Any) -> Record:
+    """Fields that name a case in every record about it: scenario, a short case name, the head
+    shape, then the case's own sizes."""
     return {
+        "scenario": scenario,
+        "case": case,
         "shape": shape.name,
         "num_heads": shape.num_heads,
         "num_kv_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
+        **fields,
     }
 
 
 def decode_label(shape: HeadShape, case: DecodeCase) -> Record:
-    """Fields that name a decode case in every record about it."""
-    return {
-        "scenario": "decode",
-        "case": f"{shape.name} b{case.batch} ctx{case.context}",
-        **_shape_fields(shape),
-        "batch": case.batch,
-        "context": case.context,
-    }
+    name = f"{shape.name} b{case.batch} ctx{case.context}"
+    return _label("decode", name, shape, batch=case.batch, context=case.context)
 
 
 def prefill_label(shape: HeadShape, case: PrefillCase) -> Record:
-    """Fields that name a prefill case in every record about it."""
-    return {
-        "scenario": "prefill",
-        "case": f"{shape.name} {case.num_seqs}x{case.new_tokens} +{case.prefix}",
-        **_shape_fields(shape),
-        "num_seqs": case.num_seqs,
-        "new_tokens": case.new_tokens,
-        "prefix": case.prefix,
-    }
+    name = f"{shape.name} {case.num_seqs}x{case.new_tokens} +{case.prefix}"
+    return _label(
+        "prefill", name, shape,
+        num_seqs=case.num_seqs, new_tokens=case.new_tokens, prefix=case.prefix,
+    )  # fmt: skip
 
 
 def cache_label(shape: HeadShape, num_tokens: int) -> Record:
-    """Fields that name the cache-write case in every record about it."""
-    return {
-        "scenario": "cache",
-        "case": f"{shape.name} {num_tokens} tokens",
-        **_shape_fields(shape),
-        "num_tokens": num_tokens,
-    }
+    return _label("cache", f"{shape.name} {num_tokens} tokens", shape, num_tokens=num_tokens)
 
 
 def _speed_fields(t: float, base_t: float, target: float | None) -> Record:
@@ -606,15 +595,11 @@ def run_cache(report: Report, setup: Setup, shape: HeadShape, num_tokens: int) -
 
 def fused_label(layer: LayerShape, op: str, num_tokens: int) -> Record:
     """Fields that name a fused-op case in every record about it."""
-    return {
-        "scenario": "fused",
-        "case": f"{op} n{num_tokens}",
-        **_shape_fields(layer.heads),
-        "op": op,
-        "num_tokens": num_tokens,
-        "hidden_size": layer.hidden_size,
-        "intermediate_size": layer.intermediate_size,
-    }
+    return _label(
+        "fused", f"{op} n{num_tokens}", layer.heads,
+        op=op, num_tokens=num_tokens, hidden_size=layer.hidden_size,
+        intermediate_size=layer.intermediate_size,
+    )  # fmt: skip
 
 
 @dataclass
