@@ -440,6 +440,21 @@ def _speed_fields(t: float, base_t: float, target: float | None) -> Record:
     }
 
 
+def _checked_attention(
+    report: Report, setup: Setup, b: PagedBatch, scale: float, label: Record
+) -> tuple[Callable[[], object], torch.Tensor]:
+    """The kernel's paged attention over `b` as a call that writes `out`, for timing; run once
+    first and checked against the reference under `label`."""
+    out = torch.empty_like(b.q)
+
+    def call() -> object:
+        return setup.kernels.paged_attention(*b.paged_args(), scale, out=out)
+
+    call()
+    check(report, label, [(out, reference.paged_attention(*b.paged_args(), scale))])
+    return call, out
+
+
 def run_decode(
     report: Report, setup: Setup, shape: HeadShape, case: DecodeCase, window: int | None
 ) -> None:
@@ -448,15 +463,7 @@ def run_decode(
     kernels, device = setup.kernels, setup.device
     b = build_batch(setup, shape, case.batch, case.context, 1, seed=case.batch + case.context)
     scale = shape.head_dim**-0.5
-    out = torch.empty_like(b.q)
-
-    def call() -> object:
-        return kernels.paged_attention(*b.paged_args(), scale, out=out)
-
-    call()
-    want = reference.paged_attention(*b.paged_args(), scale)
-    check(report, label | {"sliding_window": None}, [(out, want)])
-    del want
+    call, out = _checked_attention(report, setup, b, scale, label | {"sliding_window": None})
     if window is not None:
         got = kernels.paged_attention(*b.paged_args(), scale, sliding_window=window)
         want = reference.paged_attention(*b.paged_args(), scale, sliding_window=window)
@@ -532,18 +539,10 @@ def run_prefill(report: Report, setup: Setup, shape: HeadShape, case: PrefillCas
     """Check, then time, a step of `num_seqs` prompts of `new_tokens` on `prefix` cached tokens."""
     n, prefix = case.new_tokens, case.prefix
     label = prefill_label(shape, case)
-    kernels, device = setup.kernels, setup.device
+    device = setup.device
     b = build_batch(setup, shape, case.num_seqs, prefix + n, n, seed=n + prefix)
     scale = shape.head_dim**-0.5
-    out = torch.empty_like(b.q)
-
-    def call() -> object:
-        return kernels.paged_attention(*b.paged_args(), scale, out=out)
-
-    call()
-    want = reference.paged_attention(*b.paged_args(), scale)
-    check(report, label, [(out, want)])
-    del want
+    call, out = _checked_attention(report, setup, b, scale, label)
 
     sdpa, mask_name, sdpa_out = causal_sdpa(b, scale, prefix)
     sdpa_err = max_abs_err(sdpa_out.transpose(1, 2).reshape(b.q.shape), out)

@@ -131,3 +131,21 @@ def test_bench_extra_modules_stay_in_bench():
         if i.top in ("httpx", "matplotlib")
     ]
     assert outside == []
+
+
+def test_only_entry_points_tune_the_allocator():
+    # keep_large_allocations_in_heap changes the whole process: the `pagedserve` entry point, the
+    # test session and the CPU benchmarks decide it, never a library object such as LLMEngine.
+    callers = {
+        i.path
+        for p in PACKAGES
+        for i in ALL_IMPORTS[p]
+        if "keep_large_allocations_in_heap" in i.names
+    }
+    assert callers == {
+        "server/cli.py",
+        "tests/conftest.py",
+        "bench/compare_serve.py",
+        "bench/compare_transformers.py",
+        "bench/host_step.py",
+    }

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -254,3 +255,27 @@ def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path):
     )  # fmt: skip
     assert res.returncode == 2
     assert "error: the Triton attention kernels need CUDA tensors, got tensors on cpu" in res.stderr
+
+
+def test_the_entry_point_tunes_the_allocator(monkeypatch, capsys):
+    # A process-wide setting: `pagedserve` makes it, the engine (a library object) never does
+    # (tests/test_architecture.py checks that only entry points call it).
+    calls = []
+    monkeypatch.setattr("server.cli.keep_large_allocations_in_heap", lambda: calls.append(1))
+    argv = ["kv-plan", "--model", "smollm2-135m", "--max-model-len", "64", "--num-seqs", "1"]
+    assert main(argv) == 0
+    assert calls == [1]
+    assert "blocks: 4 per sequence of block_size 16, 4 in all" in capsys.readouterr().out
+
+
+def test_bench_without_its_extra_is_a_clear_error(monkeypatch, capsys):
+    # As if `pip install pagedserve` without [bench]: httpx cannot be imported.
+    for name in [m for m in sys.modules if m == "bench" or m.startswith("bench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    assert main(["bench", "serve", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: import of httpx halted; None in sys.modules: the benchmarks' dependencies come "
+        "with pip install 'pagedserve[bench]'\n"
+    )
