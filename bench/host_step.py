@@ -1,13 +1,19 @@
-"""Host time of one decode step, the part a GPU cannot hide: scheduling, input preparation,
-sampling bookkeeping, output updates and detokenization, with the model's forward stubbed out.
+"""Host time of one decode step: scheduling, input preparation, sampling bookkeeping, output
+updates and detokenization, with the model's forward stubbed out.
 
     python -m bench.host_step --batch-size 256 --context 1000 --steps 60
+    python -m bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling
 
 A 1-layer, 64-wide Llama on CPU (vocab 2048, dummy weights) whose forward returns zeros, with
 SmolLM2's real tokenizer for detokenization: what remains is the engine's own Python and the
-small lm_head matmul. Prints one JSON object: the step's wall time
-and the time inside each part (schedule, execute, of which prepare_inputs and the sampler,
+small lm_head matmul. Prints one JSON object: the step's wall time and the time inside each part
+(schedule, launch, of which prepare and the sampler, finish (the sampled ids back on the host),
 update_from_output, the engine's per-request output work).
+
+`--device-ms D` simulates a device: each step's forward and sampling run on a one-thread
+executor (like a GPU stream) and the forward sleeps D ms there, releasing the GIL. Without
+asynchronous scheduling a step then costs host + D; with it, max(host, D) once the host hides
+behind the device.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import random
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -41,7 +48,13 @@ TINY_CONFIG = {
 }
 
 
-def measure(batch_size: int, context: int, steps: int) -> dict:
+def measure(
+    batch_size: int,
+    context: int,
+    steps: int,
+    device_ms: float | None = None,
+    async_scheduling: bool = False,
+) -> dict:
     from engine import LLM, SamplingParams
 
     folder = Path(tempfile.mkdtemp())
@@ -59,6 +72,7 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
         num_kv_blocks=batch_size * cdiv(max_model_len, 16),
         max_num_seqs=batch_size,
         max_model_len=max_model_len,
+        async_scheduling=async_scheduling,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -68,7 +82,15 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
     while len(engine.step()) < batch_size:  # until every request has its first token
         pass
     hidden = TINY_CONFIG["hidden_size"]
-    engine.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
+
+    def forward(input_ids, *_):
+        if device_ms is not None:
+            time.sleep(device_ms / 1e3)
+        return torch.zeros(input_ids.shape[0], hidden)
+
+    engine.model.forward = forward
+    if device_ms is not None:
+        engine.runner.device_executor = ThreadPoolExecutor(1, thread_name_prefix="device")
 
     parts: collections.Counter[str] = collections.Counter()
 
@@ -84,13 +106,13 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
 
         setattr(owner, name, wrapper)
 
-    import engine.model_runner as model_runner
-
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update_from_output", "update_from_output")
-    timed(engine.runner, "execute", "execute")
-    timed(model_runner, "prepare_inputs", "execute.prepare_inputs")
-    timed(engine.runner, "sampler", "execute.sampler")
+    timed(engine.runner, "launch", "launch")
+    timed(engine.runner.input_batch, "prepare", "launch.prepare")
+    timed(engine.runner, "_finish", "finish")
+    if device_ms is None:  # with a device, sampling is part of the device's work
+        timed(engine.runner.sampler, "sample", "launch.sampler")
     for _ in range(5):
         engine.step()
     parts.clear()
@@ -99,15 +121,21 @@ def measure(batch_size: int, context: int, steps: int) -> dict:
         engine.step()
     step_ms = (time.perf_counter() - start) / steps * 1e3
     parts_ms = {k: round(v / steps * 1e3, 3) for k, v in sorted(parts.items())}
-    named = parts_ms["schedule"] + parts_ms["execute"] + parts_ms["update_from_output"]
-    return {
+    named = sum(parts_ms[k] for k in ("schedule", "launch", "finish", "update_from_output"))
+    result = {
         "batch_size": batch_size,
         "context": context,
         "steps": steps,
+        "async_scheduling": engine.async_scheduling,
+        "device_ms": device_ms,
         "step_ms": round(step_ms, 3),
         "parts_ms": parts_ms,
-        "outputs_and_detokenize_ms": round(step_ms - named, 3),
     }
+    if device_ms is None:
+        result["outputs_and_detokenize_ms"] = round(step_ms - named, 3)
+    else:
+        engine.runner.device_executor.shutdown()
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument(
+        "--device-ms", type=float, default=None, help="simulate a device busy this long per step"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="schedule step N+1 while step N runs",
+    )
     return parser
 
 
@@ -122,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     keep_large_allocations_in_heap()  # as `pagedserve` does
-    print(json.dumps(measure(args.batch_size, args.context, args.steps)))
+    result = measure(
+        args.batch_size, args.context, args.steps, args.device_ms, args.async_scheduling
+    )
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     event loop thread (HTTP handlers)          engine loop thread (`run`)
     ─────────────────────────────────          ──────────────────────────
     add_request(): check, put ("add", ...)    ──> drain commands ─> LLMEngine.enqueue / abort
-    iterate the RequestStream (asyncio.Queue) <── LLMEngine.step() ─> snapshots, one
+    iterate the RequestStream (asyncio.Queue) <── LLMEngine.step() ─> outputs, one
                                                   call_soon_threadsafe per step for all of them
 
 Why threads and not processes: the model's matmuls release the GIL, so the HTTP side runs while
@@ -66,14 +66,14 @@ class EngineStats:
 
 
 class RequestStream:
-    """The consumer side of one request: snapshots arrive on an asyncio queue fed by the engine
+    """The consumer side of one request: outputs arrive on an asyncio queue fed by the engine
     thread. Iterate it once; leaving the loop early (or `abort()`) aborts the request."""
 
     def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.loop = loop
-        self.finished = False  # set by the engine thread when the last snapshot is queued
+        self.finished = False  # set by the engine thread when the last output is queued
         self._owner = owner
         self._aborted = False
 
@@ -84,10 +84,6 @@ class RequestStream:
         try:
             while True:
                 item = await self.queue.get()
-                # When the consumer fell behind only the newest snapshot matters: snapshots are
-                # cumulative. An exception is never skipped.
-                while not isinstance(item, BaseException) and not self.queue.empty():
-                    item = self.queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -194,7 +190,8 @@ class AsyncEngine:
         arrival_time: float | None = None,
     ) -> RequestStream:
         """Check a request (`LLMEngine.process_inputs`, on the caller's thread) and queue it;
-        iterate the returned stream for its snapshots.
+        iterate the returned stream for its outputs (of `params.output_kind`: the server asks
+        for "delta").
 
         Raises at once (nothing queued) ValueError for inputs the engine cannot serve,
         QueueFullError when max_queue_len requests are already waiting and EngineDeadError when

@@ -118,6 +118,12 @@ class EngineConfig:
     max_cuda_graph_batch_size: int | None = option(
         None, "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512)"
     )
+    async_scheduling: bool | None = option(
+        None,
+        "schedule and prepare step N+1 while step N runs, its new tokens filled in on the device "
+        "(default: on with CUDA; off on CPU, where the host's own cores run the model); outputs "
+        "are the same either way, --no-async-scheduling is for debugging",
+    )
     seed: int = option(0, "seed of the sampler for requests without their own")
 
     def __post_init__(self) -> None:

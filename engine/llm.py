@@ -95,7 +95,8 @@ class LLM:
         ids = []
         for prompt, params in zip(inputs, params_list, strict=True):
             request_id = str(next(self._ids))
-            self.engine.enqueue(request_id, prompt, params)
+            # Only the finished output is read: no per-step copies of the outputs so far.
+            self.engine.enqueue(request_id, prompt, params.clone(output_kind="final"))
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)

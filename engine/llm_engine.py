@@ -23,7 +23,7 @@ from engine.inputs import Prompt
 from engine.kv_cache import GiB, KVCachePlan, allocate_kv_caches, gpu_kv_cache_budget, plan_kv_cache
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner, profile_step
+from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
 from engine.model_source import ModelSource, resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampler import TokenLogprobs
@@ -36,6 +36,7 @@ from scheduler import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
+    SchedulerOutput,
 )
 from scheduler.utils import cdiv
 
@@ -50,6 +51,32 @@ class _Sample:
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer
     full_text: str = ""  # everything detokenized so far (may end in held-back text)
+    # What earlier "delta" outputs carried: tokens, text characters, and the finish.
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_finished: bool = False
+
+    def delta(self) -> CompletionOutput | None:
+        """What is new since the previous delta output, or None when nothing is."""
+        out = self.output
+        if (
+            len(out.token_ids) == self.sent_tokens
+            and len(out.text) == self.sent_text
+            and out.finished == self.sent_finished
+        ):
+            return None
+        delta = CompletionOutput(
+            index=out.index,
+            text=out.text[self.sent_text :],
+            token_ids=out.token_ids[self.sent_tokens :],
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            logprobs=None if out.logprobs is None else out.logprobs[self.sent_tokens :],
+            cumulative_logprob=out.cumulative_logprob,
+        )
+        self.sent_tokens, self.sent_text = len(out.token_ids), len(out.text)
+        self.sent_finished = out.finished
+        return delta
 
 
 @dataclass
@@ -66,22 +93,39 @@ class _Parent:
     # preemption keeps its first entry. Complete once num_prompt_logprobs == len(prompt) - 1.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_prompt_logprobs: int = 0
+    sent_prompt_logprobs: bool = False  # a delta output carried them already
 
-    def snapshot(self, finished: bool) -> RequestOutput:
-        # Final once complete, so every snapshot shares the one list (like prompt_token_ids).
-        prompt_logprobs_done = self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
-        outputs = [
-            CompletionOutput(
-                index=s.output.index,
-                text=s.output.text,
-                token_ids=list(s.output.token_ids),
-                finish_reason=s.output.finish_reason,
-                stop_reason=s.output.stop_reason,
-                logprobs=None if s.output.logprobs is None else list(s.output.logprobs),
-                cumulative_logprob=s.output.cumulative_logprob,
-            )
-            for s in self.samples
-        ]
+    def output(self, finished: bool) -> RequestOutput | None:
+        """This step's output in the request's `output_kind`, or None when it has none."""
+        kind = self.params.output_kind
+        if kind == "final" and not finished:
+            return None
+        prompt_logprobs = (
+            self.prompt_logprobs
+            if self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
+            else None
+        )
+        if kind == "delta":
+            outputs = [d for s in self.samples if (d := s.delta()) is not None]
+            if prompt_logprobs is not None:
+                if self.sent_prompt_logprobs:
+                    prompt_logprobs = None
+                self.sent_prompt_logprobs = True
+        elif kind == "final":  # the request is done with its outputs: hand them over
+            outputs = [s.output for s in self.samples]
+        else:
+            outputs = [
+                CompletionOutput(
+                    index=s.output.index,
+                    text=s.output.text,
+                    token_ids=list(s.output.token_ids),
+                    finish_reason=s.output.finish_reason,
+                    stop_reason=s.output.stop_reason,
+                    logprobs=None if s.output.logprobs is None else list(s.output.logprobs),
+                    cumulative_logprob=s.output.cumulative_logprob,
+                )
+                for s in self.samples
+            ]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -91,7 +135,7 @@ class _Parent:
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finished_time=time.time() if finished else None,
-            prompt_logprobs=self.prompt_logprobs if prompt_logprobs_done else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -146,9 +190,18 @@ class LLMEngine:
             kv_caches,
             config.block_size,
             self.device,
+            config.max_num_seqs,
+            self.max_model_len,
             config.seed,
             graphs=self._capture_decode_graphs(kv_caches),
         )
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda"
+        )
+        # Asynchronous scheduling: the step launched last, whose outputs the next step() reads.
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.kv_plan.num_blocks,
@@ -201,7 +254,16 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
         caches = allocate_kv_caches(mc, scratch, self.dtype, device)
-        ModelRunner(self.model, caches, block_size, device, self.config.seed).execute(step, {})
+        runner = ModelRunner(
+            self.model,
+            caches,
+            block_size,
+            device,
+            len(step.new_requests),
+            self.max_model_len,
+            self.config.seed,
+        )
+        runner.execute(step)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - baseline - scratch.total_bytes
         del caches
@@ -355,7 +417,8 @@ class LLMEngine:
         self._parents[request_id] = parent
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort every sample of a request in whatever state it is; its blocks are freed now."""
+        """Abort every sample of a request in whatever state it is; its blocks are freed now.
+        Returns its last output (None for an unknown id)."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return None
@@ -365,7 +428,7 @@ class LLMEngine:
             self._samples.pop(child_id, None)
             if not sample.output.finished:
                 sample.output.finish_reason = "abort"
-        return parent.snapshot(finished=True)
+        return parent.output(finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -377,11 +440,25 @@ class LLMEngine:
     # ---- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return a snapshot of every request that got new tokens."""
+        """Run one scheduler step; return an output for every request that got new tokens, in
+        its `SamplingParams.output_kind` (whole so far, what is new, or only the final one).
+
+        With asynchronous scheduling a step() launches step N + 1 and then returns the outputs
+        of step N, whose device work ran (and whose ids came back) meanwhile."""
         sched_out = self.scheduler.schedule()
-        if not sched_out.scheduled:
+        handle = self.runner.launch(sched_out)  # also when empty: it drops finished requests
+        if not self.async_scheduling:
+            if not sched_out.num_scheduled_tokens:
+                return []
+            return self._process(sched_out, handle.result())
+        previous = self._in_flight
+        self._in_flight = (sched_out, handle) if sched_out.num_scheduled_tokens else None
+        if previous is None:
             return []
-        runner_out = self.runner.execute(sched_out, self.scheduler.requests)
+        return self._process(previous[0], previous[1].result())
+
+    def _process(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step's sampled tokens: scheduler update, detokenization, stop strings."""
         # Before the deltas: a sample's first token comes in the step that scores its last prompt
         # chunk, and that snapshot must carry the complete prompt logprobs.
         for child_id, (first_position, entries) in runner_out.prompt_logprobs.items():
@@ -405,7 +482,9 @@ class LLMEngine:
             finished = all(s.output.finished for s in parent.samples)
             if finished:
                 self._release(parent)
-            results.append(parent.snapshot(finished))
+            output = parent.output(finished)
+            if output is not None:
+                results.append(output)
         return results
 
     def _append(

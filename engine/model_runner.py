@@ -6,7 +6,7 @@ does) and never mutates requests (update_from_output does).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,16 +14,18 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.cuda_graph import DecodeGraphs
+from engine.input_batch import Batch, InputBatch
 from engine.model import KVCache, LlamaForCausalLM
 from engine.sampler import (
+    DeviceSample,
+    LogprobTensors,
     Sampler,
     SamplingRow,
     TokenLogprobs,
     needs_history,
     to_device,
-    token_logprobs,
 )
-from scheduler import Request, SamplingParams, ScheduledRequest, SchedulerOutput
+from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from scheduler.utils import cdiv
 
 
@@ -31,8 +33,8 @@ from scheduler.utils import cdiv
 class RunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]]
-    # Per request that scored prompt tokens this step (ScheduledRequest.prompt_logprob_token_ids):
-    # (prompt position of the first entry, one entry per prompt position from there on).
+    # Per request that scored prompt tokens this step: (prompt position of the first entry, one
+    # entry per prompt position from there on).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
@@ -42,67 +44,37 @@ class ModelInputs:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampling_seqs] rows of the hidden states to sample from
-    sampling_request_ids: list[str]
-    # Rows scored for prompt logprobs: each asking request's first len(prompt_logprob_token_ids)
-    # rows, in scheduling order (empty when nobody asked: lm_head then runs on sampled rows only).
+    # Rows scored for prompt logprobs, each asking sequence's in batch order (empty when nobody
+    # asked: lm_head then runs on sampled rows only).
     prompt_logprob_indices: torch.Tensor  # [num_prompt_logprob_rows]
+    # Placeholder tokens: input_ids[fill_dst] = the previous step's sampled ids[fill_src].
+    fill_dst: torch.Tensor
+    fill_src: torch.Tensor
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """Flatten the scheduled chunks into one token batch, built on the host and sent to
-    `device` with non-blocking copies from pinned memory (no host sync).
-
-    seq i: token_ids[i] at positions start_i .. start_i + len_i - 1
-    query_start_loc = cumsum([0, len_0, len_1, ...]); seq_lens_i = start_i + len_i
-    slot(token) = block_table[pos // block_size] * block_size + pos % block_size
-    """
-    # numpy for the index arithmetic: on small host arrays its per-op overhead is far below
-    # torch's CPU ops (BENCHMARKS.md, "Host time of a decode step").
-    scheduled = out.scheduled
-    num_seqs = len(scheduled)
-    q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
-    starts = np.fromiter((s.start_position for s in scheduled), np.int64, num_seqs)
-    max_blocks = max(len(s.block_table) for s in scheduled)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    for i, s in enumerate(scheduled):
-        block_tables[i, : len(s.block_table)] = s.block_table
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    if num_tokens == num_seqs:  # decode: one token per sequence
-        input_ids = np.fromiter((s.token_ids[0] for s in scheduled), np.int64, num_seqs)
-        positions = starts
-        pos_blocks = block_tables[np.arange(num_seqs), positions // block_size]
-    else:
-        input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), np.int64, num_tokens)
-        seq_idx = np.repeat(np.arange(num_seqs), q_lens)
-        positions = starts[seq_idx] + (np.arange(num_tokens) - query_start_loc[seq_idx])
-        pos_blocks = block_tables[seq_idx, positions // block_size]
-    slot_mapping = pos_blocks.astype(np.int64) * block_size + positions % block_size
-    seq_lens = (starts + q_lens).astype(np.int32)
-    sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
-    logits_indices = query_start_loc[1:][sample_rows] - 1
-    prompt_rows = [
-        query_start_loc[i] + np.arange(len(s.prompt_logprob_token_ids))
-        for i, s in enumerate(scheduled)
-        if s.prompt_logprob_token_ids
-    ]
+def to_model_inputs(batch: Batch, device: torch.device) -> ModelInputs:
+    """Send a step's host arrays to `device` with non-blocking copies from pinned memory (no host
+    sync)."""
+    qsl = batch.query_start_loc
+    logits_indices = qsl[1:][batch.sample].astype(np.int64) - 1
+    prompt_rows = [qsl[i] + np.arange(len(t)) for i, t in batch.prompt_logprob_targets]
     prompt_logprob_indices = (
-        np.concatenate(prompt_rows) if prompt_rows else np.empty(0, dtype=np.int64)
+        np.concatenate(prompt_rows).astype(np.int64) if prompt_rows else np.empty(0, np.int64)
     )
     meta = AttentionMetadata(
-        slot_mapping=_send(slot_mapping, device),
-        block_tables=_send(block_tables, device),
-        seq_lens=_send(seq_lens, device),
-        query_start_loc=_send(query_start_loc.astype(np.int32), device),
+        slot_mapping=_send(batch.slot_mapping, device),
+        block_tables=_send(batch.block_tables, device),
+        seq_lens=_send(batch.seq_lens, device),
+        query_start_loc=_send(qsl, device),
     )
     return ModelInputs(
-        input_ids=_send(input_ids, device),
-        positions=_send(positions, device),
+        input_ids=_send(batch.input_ids, device),
+        positions=_send(batch.positions, device),
         meta=meta,
         logits_indices=_send(logits_indices, device),
-        sampling_request_ids=[scheduled[i].request_id for i in sample_rows],
         prompt_logprob_indices=_send(prompt_logprob_indices, device),
+        fill_dst=_send(batch.fill_dst, device),
+        fill_src=_send(batch.fill_src, device),
     )
 
 
@@ -111,9 +83,88 @@ def _send(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return to_device(tensor, tensor.dtype, device)
 
 
+@dataclass
+class _DeviceResult:
+    sample: DeviceSample | None  # None when only partial prefill chunks ran
+    prompt_logprobs: LogprobTensors | None
+
+
+class StepHandle:
+    """A launched step. Its device work may still be running (queued on the GPU, or on the
+    runner's `device_executor`); `result()` waits for it once, stores the sampled ids in the
+    persistent batch and returns them."""
+
+    def __init__(
+        self,
+        runner: ModelRunner | None,
+        batch: Batch | None = None,
+        output: RunnerOutput | None = None,
+    ) -> None:
+        self._runner = runner
+        self._batch = batch
+        self._output = output
+        self._future: Future[_DeviceResult] | None = None
+        self._device: _DeviceResult | None = None  # set when the device work ran inline
+        self._host: _DeviceResult | None = None  # its tensors being copied to the host
+        self._copied: torch.cuda.Event | None = None
+        if batch is not None:
+            sample_idx = batch.sample_indices
+            self._sample_rows = batch.rows[sample_idx]
+            self._serials = runner.input_batch.serial[self._sample_rows]
+            self._positions = batch.ends[sample_idx]
+            self._sample_ids = [batch.request_ids[i] for i in sample_idx]
+
+    def device_result(self) -> _DeviceResult:
+        """The step's device tensors (waits for the executor, not for the device)."""
+        if self._device is None:
+            self._device = self._future.result()
+        return self._device
+
+    def start_copy(self) -> None:
+        """Start copying the results to the host without waiting (on CUDA: pinned memory and an
+        event, so `result()` waits for this step only, not for steps launched after it)."""
+        device = self.device_result()
+        if self._runner.device.type != "cuda":
+            self._host = device
+            return
+        copy = _copy_to_host
+        self._host = _DeviceResult(
+            None if device.sample is None else device.sample.map(copy),
+            None if device.prompt_logprobs is None else device.prompt_logprobs.map(copy),
+        )
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    @property
+    def done(self) -> bool:
+        return self._output is not None
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            if self._host is None:
+                self.start_copy()
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._output = self._runner._finish(self._batch, self._host, self)
+        return self._output
+
+
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu", non_blocking=True)
+
+
 class ModelRunner:
-    """`graphs`, when set, runs the decode steps that fit it (see engine/cuda_graph.py); every
-    other step runs the model eagerly."""
+    """Runs the steps the scheduler plans, on the persistent batch (engine/input_batch.py).
+
+    `graphs`, when set, runs the decode steps that fit it (see engine/cuda_graph.py); every other
+    step runs the model eagerly. `device_executor`, when set, runs each step's device work (the
+    forward pass and sampling) on that single-worker executor instead of the calling thread: a
+    stand-in for a GPU stream on CPU, used to measure how much host work the engine hides.
+
+    `launch(out)` prepares the step and starts its device work; the returned handle's `result()`
+    brings the sampled ids back. A step launched before the previous one's result was read
+    takes the previous step's sampled ids on the device for its placeholder tokens.
+    """
 
     def __init__(
         self,
@@ -121,8 +172,11 @@ class ModelRunner:
         kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
+        device_executor: Executor | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -130,21 +184,94 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed)
         self.graphs = graphs
+        self.device_executor = device_executor
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, cdiv(max_model_len, block_size))
+        self._last: StepHandle | None = None  # the last launched step that sampled
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step to completion."""
+        return self.launch(out).result()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> RunnerOutput:
-        if not out.scheduled:
-            return RunnerOutput({}, {})
-        inputs = prepare_inputs(out, self.block_size, self.device)
-        hidden = self._forward(inputs)
-        prompt_logprobs = self._prompt_logprobs(out, hidden, inputs.prompt_logprob_indices)
-        if not inputs.sampling_request_ids:
-            return RunnerOutput({}, {}, prompt_logprobs)  # only partial prefill chunks this step
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        by_id = {s.request_id: s for s in out.scheduled}
-        rows = [_sampling_row(by_id[rid], requests.get(rid)) for rid in inputs.sampling_request_ids]
-        result = self.sampler(logits, rows)
-        ids = inputs.sampling_request_ids
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Apply the scheduler's increments, prepare the step and start it."""
+        state = self.input_batch
+        state.apply(out)
+        if not out.num_scheduled_tokens:
+            return StepHandle(None, output=RunnerOutput({}, {}))
+        rows = state.rows_of(out)
+        previous = self._last
+        if (
+            previous is not None
+            and not previous.done
+            and state.history_rows
+            and not state.history_rows.isdisjoint(rows.tolist())
+        ):
+            previous.result()  # penalties read the whole history on the host: wait for it
+        batch = state.prepare(out, rows, self.block_size)
+        sampling_rows = [self._sampling_row(batch, i) for i in batch.sample_indices.tolist()]
+        prompt_targets = batch.prompt_logprob_targets
+        prompt_ks = [
+            self.input_batch.params[int(batch.rows[i])].prompt_logprobs or 0
+            for i, targets in prompt_targets
+            for _ in range(len(targets))
+        ]
+        inputs = to_model_inputs(batch, self.device)
+        prompt_target_ids = (
+            _send(np.concatenate([t for _, t in prompt_targets]), self.device)
+            if prompt_targets
+            else None
+        )
+
+        def device_work() -> _DeviceResult:
+            with torch.inference_mode():
+                if inputs.fill_dst.numel():
+                    sampled = previous.device_result().sample.token_ids
+                    inputs.input_ids[inputs.fill_dst] = sampled[inputs.fill_src]
+                hidden = self._forward(inputs)
+                prompt_logprobs = None
+                if prompt_target_ids is not None:
+                    logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
+                    prompt_logprobs = LogprobTensors.compute(logits, prompt_target_ids, prompt_ks)
+                sample = None
+                if sampling_rows:
+                    logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                    sample = self.sampler.sample(logits, sampling_rows)
+                return _DeviceResult(sample, prompt_logprobs)
+
+        handle = StepHandle(self, batch)
+        if self.device_executor is not None:
+            handle._future = self.device_executor.submit(device_work)
+        else:
+            handle._device = device_work()
+            handle.start_copy()
+        if sampling_rows:
+            self._last = handle
+        return handle
+
+    def _finish(self, batch: Batch, host: _DeviceResult, handle: StepHandle) -> RunnerOutput:
+        """A step's results on the host: record the sampled ids in the batch, key by request."""
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        if host.prompt_logprobs is not None:
+            entries = host.prompt_logprobs.to_host()
+            offset = 0
+            for i, targets in batch.prompt_logprob_targets:
+                first = int(batch.positions[batch.query_start_loc[i]]) + 1
+                prompt_logprobs[batch.request_ids[i]] = (
+                    first,
+                    entries[offset : offset + len(targets)],
+                )
+                offset += len(targets)
+        if host.sample is None:
+            return RunnerOutput({}, {}, prompt_logprobs)
+        result = host.sample.to_host()
+        ids = handle._sample_ids
+        self.input_batch.record(
+            handle._sample_rows,
+            handle._serials,
+            handle._positions,
+            np.asarray(result.token_ids, dtype=np.int64),
+        )
         sampled = dict(zip(ids, result.token_ids, strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp is not None}
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
@@ -156,41 +283,21 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
-    def _prompt_logprobs(
-        self, out: SchedulerOutput, hidden: torch.Tensor, indices: torch.Tensor
-    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
-        """Score the prompt tokens the scheduler asked for, one lm_head over just their rows."""
-        asking = [s for s in out.scheduled if s.prompt_logprob_token_ids]
-        if not asking:
-            return {}
-        logits = self.model.compute_logits(hidden[indices])
-        target_ids = [t for s in asking for t in s.prompt_logprob_token_ids]
-        ks = [
-            s.sampling_params.prompt_logprobs or 0
-            for s in asking
-            for _ in s.prompt_logprob_token_ids
-        ]
-        entries = token_logprobs(logits, torch.tensor(target_ids, device=logits.device), ks)
-        result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-        offset = 0
-        for s in asking:
-            num = len(s.prompt_logprob_token_ids)
-            result[s.request_id] = (s.start_position + 1, entries[offset : offset + num])
-            offset += num
-        return result
-
-
-def _sampling_row(scheduled: ScheduledRequest, request: Request | None) -> SamplingRow:
-    params = scheduled.sampling_params
-    want_prompt, want_output = needs_history(params)
-    if request is None or not (want_prompt or want_output):
-        return SamplingRow(params, scheduled.num_output_tokens)
-    return SamplingRow(
-        params,
-        scheduled.num_output_tokens,
-        prompt_token_ids=request.prompt_token_ids if want_prompt else None,
-        output_token_ids=list(request.output_token_ids) if want_output else None,
-    )
+    def _sampling_row(self, batch: Batch, i: int) -> SamplingRow:
+        row = int(batch.rows[i])
+        end = int(batch.ends[i])
+        params = self.input_batch.params[row]
+        num_output_tokens = end - int(self.input_batch.num_prompt[row])
+        if row not in self.input_batch.history_rows:
+            return SamplingRow(params, num_output_tokens)
+        want_prompt, want_output = needs_history(params)
+        prompt_ids, output_ids = self.input_batch.history(row, end)
+        return SamplingRow(
+            params,
+            num_output_tokens,
+            prompt_token_ids=prompt_ids if want_prompt else None,
+            output_token_ids=output_ids if want_output else None,
+        )
 
 
 def profile_step(
@@ -201,26 +308,28 @@ def profile_step(
     path), on consecutive blocks from 0. Run once at start-up to measure peak GPU memory."""
     num_seqs = max(min(max_num_seqs, num_tokens), cdiv(num_tokens, max_model_len - 1))
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
-    scheduled = []
+    new_requests = []
     next_block = 0
     for i in range(num_seqs):
         length = num_tokens // num_seqs + (i < num_tokens % num_seqs)
         num_blocks = cdiv(length, block_size)
-        scheduled.append(
-            ScheduledRequest(
+        new_requests.append(
+            NewRequestData(
                 request_id=f"profile-{i}",
                 token_ids=tuple((7 * j + i) % vocab_size for j in range(length)),
-                start_position=0,
-                block_table=tuple(range(next_block, next_block + num_blocks)),
+                num_prompt_tokens=length,
+                block_ids=tuple(range(next_block, next_block + num_blocks)),
+                num_computed_tokens=0,
                 sampling_params=params,
-                sample=True,
-                num_output_tokens=0,
             )
         )
         next_block += num_blocks
     return SchedulerOutput(
-        scheduled=tuple(scheduled),
-        num_scheduled_tokens=num_tokens,
+        step_id=1,
+        new_requests=tuple(new_requests),
+        cached_requests=CachedRequestData(),
+        num_scheduled_tokens={new.request_id: len(new.token_ids) for new in new_requests},
+        total_num_scheduled_tokens=num_tokens,
         preempted_request_ids=(),
         finished_request_ids=(),
     )

@@ -1,4 +1,8 @@
-"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample."""
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample.
+
+Whether an output holds everything so far or only what is new depends on the request's
+`SamplingParams.output_kind`; `RequestOutput.add` folds "delta" outputs back into a whole one.
+"""
 
 from __future__ import annotations
 
@@ -42,5 +46,30 @@ class RequestOutput:
     finished_time: float | None = None
     # When SamplingParams.prompt_logprobs is set: one entry per prompt token, None for the first
     # (nothing predicts it), else that token + the top-k like CompletionOutput.logprobs. Shared by
-    # the n samples; present and complete from the first snapshot with output tokens on.
+    # the n samples; complete in the first output with output tokens (a "delta" output carries
+    # them once).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold the next "delta" output of the same request into this one (in place)."""
+        samples = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            sample = samples.get(new.index)
+            if sample is None:
+                sample = samples[new.index] = CompletionOutput(
+                    index=new.index, logprobs=None if new.logprobs is None else []
+                )
+                self.outputs.append(sample)
+            sample.text += new.text
+            sample.token_ids.extend(new.token_ids)
+            if new.logprobs is not None and sample.logprobs is not None:
+                sample.logprobs.extend(new.logprobs)
+            sample.cumulative_logprob = new.cumulative_logprob
+            sample.finish_reason = new.finish_reason
+            sample.stop_reason = new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finished = delta.finished
+        self.first_token_time = delta.first_token_time
+        self.finished_time = delta.finished_time

@@ -55,6 +55,10 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """Sample on the logits' device; nothing waits for the device until `to_host()`."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         raw_logits = logits
@@ -76,14 +80,12 @@ class Sampler:
 
         # Logprobs describe the model's distribution before any penalty or temperature.
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        logprobs = None
         if asking:
             idx = to_device(asking, torch.long, logits.device)
             ks = [rows[i].params.logprobs or 0 for i in asking]
-            entries = token_logprobs(raw_logits[idx], token_ids[idx], ks)
-            for i, entry in zip(asking, entries, strict=True):
-                logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            logprobs = LogprobTensors.compute(raw_logits[idx], token_ids[idx], ks)
+        return DeviceSample(token_ids, asking, logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition, frequency and presence penalties for every row at once, from flat
@@ -235,27 +237,78 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
 ) -> list[TokenLogprobs]:
     """Logprob and rank of `token_ids[i]` under row i of `logits` [rows, vocab], plus the row's
-    `ks[i]` most likely tokens (prompt logprobs: the tokens are given, not sampled).
+    `ks[i]` most likely tokens (prompt logprobs: the tokens are given, not sampled)."""
+    return LogprobTensors.compute(logits, token_ids, ks).to_host()
+
+
+@dataclass
+class LogprobTensors:
+    """Logprobs computed on the device, turned into lists by `to_host()`.
 
     The same numbers as a sampled token's logprobs: log_softmax of the float32 logits, before any
-    penalty or temperature, rank = 1 + number of strictly more likely tokens. Computed on the
-    logits' device; only [rows, max k] values travel to the host.
+    penalty or temperature, rank = 1 + number of strictly more likely tokens. Only [rows, max k]
+    values travel to the host.
     """
-    if logits.shape[0] != token_ids.shape[0] or logits.shape[0] != len(ks):
-        raise ValueError(
-            f"{logits.shape[0]} rows of logits for {token_ids.shape[0]} token ids and {len(ks)} ks"
+
+    chosen: torch.Tensor  # [rows]
+    ranks: torch.Tensor  # [rows]
+    top_vals: torch.Tensor  # [rows, max k]
+    top_ids: torch.Tensor  # [rows, max k]
+    ks: list[int]
+
+    @classmethod
+    def compute(
+        cls, logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+    ) -> LogprobTensors:
+        if logits.shape[0] != token_ids.shape[0] or logits.shape[0] != len(ks):
+            raise ValueError(
+                f"{logits.shape[0]} rows of logits for {token_ids.shape[0]} token ids and "
+                f"{len(ks)} ks"
+            )
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        top_vals, top_ids = logprobs.topk(min(max(ks, default=0), logprobs.shape[1]), dim=-1)
+        return cls(chosen.squeeze(1), ranks, top_vals, top_ids, ks)
+
+    def map(self, fn) -> LogprobTensors:
+        """The same logprobs with `fn` applied to every tensor (e.g. a copy to the host)."""
+        return LogprobTensors(
+            fn(self.chosen), fn(self.ranks), fn(self.top_vals), fn(self.top_ids), self.ks
         )
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_vals, top_ids = logprobs.topk(min(max(ks, default=0), logprobs.shape[1]), dim=-1)
-    chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
-    top_vals_list, top_ids_list = top_vals.tolist(), top_ids.tolist()
-    return [
-        (
-            chosen_list[i],
-            rank_list[i],
-            list(zip(top_ids_list[i][:k], top_vals_list[i][:k], strict=True)),
+
+    def to_host(self) -> list[TokenLogprobs]:
+        chosen_list, rank_list = self.chosen.tolist(), self.ranks.tolist()
+        top_vals_list, top_ids_list = self.top_vals.tolist(), self.top_ids.tolist()
+        return [
+            (
+                chosen_list[i],
+                rank_list[i],
+                list(zip(top_ids_list[i][:k], top_vals_list[i][:k], strict=True)),
+            )
+            for i, k in enumerate(self.ks)
+        ]
+
+
+@dataclass
+class DeviceSample:
+    """A step's sampled ids (and logprobs of the rows that asked) still on the device."""
+
+    token_ids: torch.Tensor  # [rows]
+    logprob_rows: list[int]
+    logprobs: LogprobTensors | None
+
+    def map(self, fn) -> DeviceSample:
+        """The same sample with `fn` applied to every tensor (e.g. a copy to the host)."""
+        return DeviceSample(
+            fn(self.token_ids),
+            self.logprob_rows,
+            None if self.logprobs is None else self.logprobs.map(fn),
         )
-        for i, k in enumerate(ks)
-    ]
+
+    def to_host(self) -> SamplerOutput:
+        logprobs: list[TokenLogprobs | None] = [None] * self.token_ids.shape[0]
+        if self.logprobs is not None:
+            for i, entry in zip(self.logprob_rows, self.logprobs.to_host(), strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=self.token_ids.tolist(), logprobs=logprobs)

@@ -8,20 +8,26 @@ from __future__ import annotations
 from scheduler.block_pool import Block, BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import RequestDelta, ScheduledRequest, SchedulerOutput
+from scheduler.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RequestDelta,
+    SchedulerOutput,
+)
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "Block",
+    "CachedRequestData",
     "BlockPool",
     "KVCacheManager",
     "Request",
     "RequestDelta",
     "RequestStatus",
     "SamplingParams",
-    "ScheduledRequest",
+    "NewRequestData",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

@@ -121,6 +121,16 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         request_id = request.request_id
         table = self._tables.get(request_id)
+        num_total_tokens = request.num_computed_tokens + num_new_tokens
+        if (
+            table is not None
+            and not new_computed_blocks
+            and num_total_tokens <= len(table) * self.block_size
+        ):
+            # Most decode steps: the slots are in the last block already.
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(request, table, min(num_total_tokens, request.num_tokens))
+            return []
         if new_computed_blocks and (table or request.num_computed_tokens):
             raise ValueError(
                 f"allocate_slots({request_id!r}): prefix-cache blocks are only accepted "

@@ -1,52 +1,69 @@
-"""Plain frozen data the scheduler hands to the engine (no live objects cross over)."""
+"""Plain frozen data the scheduler hands to the engine (no live objects cross over).
+
+A step's output is incremental, as in vLLM v1: a request is sent in full once, when it is
+admitted (or re-admitted after preemption), and afterwards only what changed: the blocks
+appended to its table and where its new tokens start. The model runner keeps each running
+request's tokens and block table between steps (engine/input_batch.py), so the per-step cost
+does not grow with context length.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from scheduler.request import RequestStatus
 from scheduler.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step.
+class NewRequestData:
+    """A request the runner has no state for: admitted this step, or resumed after preemption.
 
-    `token_ids[j]` sits at position `start_position + j`; its KV goes to slot
-    `block_table[p // block_size] * block_size + p % block_size` with p that position.
-    `start_position` is the request's num_computed_tokens before this step, so attention
-    for these tokens covers positions [0, start_position + len(token_ids)).
+    `token_ids` are all its known tokens (the prompt, then the outputs of a resumed request);
+    this step computes `token_ids[num_computed_tokens : num_computed_tokens + n]` with n its
+    entry in `SchedulerOutput.num_scheduled_tokens`. Positions below num_computed_tokens are
+    prefix-cache hits, already in the cache.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
-    start_position: int
-    block_table: tuple[int, ...]  # the whole table after this step's allocation
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]  # the whole table after this step's allocation
+    num_computed_tokens: int
     sampling_params: SamplingParams
-    # True when this step reaches the end of the known tokens, so the runner must sample a
-    # next token from the last position; False for a non-final chunk of a chunked prefill.
-    sample: bool
-    num_output_tokens: int  # generated so far (lets the runner derive per-position seeds)
-    # Prompt logprobs (sampling_params.prompt_logprobs set): the hidden state of token_ids[j]
-    # predicts prompt_logprob_token_ids[j], the prompt token at position start_position + j + 1,
-    # so a chunk yields the entries of positions start_position + 1 onwards, one per id:
-    #
-    #     position     s     s+1   ...  e-1  |  e      (e = start_position + len(token_ids))
-    #     token_ids    t_s   t_s+1 ...  t_e-1 |
-    #     predicts     t_s+1 t_s+2 ...  t_e   |         (t_e: the next chunk's first token)
-    #
-    # Cut at the prompt's end (the last prompt position predicts the first output token, which
-    # is sampled, not scored), and empty once the request has an output token: all prompt
-    # positions were scored before it was sampled, so a recompute after preemption skips them.
-    prompt_logprob_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """The requests scheduled in an earlier step and still running, as parallel tuples (one
+    object per step, not per request: a decode step of 256 requests builds three tuples).
+
+    Row i: request `request_ids[i]` appends `new_block_ids[i]` (usually empty) to its table and
+    computes its tokens from position `num_computed_tokens[i]` on. Those tokens are ones the
+    runner already has: sampled by it in an earlier step, the last one possibly still on the
+    device when scheduling runs ahead (asynchronous scheduling).
+    """
+
+    request_ids: tuple[str, ...] = ()
+    new_block_ids: tuple[tuple[int, ...], ...] = ()
+    num_computed_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """Everything the runner needs for one step."""
+    """Everything the runner needs for one step.
 
-    scheduled: tuple[ScheduledRequest, ...]  # running requests first, then newly admitted
-    num_scheduled_tokens: int
+    The batch order is `num_scheduled_tokens`' order: the cached (running) requests first, then
+    the new ones. A request samples a token when its chunk reaches the end of its tokens
+    (including a token still being sampled); the runner knows both numbers.
+    """
+
+    step_id: int  # increasing; update_from_output matches a step's samples by it
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
     preempted_request_ids: tuple[str, ...]
     # Finished or aborted since the previous schedule(): the runner may drop their state.
     finished_request_ids: tuple[str, ...]
@@ -56,14 +73,17 @@ class SchedulerOutput:
         """True when there is nothing to compute and nothing to tell the runner.
 
         A non-empty output may still schedule no tokens (only finished or preempted ids,
-        for the runner to drop per-request state): check `scheduled` before building a batch.
+        for the runner to drop per-request state): check `num_scheduled_tokens` before
+        building a batch.
         """
-        return not (self.scheduled or self.preempted_request_ids or self.finished_request_ids)
+        return not (
+            self.num_scheduled_tokens or self.preempted_request_ids or self.finished_request_ids
+        )
 
 
-@dataclass(frozen=True)
-class RequestDelta:
-    """What changed for one request in update_from_output / finish_request / abort."""
+class RequestDelta(NamedTuple):
+    """What changed for one request in update_from_output / finish_request / abort (a tuple:
+    one is built per request per step, and a frozen dataclass costs several times more)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]

@@ -49,7 +49,9 @@ class Request:
     all "advance num_computed_tokens to num_tokens".
 
     Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, maintained by
-    `append_output_token_ids` so that reading it never costs a concatenation.
+    `append_output_token_ids` so that reading it never costs a concatenation. With
+    asynchronous scheduling `num_computed_tokens` may run ahead of `num_tokens` by the
+    `num_output_placeholders` tokens still being sampled.
     """
 
     __slots__ = (
@@ -63,6 +65,7 @@ class Request:
         "num_computed_tokens",
         "arrival_time",
         "num_preemptions",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -84,6 +87,10 @@ class Request:
         # Wall-clock seconds (time.time()), like vLLM, so it can be compared across processes.
         self.arrival_time: float = time.time() if arrival_time is None else arrival_time
         self.num_preemptions = 0
+        # Tokens being sampled in steps whose results update_from_output has not applied yet
+        # (at most one with asynchronous scheduling, which schedules step N + 1 before step N's
+        # tokens are back): their positions are scheduled, their ids unknown on the host.
+        self.num_output_placeholders = 0
 
     @property
     def num_prompt_tokens(self) -> int:

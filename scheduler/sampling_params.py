@@ -82,6 +82,9 @@ def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
@@ -113,6 +116,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # What each engine output carries (vLLM's RequestOutputKind): "cumulative" = everything so
+    # far, every step; "delta" = only what is new since the previous output (streaming, the
+    # server); "final" = one output, when the request finishes (the offline LLM API).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         # object.__setattr__ because the dataclass is frozen; normalising here keeps
@@ -144,6 +151,10 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
                 )
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(
+                f"output_kind must be one of {list(OUTPUT_KINDS)}, got {self.output_kind!r}"
+            )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

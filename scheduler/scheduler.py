@@ -7,12 +7,13 @@ from collections.abc import Mapping
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import RequestDelta, ScheduledRequest, SchedulerOutput
+from scheduler.outputs import CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
 __all__ = [
+    "CachedRequestData",
+    "NewRequestData",
     "RequestDelta",
-    "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
@@ -35,6 +36,9 @@ class Scheduler:
 
     `num_computed_tokens` advances at schedule() time: the runner computes those tokens in
     this step. update_from_output() then appends sampled tokens and applies stop rules.
+    schedule() may run again before update_from_output() (asynchronous scheduling): a token
+    being sampled counts as a placeholder (`Request.num_output_placeholders`) whose position
+    is scheduled like any other; the runner fills its id in on the device.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -50,6 +54,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_since_schedule: list[str] = []
+        # Per step not yet applied by update_from_output: the requests it samples for.
+        self._step_id = 0
+        self._sampling: dict[int, list[Request]] = {}
 
     # --------------------------------------------------------------------- queries
 
@@ -90,19 +97,35 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens, allocate their KV slots and advance progress."""
         token_budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        max_model_len = self.config.max_model_len
+        num_scheduled: dict[str, int] = {}
+        cached_ids: list[str] = []
+        cached_new_blocks: list[tuple[int, ...]] = []
+        cached_starts: list[int] = []
+        new_requests: list[NewRequestData] = []
+        sampling: list[Request] = []
         preempted: list[Request] = []
 
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new_tokens == 0:
-                # Still waiting for the token sampled in a previous step: schedule() was called
-                # again before update_from_output(). Nothing to compute yet.
+            pending = request.num_output_placeholders
+            target = request.num_tokens + pending
+            if pending and (
+                request.num_output_tokens + pending >= request.sampling_params.max_tokens
+                or target >= max_model_len
+            ):
+                # The token in flight is its last (max_tokens or the context is reached): the
+                # step that brings it back finishes the request, so nothing more to compute.
                 index += 1
                 continue
-            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            num_new_tokens = min(target - request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            while (
+                new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            ) is None:
                 # Victims come from the tail, which lies after `index`: requests already
                 # scheduled this step are never preempted.
                 victim = self.running.pop()
@@ -111,7 +134,10 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._commit(request, num_new_tokens))
+                cached_ids.append(request.request_id)
+                cached_new_blocks.append(tuple(new_block_ids))
+                cached_starts.append(request.num_computed_tokens)
+                self._advance(request, num_new_tokens, num_scheduled, sampling)
                 token_budget -= num_new_tokens
                 index += 1
 
@@ -121,6 +147,10 @@ class Scheduler:
                 self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting[0]
+                if request.num_output_placeholders:
+                    # Preempted while its last token was being sampled: it resumes once that
+                    # token is back (the next update_from_output), with all its tokens known.
+                    break
                 # Prompt logprobs need the logits of every prompt position, but cached tokens
                 # skip the forward pass: such a request never reads the prefix cache (as in
                 # vLLM v1). Its own full blocks are still cached for later requests.
@@ -130,47 +160,60 @@ class Scheduler:
                     else ([], 0)
                 )
                 num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
-                new_block_ids = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, computed_blocks
-                )
-                if new_block_ids is None:
+                if (
+                    self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+                    is None
+                ):
                     break  # FIFO: nobody overtakes the head of the queue
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached_tokens
                 self.running.append(request)
-                scheduled.append(self._commit(request, num_new_tokens))
+                new_requests.append(
+                    NewRequestData(
+                        request_id=request.request_id,
+                        token_ids=tuple(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
+                        num_computed_tokens=num_cached_tokens,
+                        sampling_params=request.sampling_params,
+                    )
+                )
+                self._advance(request, num_new_tokens, num_scheduled, sampling)
                 token_budget -= num_new_tokens
 
+        self._step_id += 1
+        if sampling:
+            self._sampling[self._step_id] = sampling
         finished_ids = tuple(self._finished_since_schedule)
         self._finished_since_schedule.clear()
         return SchedulerOutput(
-            scheduled=tuple(scheduled),
-            num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            step_id=self._step_id,
+            new_requests=tuple(new_requests),
+            cached_requests=CachedRequestData(
+                tuple(cached_ids), tuple(cached_new_blocks), tuple(cached_starts)
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
             preempted_request_ids=tuple(request.request_id for request in preempted),
             finished_request_ids=finished_ids,
         )
 
-    def _commit(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        """Describe the request's share of the step and advance its progress counter."""
-        start = request.num_computed_tokens
-        end = start + num_new_tokens
-        request.num_computed_tokens = end
-        prompt_logprob_token_ids: tuple[int, ...] = ()
-        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
-            prompt_logprob_token_ids = tuple(
-                request.prompt_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1) + 1]
-            )
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
-            start_position=start,
-            block_table=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
-            sampling_params=request.sampling_params,
-            sample=end == request.num_tokens,
-            num_output_tokens=request.num_output_tokens,
-            prompt_logprob_token_ids=prompt_logprob_token_ids,
-        )
+    @staticmethod
+    def _advance(
+        request: Request,
+        num_new_tokens: int,
+        num_scheduled: dict[str, int],
+        sampling: list[Request],
+    ) -> None:
+        """Record the request's share of the step and advance its progress counter; a chunk
+        that reaches the end of its tokens samples the next one (a placeholder until
+        update_from_output brings it)."""
+        num_scheduled[request.request_id] = num_new_tokens
+        request.num_computed_tokens += num_new_tokens
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+            sampling.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it first; it recomputes later."""
@@ -188,38 +231,31 @@ class Scheduler:
     ) -> list[RequestDelta]:
         """Append the tokens sampled for `output`, apply stop rules, free finished requests.
 
-        `sampled_token_ids` maps request id -> token for every scheduled request with
-        `sample=True`. Entries for requests aborted or finished since schedule() are
-        dropped. Returns one delta per request that got a token (partial prefill chunks get
-        none), in scheduling order.
+        `sampled_token_ids` maps request id -> token for every request of `output` whose chunk
+        sampled. Outputs are applied in the order they were scheduled, each once. Tokens of
+        requests finished or aborted since schedule() are dropped; a request preempted since
+        then still gets its token (it was sampled from its whole context). Returns one delta
+        per request that got a token (partial prefill chunks get none), in batch order.
         """
         deltas: list[RequestDelta] = []
         num_finished = 0
-        for item in output.scheduled:
-            if not item.sample:
-                continue
-            request = self.requests.get(item.request_id)
-            end = item.start_position + len(item.token_ids)
-            if (
-                request is None
-                or request.status != RequestStatus.RUNNING
-                or request.num_computed_tokens != end
-                or request.num_tokens != end
-            ):
-                # Aborted (or aborted and re-added) since schedule(), or this output was
-                # already applied: the token has no request to go to.
-                continue
+        for request in self._sampling.pop(output.step_id, ()):
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue  # aborted or stopped since schedule(): the token has nowhere to go
             try:
-                token_id = sampled_token_ids[item.request_id]
+                token_id = sampled_token_ids[request.request_id]
             except KeyError:
                 raise KeyError(
-                    f"no sampled token for request {item.request_id!r}, scheduled with sample=True"
+                    f"no sampled token for request {request.request_id!r}, which sampled in "
+                    f"step {output.step_id}"
                 ) from None
             request.append_output_token_ids(token_id)
             status = self._check_stop(request, token_id)
             if status is not None:
-                self._release(request, status, remove_from_queues=False)
-                num_finished += 1
+                running = request.status == RequestStatus.RUNNING
+                self._release(request, status, remove_from_queues=not running)
+                num_finished += running
             deltas.append(self._delta(request, (token_id,)))
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]

@@ -104,9 +104,18 @@ class Metrics:
 
 
 class RequestMetrics:
-    """Turns the snapshots of one request into TTFT / ITL / E2E observations."""
+    """Turns the delta outputs of one request into TTFT / ITL / E2E observations."""
 
-    __slots__ = ("_m", "_arrival", "_last_token_time", "_longest", "_total", "_done")
+    __slots__ = (
+        "_m",
+        "_arrival",
+        "_last_token_time",
+        "_longest",
+        "_total",
+        "_counts",
+        "_reason",
+        "_done",
+    )
 
     def __init__(self, metrics: Metrics, arrival: float) -> None:
         self._m = metrics
@@ -114,13 +123,20 @@ class RequestMetrics:
         self._last_token_time: float | None = None
         self._longest = 0  # tokens of the longest sample so far: the ITL clock follows it
         self._total = 0  # tokens of all samples so far
+        self._counts: dict[int, int] = {}  # sample index -> its tokens so far
+        self._reason: str | None = None  # sample 0's finish reason, once it has one
         self._done = False
 
     def update(self, output: RequestOutput) -> None:
         if self._done:
             return
         now = time.monotonic()
-        counts = [len(c.token_ids) for c in output.outputs]
+        # Outputs are deltas: count each sample's tokens so far.
+        for c in output.outputs:
+            self._counts[c.index] = self._counts.get(c.index, 0) + len(c.token_ids)
+            if c.index == 0 and c.finish_reason is not None:
+                self._reason = c.finish_reason
+        counts = self._counts.values()
         total = sum(counts)
         if total > self._total:
             self._m.generation_tokens.inc(total - self._total)
@@ -132,7 +148,7 @@ class RequestMetrics:
                 self._m.ttft.observe(now - self._arrival)
                 new -= 1
             else:
-                # Several tokens in one snapshot (the reader fell behind a step or more): spread
+                # Several tokens in one output (the reader fell behind a step or more): spread
                 # the gap over them so the histogram still counts one observation per token.
                 gap = (now - self._last_token_time) / new
                 for _ in range(new):
@@ -142,5 +158,4 @@ class RequestMetrics:
         if output.finished:
             self._done = True
             self._m.e2e.observe(now - self._arrival)
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            self._m.requests_finished.labels(finish_reason=reason or "abort").inc()
+            self._m.requests_finished.labels(finish_reason=self._reason or "abort").inc()

@@ -19,6 +19,7 @@ from server.protocol import ChatCompletionRequest
 from server.serving_common import (
     SSE_DONE,
     ServerState,
+    accumulate,
     add_requests,
     check_max_tokens,
     check_model,
@@ -142,9 +143,8 @@ async def _stream(
         "model": state.model_name,
     }
     top_k = req.top_logprobs or 0
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (text chars, tokens) sent
-    finished: set[int] = set()
-    final: RequestOutput | None = None
+    finished: set[int] = set()  # choice indices
+    wholes: dict[int, RequestOutput] = {}
 
     def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -157,13 +157,13 @@ async def _stream(
         for k in range(req.n):
             yield chunk(k, {"role": "assistant", "content": ""})
         async for _, output in iterate_all(queued):
-            final = output
             for sample in output.outputs:
-                piece = _delta(sample, sent, finished, req.logprobs, top_k)
+                piece = _delta(sample, finished, req.logprobs, top_k)
                 if piece is not None:
                     yield chunk(sample.index, *piece)
-        if req.stream_options is not None and req.stream_options.include_usage and final:
-            yield sse({**base, "choices": [], "usage": usage([final])})
+            accumulate(wholes, 0, output)
+        if req.stream_options is not None and req.stream_options.include_usage and wholes:
+            yield sse({**base, "choices": [], "usage": usage([wholes[0]])})
     except Exception as e:  # the engine died mid-stream: tell the client in-band
         yield sse_error(e)
     yield SSE_DONE
@@ -171,24 +171,20 @@ async def _stream(
 
 def _delta(
     sample: CompletionOutput,
-    sent: dict[int, tuple[int, int]],
     finished: set[int],
     want_logprobs: bool,
     top_k: int,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, str | None, str | int | None] | None:
-    """(delta, logprobs, finish_reason, stop_reason) of what is new in a sample, or None."""
+    """(delta, logprobs, finish_reason, stop_reason) of a sample's delta output, or None."""
     if sample.index in finished:
         return None
-    text_len, num_tokens = sent.get(sample.index, (0, 0))
-    text = sample.text[text_len:]
-    new_tokens = sample.token_ids[num_tokens:]
+    text = sample.text
     finish = sample.finish_reason if sample.finished else None
     logprobs = None
-    if want_logprobs and new_tokens and sample.logprobs is not None:
-        logprobs = _logprobs(new_tokens, sample.logprobs[num_tokens:], top_k)
+    if want_logprobs and sample.token_ids and sample.logprobs is not None:
+        logprobs = _logprobs(sample.token_ids, sample.logprobs, top_k)
     if not text and finish is None and logprobs is None:
         return None
-    sent[sample.index] = (len(sample.text), len(sample.token_ids))
     if finish is not None:
         finished.add(sample.index)
     delta = {"content": text} if text or finish is None else {}

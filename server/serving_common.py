@@ -102,6 +102,8 @@ def sampling_params(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "seed": req.seed,
         "logprobs": logprobs,
+        # Handlers consume what is new each step; `final_outputs` folds it into whole outputs.
+        "output_kind": "delta",
     }
     if prompt_logprobs is not None:
         fields["prompt_logprobs"] = prompt_logprobs
@@ -153,7 +155,7 @@ def add_requests(
 async def iterate_all(
     queued: Sequence[tuple[RequestStream, RequestMetrics]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Snapshots of several requests as they come, tagged with the request's index. Leaving
+    """Outputs of several requests as they come, tagged with the request's index. Leaving
     early (or a failure in one) aborts all of them."""
     if len(queued) == 1:
         stream, tracker = queued[0]
@@ -193,12 +195,20 @@ async def iterate_all(
 async def final_outputs(
     queued: Sequence[tuple[RequestStream, RequestMetrics]],
 ) -> list[RequestOutput]:
-    """The finished snapshot of every request, in prompt order."""
-    finals: dict[int, RequestOutput] = {}
+    """The whole output of every request, in prompt order, folded from its deltas."""
+    wholes: dict[int, RequestOutput] = {}
     async for index, output in iterate_all(queued):
-        if output.finished:
-            finals[index] = output
-    return [finals[i] for i in range(len(queued))]
+        accumulate(wholes, index, output)
+    return [wholes[i] for i in range(len(queued))]
+
+
+def accumulate(wholes: dict[int, RequestOutput], index: int, delta: RequestOutput) -> None:
+    """Fold a delta output into `wholes[index]` (the first one is kept as it is)."""
+    whole = wholes.get(index)
+    if whole is None:
+        wholes[index] = delta
+    else:
+        whole.add(delta)
 
 
 async def unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T:

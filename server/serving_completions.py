@@ -20,6 +20,7 @@ from server.protocol import CompletionRequest
 from server.serving_common import (
     SSE_DONE,
     ServerState,
+    accumulate,
     add_requests,
     check_max_tokens,
     check_model,
@@ -132,8 +133,8 @@ class _ChoiceWriter:
             else []
         )
         self.echo_only = echo_only
-        # Stream cursors per choice index: [text chars, tokens, logprobs text offset] sent.
-        self._sent: dict[int, list[int]] = {}
+        # Per streamed choice index: the text offset its next logprobs start at.
+        self._lp_offsets: dict[int, int] = {}
         self._finished: set[int] = set()
 
     def index(self, prompt_index: int, sample: CompletionOutput) -> int:
@@ -164,36 +165,32 @@ class _ChoiceWriter:
         }
 
     def delta_choices(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
-        """The choices of this snapshot with something new to send (one chunk each)."""
+        """The choices of this delta output with something to send (one chunk each)."""
         prompt = self.prompts[prompt_index]
         choices = []
         for sample in output.outputs:
             index = self.index(prompt_index, sample)
             if index in self._finished:
                 continue
-            first = index not in self._sent
-            text_len, num_tokens, lp_offset = self._sent.setdefault(index, [0, 0, 0])
+            first = index not in self._lp_offsets
+            lp_offset = self._lp_offsets.setdefault(index, 0)
             lp = _LogprobWriter(self.state, lp_offset) if self.req.logprobs is not None else None
             text = ""
             if first and self.req.echo:
                 text = self.echo_texts[prompt_index]
                 if lp is not None:
                     lp.add(prompt.token_ids, output.prompt_logprobs)
-            new_tokens = sample.token_ids[num_tokens:]
+            new_tokens = sample.token_ids
             if not self.echo_only:
-                text += sample.text[text_len:]
+                text += sample.text
                 if lp is not None and sample.logprobs is not None:
-                    lp.add(new_tokens, sample.logprobs[num_tokens : len(sample.token_ids)])
+                    lp.add(new_tokens, sample.logprobs)
             finish = sample.finish_reason if sample.finished else None
             if self.echo_only and finish is not None:
                 finish = "length"
             if not text and finish is None and not (lp is not None and new_tokens):
                 continue
-            self._sent[index] = [
-                len(sample.text),
-                len(sample.token_ids),
-                lp.offset if lp is not None else 0,
-            ]
+            self._lp_offsets[index] = lp.offset if lp is not None else 0
             if finish is not None:
                 self._finished.add(index)
             choices.append(
@@ -265,15 +262,14 @@ async def _stream(
         "created": created(),
         "model": state.model_name,
     }
-    finals: dict[int, RequestOutput] = {}
+    wholes: dict[int, RequestOutput] = {}
     try:
         async for prompt_index, output in iterate_all(queued):
             for choice in writer.delta_choices(prompt_index, output):
                 yield sse({**base, "choices": [choice]})
-            if output.finished:
-                finals[prompt_index] = output
+            accumulate(wholes, prompt_index, output)
         if req.stream_options is not None and req.stream_options.include_usage:
-            counts = usage([finals[i] for i in sorted(finals)])
+            counts = usage([wholes[i] for i in sorted(wholes)])
             if writer.echo_only:
                 counts["completion_tokens"] = 0
                 counts["total_tokens"] = counts["prompt_tokens"]

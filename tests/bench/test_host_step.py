@@ -10,14 +10,28 @@ def test_host_step_reports_each_part():
     assert (result["batch_size"], result["context"], result["steps"]) == (4, 20, 3)
     assert set(result["parts_ms"]) == {
         "schedule",
-        "execute",
-        "execute.prepare_inputs",
-        "execute.sampler",
+        "launch",
+        "launch.prepare",
+        "launch.sampler",
+        "finish",
         "update_from_output",
     }
     parts = result["parts_ms"]
     rounding = 0.002  # each figure is rounded to a microsecond on its own
-    inner = parts["execute.prepare_inputs"] + parts["execute.sampler"]
-    assert parts["execute"] >= inner - rounding
-    assert result["step_ms"] >= parts["schedule"] + parts["execute"] - rounding
+    inner = parts["launch.prepare"] + parts["launch.sampler"]
+    assert parts["launch"] >= inner - rounding
+    assert result["step_ms"] >= parts["schedule"] + parts["launch"] - rounding
     assert parts["schedule"] > 0 and inner > 0
+    assert result["outputs_and_detokenize_ms"] > 0
+
+
+def test_host_step_simulates_a_device_busy_for_each_step():
+    """With --device-ms the forward sleeps on a worker thread: a synchronous step waits for it
+    (at least D ms per step); both loops produce their steps."""
+    for async_scheduling in (False, True):
+        result = measure(4, 20, 3, device_ms=5.0, async_scheduling=async_scheduling)
+        assert result["async_scheduling"] is async_scheduling
+        assert result["device_ms"] == 5.0
+        assert "launch.sampler" not in result["parts_ms"]  # sampling is the device's work
+        if not async_scheduling:
+            assert result["step_ms"] >= 5.0

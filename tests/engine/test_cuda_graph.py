@@ -125,23 +125,30 @@ def test_decode_graphs_refuse_capture_without_cuda(tiny_llama_dir):
 
 def test_profile_step_is_the_largest_step():
     step = profile_step(10, max_num_seqs=4, block_size=4, max_model_len=64, vocab_size=300)
-    assert [len(s.token_ids) for s in step.scheduled] == [3, 3, 2, 2]
-    assert [s.block_table for s in step.scheduled] == [(0,), (1,), (2,), (3,)]
-    assert all(s.sample and s.start_position == 0 for s in step.scheduled)
-    assert step.num_scheduled_tokens == 10
+    assert [len(s.token_ids) for s in step.new_requests] == [3, 3, 2, 2]
+    assert [s.block_ids for s in step.new_requests] == [(0,), (1,), (2,), (3,)]
+    # Every sequence is scheduled whole from position 0, so each samples.
+    assert list(step.num_scheduled_tokens.values()) == [3, 3, 2, 2]
+    assert all(
+        s.num_computed_tokens == 0 and s.num_prompt_tokens == len(s.token_ids)
+        for s in step.new_requests
+    )
+    assert step.total_num_scheduled_tokens == 10
     # One sequence may not exceed max_model_len - 1 tokens: more sequences then.
     step = profile_step(5000, max_num_seqs=1, block_size=16, max_model_len=2049, vocab_size=50)
-    assert [len(s.token_ids) for s in step.scheduled] == [1667, 1667, 1666]
-    assert step.scheduled[1].block_table == tuple(range(105, 210))
-    assert max(t for s in step.scheduled for t in s.token_ids) == 49
+    assert [len(s.token_ids) for s in step.new_requests] == [1667, 1667, 1666]
+    assert step.new_requests[1].block_ids == tuple(range(105, 210))
+    assert max(t for s in step.new_requests for t in s.token_ids) == 49
 
 
 def test_profile_step_runs_and_samples_every_sequence(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
     engine = llm.engine
     step = profile_step(48, 6, 16, engine.max_model_len, engine.model_config.vocab_size)
-    runner = ModelRunner(engine.model, engine.runner.kv_caches, 16, engine.device)
-    out = runner.execute(step, {})
+    runner = ModelRunner(
+        engine.model, engine.runner.kv_caches, 16, engine.device, 6, engine.max_model_len
+    )
+    out = runner.execute(step)
     assert sorted(out.sampled_token_ids) == sorted(f"profile-{i}" for i in range(6))
     assert all(0 <= t < engine.model_config.vocab_size for t in out.sampled_token_ids.values())
 

@@ -151,3 +151,45 @@ def test_kv_cache_too_small_for_one_sequence(tiny_llama_dir):
                 max_model_len=128,
             )
         )
+
+
+def test_output_kinds_describe_the_same_generation(engine):
+    """One request three ways: cumulative snapshots every step, deltas (only what is new, folded
+    back with RequestOutput.add) and the final output alone."""
+    params = SamplingParams(
+        temperature=0, max_tokens=12, n=2, logprobs=1, stop=["<0x"], ignore_eos=True
+    )
+    prompt = [5, 6, 7, 8, 9, 10]
+    outputs: dict[str, list] = {kind: [] for kind in ("cumulative", "delta", "final")}
+    for kind in outputs:
+        engine.add_request(kind, prompt, params.clone(output_kind=kind))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+
+    (final,) = outputs["final"]
+    assert final.finished
+    cumulative = outputs["cumulative"]
+    assert len(cumulative) > 1 and cumulative[-1].finished
+    deltas = outputs["delta"]
+    assert len(deltas) == len(cumulative)
+    # A delta carries each token once; the finish arrives with the sample's last delta.
+    for index in (0, 1):
+        pieces = [c for d in deltas for c in d.outputs if c.index == index]
+        assert sum(len(c.token_ids) for c in pieces) == len(cumulative[-1].outputs[index].token_ids)
+        assert [c.finish_reason for c in pieces][:-1] == [None] * (len(pieces) - 1)
+        assert all(len(c.logprobs) == len(c.token_ids) for c in pieces)
+    whole = deltas[0]  # folding changes it in place: read the deltas before
+    for delta in deltas[1:]:
+        whole.add(delta)
+    for out in (whole, final):
+        for c, ref in zip(out.outputs, cumulative[-1].outputs, strict=True):
+            assert (c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) == (
+                ref.index,
+                ref.token_ids,
+                ref.text,
+                ref.finish_reason,
+                ref.stop_reason,
+            )
+            assert [list(e) for e in c.logprobs] == [list(e) for e in ref.logprobs]
+            assert c.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)

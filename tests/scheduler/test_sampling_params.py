@@ -29,6 +29,7 @@ def test_defaults() -> None:
         None,  # prompt_logprobs
         True,  # skip_special_tokens
         False,  # include_stop_str_in_output
+        "cumulative",  # output_kind
     )
     assert not params.greedy
 
@@ -79,6 +80,11 @@ def test_defaults() -> None:
         ("ignore_eos", 1, "ignore_eos must be a bool, got 1"),
         ("skip_special_tokens", "yes", "skip_special_tokens must be a bool, got 'yes'"),
         ("include_stop_str_in_output", None, "include_stop_str_in_output must be a bool, got None"),
+        (
+            "output_kind",
+            "stream",
+            "output_kind must be one of ['cumulative', 'delta', 'final'], got 'stream'",
+        ),
     ],
 )
 def test_invalid_value_raises_naming_field_and_value(

@@ -5,15 +5,16 @@ from collections.abc import Sequence
 import pytest
 
 from scheduler import (
+    CachedRequestData,
     Request,
     RequestDelta,
     RequestStatus,
     SamplingParams,
-    ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
+from tests.scheduler.mirror import UNKNOWN, MirroredScheduler, Scheduled
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4
@@ -29,7 +30,7 @@ def make_scheduler(**overrides: object) -> Scheduler:
         "enable_prefix_caching": True,
     }
     settings.update(overrides)
-    return Scheduler(SchedulerConfig(**settings))  # type: ignore[arg-type]
+    return MirroredScheduler(SchedulerConfig(**settings))  # type: ignore[arg-type]
 
 
 def add(
@@ -45,7 +46,7 @@ def add(
     return request
 
 
-def view(item: ScheduledRequest) -> tuple[str, tuple[int, ...], int, tuple[int, ...], bool]:
+def view(item: Scheduled) -> tuple[str, tuple[int, ...], int, tuple[int, ...], bool]:
     """The fields that change step to step, for exact comparisons."""
     return (item.request_id, item.token_ids, item.start_position, item.block_table, item.sample)
 
@@ -281,10 +282,12 @@ def test_prompt_logprobs_request_skips_prefix_cache_hits() -> None:
     assert (kv.num_prefix_cache_queries_tokens, kv.num_prefix_cache_hits_tokens) == (20, 0)
     add(scheduler, "plain", range(1, 11))
     output = scheduler.schedule()
+    # "scored" decodes its token still being sampled (scheduled before that step's update).
     assert [view(item) for item in output.scheduled] == [
+        ("scored", (UNKNOWN,), 10, (3, 4, 5), True),
         ("plain", (9, 10), 8, (0, 1, 6), True),
     ]
-    assert output.scheduled[0].prompt_logprob_token_ids == ()
+    assert [item.prompt_logprob_token_ids for item in output.scheduled] == [(), ()]
     assert (kv.num_prefix_cache_queries_tokens, kv.num_prefix_cache_hits_tokens) == (30, 8)
     scheduler.abort("scored")
     scheduler.abort("plain")
@@ -601,14 +604,72 @@ def test_missing_sampled_token_is_an_error() -> None:
         scheduler.update_from_output(scheduler.schedule(), {})
 
 
-def test_schedule_again_before_update_waits_for_the_sampled_token() -> None:
+def test_schedule_ahead_decodes_the_token_still_being_sampled() -> None:
+    """Asynchronous scheduling: step 2 is planned before step 1's token is back. The position
+    of that token is scheduled (its id is filled in on the device), and the updates, applied in
+    order, append each token once."""
     scheduler = make_scheduler()
-    add(scheduler, "r", [1, 2])
+    request = add(scheduler, "r", [1, 2, 3, 4])
     first = scheduler.schedule()
-    assert scheduler.schedule().scheduled == ()
-    scheduler.update_from_output(first, {"r": 3})
-    assert [view(item) for item in scheduler.schedule().scheduled] == [("r", (3,), 2, (0,), True)]
+    second = scheduler.schedule()
+    assert [view(item) for item in second.scheduled] == [("r", (UNKNOWN,), 4, (0, 1), True)]
+    assert request.num_output_placeholders == 2
+    assert (request.num_computed_tokens, request.num_tokens) == (5, 4)
+    assert [d.new_token_ids for d in scheduler.update_from_output(first, {"r": 7})] == [(7,)]
+    third = scheduler.schedule()
+    assert [view(item) for item in third.scheduled] == [("r", (UNKNOWN,), 5, (0, 1), True)]
+    scheduler.update_from_output(second, {"r": 8})
+    scheduler.update_from_output(third, {"r": 9})
+    assert request.output_token_ids == [7, 8, 9]
+    assert request.num_output_placeholders == 0
+    # Applying an output twice is a no-op: its samples were consumed.
+    assert scheduler.update_from_output(third, {"r": 9}) == []
     scheduler.abort("r")
+    assert_no_block_in_use(scheduler)
+
+
+def test_schedule_ahead_stops_at_the_last_token() -> None:
+    """The token in flight is the last one max_tokens allows: nothing more is scheduled for it,
+    and a token sampled in a step planned before a stop is dropped."""
+    scheduler = make_scheduler()
+    add(scheduler, "short", [1, 2], max_tokens=1)
+    add(scheduler, "eos", [5, 6], eos_token_ids=[0])
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert [item.request_id for item in second.scheduled] == ["eos"]
+    deltas = scheduler.update_from_output(first, {"short": 3, "eos": 0})
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [
+        ("short", "length"),
+        ("eos", "stop"),
+    ]
+    assert scheduler.update_from_output(second, {"eos": 9}) == []
+    assert not scheduler.has_unfinished_requests()
+    assert_no_block_in_use(scheduler)
+
+
+def test_preempted_with_a_token_in_flight_resumes_once_it_is_back() -> None:
+    """A request preempted while its token is being sampled still gets that token (it was
+    sampled from its whole context) and is re-admitted only then, with every id known."""
+    scheduler = make_scheduler(num_blocks=3, max_model_len=12)
+    add(scheduler, "a", [1, 2, 3, 4])
+    b = add(scheduler, "b", [5, 6, 7, 8])
+    first = scheduler.schedule()  # a: blocks 0, b: block 1
+    # Both decode into a second block each, but one block is left: b (the latest) is preempted.
+    second = scheduler.schedule()
+    assert second.preempted_request_ids == ("b",)
+    assert [view(item) for item in second.scheduled] == [("a", (UNKNOWN,), 4, (0, 2), True)]
+    assert b.num_output_placeholders == 1 and b.status is RequestStatus.PREEMPTED
+    scheduler.abort("a")
+    assert scheduler.schedule().scheduled == ()  # blocks are free, but b's token is not back
+    scheduler.update_from_output(first, {"a": 10, "b": 20})
+    assert b.output_token_ids == [20] and b.num_output_placeholders == 0
+    resumed = scheduler.schedule()
+    # Its first block is a prefix-cache hit; the token that came back is computed.
+    assert [view(item) for item in resumed.scheduled] == [("b", (20,), 4, (1, 2), True)]
+    scheduler.update_from_output(second, {"a": 11})  # a was aborted: dropped
+    scheduler.update_from_output(resumed, {"b": 21})
+    assert b.output_token_ids == [20, 21]
+    scheduler.abort("b")
     assert_no_block_in_use(scheduler)
 
 
@@ -669,7 +730,7 @@ def test_scheduler_config_asserts_its_invariants(
 def test_empty_schedule() -> None:
     scheduler = make_scheduler()
     output = scheduler.schedule()
-    assert output == SchedulerOutput((), 0, (), ())
+    assert output.output == SchedulerOutput(1, (), CachedRequestData(), {}, 0, (), ())
     assert output.is_empty
     assert scheduler.update_from_output(output, {}) == []
     assert not scheduler.has_unfinished_requests()

@@ -27,8 +27,8 @@ from scheduler import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
-    SchedulerOutput,
 )
+from tests.scheduler.mirror import UNKNOWN, ExpandedOutput, MirroredScheduler
 
 VOCAB_SIZE = 16
 EOS_TOKEN_ID = 0
@@ -93,6 +93,9 @@ class Driver:
 
     choices: Choices
     enable_prefix_caching: bool
+    schedule_ahead: bool = False
+    in_flight: ExpandedOutput | None = None  # with schedule_ahead: planned, not yet applied
+    written: dict[str, int] = field(default_factory=dict)  # positions whose KV was written
     scheduler: Scheduler = field(init=False)
     config: SchedulerConfig = field(init=False)
     kv_slots: dict[int, int] = field(default_factory=dict)  # slot -> prefix fingerprint
@@ -119,7 +122,7 @@ class Driver:
             max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = MirroredScheduler(self.config)
         self.shared_prefixes = [
             [1 + pick(VOCAB_SIZE - 1) for _ in range(2 + pick(10))] for _ in range(3)
         ]
@@ -173,11 +176,22 @@ class Driver:
         self.truncated.add(request_id)
 
     def step(self, allow_abort: bool = True) -> None:
+        """One engine step. With `schedule_ahead` (asynchronous scheduling) the step plans
+        step N + 1 and then applies step N, whose tokens the model computes only now that all
+        of their context is known, as a device filling in placeholders would."""
         scheduler = self.scheduler
         waiting_before = {request.request_id for request in scheduler.waiting}
         output = scheduler.schedule()
         self.num_steps += 1
         self.check_output(output, waiting_before)
+        # Until its step runs, a (re)admitted request reads nothing (its prefix-cache hit may
+        # be written by a step still in flight).
+        for request_id in (*output.preempted_request_ids, *waiting_before):
+            self.written[request_id] = 0
+        if self.schedule_ahead:
+            output, self.in_flight = self.in_flight, output if output.scheduled else None
+            if output is None:
+                return
         self.run_model(output)
 
         sampled = {
@@ -186,18 +200,18 @@ class Driver:
             if item.sample
         }
         # Sometimes the client goes away while the model runs: its token is dropped.
-        aborted_mid_step = None
         if allow_abort and output.scheduled and self.choices.chance(5):
-            aborted_mid_step = output.scheduled[self.choices.below(len(output.scheduled))]
-            scheduler.abort(aborted_mid_step.request_id)
-            self.truncated.add(aborted_mid_step.request_id)
-
-        deltas = scheduler.update_from_output(output, sampled)
+            aborted = output.scheduled[self.choices.below(len(output.scheduled))]
+            if scheduler.abort(aborted.request_id) is not None:
+                self.truncated.add(aborted.request_id)
+        # Requests finished since the step was planned get no token.
         expected_ids = [
             item.request_id
             for item in output.scheduled
-            if item.sample and item is not aborted_mid_step
+            if item.sample and item.request_id in scheduler.requests
         ]
+
+        deltas = scheduler.update_from_output(output, sampled)
         assert [delta.request_id for delta in deltas] == expected_ids
         for delta in deltas:
             request = self.all_requests[delta.request_id]
@@ -211,7 +225,7 @@ class Driver:
     def drain(self) -> None:
         """Step until every request is finished (no random choices: nothing is aborted)."""
         for _ in range(10_000):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_unfinished_requests() and self.in_flight is None:
                 return
             self.step(allow_abort=False)
             self.check_state()
@@ -219,7 +233,7 @@ class Driver:
 
     # ---------------------------------------------------------------------- the runner
 
-    def run_model(self, output: SchedulerOutput) -> None:
+    def run_model(self, output: ExpandedOutput) -> None:
         """Write every scheduled token's KV, then check every scheduled request's reads.
 
         All writes come before any read, like a runner that writes the whole batch's KV
@@ -233,12 +247,15 @@ class Driver:
             for offset in range(len(item.token_ids)):
                 position = item.start_position + offset
                 block_id = item.block_table[position // block_size]
-                self.kv_slots[block_id * block_size + position % block_size] = fingerprints[
-                    position
-                ]
+                # A request aborted before its placeholder's token came back computes garbage
+                # there (nobody may read it).
+                value = fingerprints[position] if position < len(fingerprints) else "garbage"
+                self.kv_slots[block_id * block_size + position % block_size] = value
+            self.written[item.request_id] = item.start_position + len(item.token_ids)
         for item in output.scheduled:
-            end = item.start_position + len(item.token_ids)
-            self.check_kv(item.request_id, item.block_table, end)
+            if item.request_id in self.scheduler.requests:
+                end = item.start_position + len(item.token_ids)
+                self.check_kv(item.request_id, item.block_table, end)
 
     def check_kv(self, request_id: str, block_table: Sequence[int], num_tokens: int) -> None:
         request = self.all_requests[request_id]
@@ -250,7 +267,7 @@ class Driver:
 
     # ---------------------------------------------------------------------- invariants
 
-    def check_output(self, output: SchedulerOutput, waiting_before: set[str]) -> None:
+    def check_output(self, output: ExpandedOutput, waiting_before: set[str]) -> None:
         config = self.config
         kv = self.scheduler.kv_cache_manager
         assert output.num_scheduled_tokens == sum(len(item.token_ids) for item in output.scheduled)
@@ -269,9 +286,16 @@ class Driver:
             assert request.status is RequestStatus.RUNNING
             assert len(item.token_ids) >= 1
             assert request.num_computed_tokens == end
-            assert item.token_ids == tuple(request.all_token_ids[item.start_position : end])
-            assert item.sample == (end == request.num_tokens)
-            assert item.num_output_tokens == request.num_output_tokens
+            # Positions past the known tokens hold the ones still being sampled.
+            known = request.all_token_ids[item.start_position : end]
+            assert item.token_ids == (*known, *[UNKNOWN] * (end - item.start_position - len(known)))
+            pending = request.num_output_placeholders
+            # A chunk reaching the end of the tokens samples: one more placeholder.
+            if item.sample:
+                assert end + 1 == request.num_tokens + pending
+            else:
+                assert end < request.num_tokens + pending
+            assert item.num_output_tokens == request.num_output_tokens + pending - item.sample
             assert len(item.block_table) == math.ceil(end / config.block_size)
             assert list(item.block_table) == kv.get_block_ids(item.request_id)
             assert item.sampling_params is request.sampling_params
@@ -298,11 +322,18 @@ class Driver:
             table = kv.get_block_ids(request.request_id)
             assert len(table) == len(set(table))
             assert len(table) == math.ceil(request.num_computed_tokens / config.block_size)
-            assert 0 < request.num_computed_tokens <= request.num_tokens
+            assert (
+                0
+                < request.num_computed_tokens
+                <= request.num_tokens + request.num_output_placeholders
+            )
+            assert request.num_output_placeholders <= (1 if self.schedule_ahead else 0)
             assert request.num_tokens < config.max_model_len or request.is_finished
             occurrences.update(table)
-            # Every live request, scheduled this step or not, still finds its own prefix.
-            self.check_kv(request.request_id, table, request.num_computed_tokens)
+            # Every live request, scheduled this step or not, still finds its own prefix (as
+            # far as the steps applied so far wrote it).
+            written = min(request.num_computed_tokens, self.written.get(request.request_id, 0))
+            self.check_kv(request.request_id, table, written)
         for request in scheduler.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0
@@ -337,10 +368,13 @@ class Driver:
                 assert request.status is status, request_id
 
 
+@pytest.mark.parametrize("schedule_ahead", [False, True], ids=["sync", "ahead"])
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_operations_keep_invariants(seed: int, enable_prefix_caching: bool) -> None:
-    driver = Driver(Choices(rng=random.Random(seed)), enable_prefix_caching)
+def test_random_operations_keep_invariants(
+    seed: int, enable_prefix_caching: bool, schedule_ahead: bool
+) -> None:
+    driver = Driver(Choices(rng=random.Random(seed)), enable_prefix_caching, schedule_ahead)
     while driver.num_ops < MIN_OPS:
         driver.random_op()
     driver.drain()
@@ -364,11 +398,11 @@ def test_random_run_exercises_preemption_and_prefix_hits() -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), enable_prefix_caching=st.booleans())
+@given(data=st.data(), enable_prefix_caching=st.booleans(), schedule_ahead=st.booleans())
 def test_hypothesis_operations_keep_invariants(
-    data: st.DataObject, enable_prefix_caching: bool
+    data: st.DataObject, enable_prefix_caching: bool, schedule_ahead: bool
 ) -> None:
-    driver = Driver(Choices(data=data), enable_prefix_caching)
+    driver = Driver(Choices(data=data), enable_prefix_caching, schedule_ahead)
     num_ops = data.draw(st.integers(1, 60))
     while driver.num_ops < num_ops:
         driver.random_op()
