@@ -10,10 +10,10 @@ small lm_head matmul. Prints one JSON object: the step's wall time and the time 
 (schedule, launch, of which prepare and the sampler, finish (the sampled ids back on the host),
 update_from_output, the engine's per-request output work).
 
-`--device-ms D` simulates a device: each step's forward and sampling run on a one-thread
-executor (like a GPU stream) and the forward sleeps D ms there, releasing the GIL. Without
-asynchronous scheduling a step then costs host + D; with it, max(host, D) once the host hides
-behind the device.
+`--device-ms D` simulates a device: a one-thread executor (the GPU stream) is busy D ms per
+launched step, in launch order, and a step's results are ready only when its turn is over. The
+worker only sleeps (no GIL), as a GPU needs no host thread while it runs. Without asynchronous
+scheduling a step then costs host + D; with it, max(host, D) once the host hides behind it.
 """
 
 from __future__ import annotations
@@ -76,21 +76,21 @@ def measure(
     )
     engine = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # Deltas, as the server asks for them.
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind="delta"
+    )
     for i in range(batch_size):
         engine.add_request(f"r{i}", [rng.randrange(3, 2000) for _ in range(context)], params)
     while len(engine.step()) < batch_size:  # until every request has its first token
         pass
     hidden = TINY_CONFIG["hidden_size"]
 
-    def forward(input_ids, *_):
-        if device_ms is not None:
-            time.sleep(device_ms / 1e3)
-        return torch.zeros(input_ids.shape[0], hidden)
-
-    engine.model.forward = forward
+    engine.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
+    device = None
     if device_ms is not None:
-        engine.runner.device_executor = ThreadPoolExecutor(1, thread_name_prefix="device")
+        device = ThreadPoolExecutor(1, thread_name_prefix="device")
+        undo = simulate_device(engine.runner, device, device_ms / 1e3)
 
     parts: collections.Counter[str] = collections.Counter()
 
@@ -111,8 +111,7 @@ def measure(
     timed(engine.runner, "launch", "launch")
     timed(engine.runner.input_batch, "prepare", "launch.prepare")
     timed(engine.runner, "_finish", "finish")
-    if device_ms is None:  # with a device, sampling is part of the device's work
-        timed(engine.runner.sampler, "sample", "launch.sampler")
+    timed(engine.runner.sampler, "sample", "launch.sampler")
     for _ in range(5):
         engine.step()
     parts.clear()
@@ -131,11 +130,36 @@ def measure(
         "step_ms": round(step_ms, 3),
         "parts_ms": parts_ms,
     }
-    if device_ms is None:
+    if device is None:
         result["outputs_and_detokenize_ms"] = round(step_ms - named, 3)
     else:
-        engine.runner.device_executor.shutdown()
+        device.shutdown()
+        undo()
     return result
+
+
+def simulate_device(runner, device: ThreadPoolExecutor, seconds: float):
+    """Every launched step keeps `device` busy `seconds` (in launch order); its result waits
+    for that. Returns what undoes the patch of StepHandle."""
+    import engine.model_runner as model_runner
+
+    launch = runner.launch
+    result = model_runner.StepHandle.result
+
+    def launch_on_device(out):
+        handle = launch(out)
+        handle.device_busy = device.submit(time.sleep, seconds)
+        return handle
+
+    def result_after_device(handle):
+        busy = getattr(handle, "device_busy", None)
+        if busy is not None:
+            busy.result()
+        return result(handle)
+
+    runner.launch = launch_on_device
+    model_runner.StepHandle.result = result_after_device
+    return lambda: setattr(model_runner.StepHandle, "result", result)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,6 @@ does) and never mutates requests (update_from_output does).
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,9 +89,8 @@ class _DeviceResult:
 
 
 class StepHandle:
-    """A launched step. Its device work may still be running (queued on the GPU, or on the
-    runner's `device_executor`); `result()` waits for it once, stores the sampled ids in the
-    persistent batch and returns them."""
+    """A launched step. Its device work may still be running (queued on the GPU); `result()`
+    waits for it once, stores the sampled ids in the persistent batch and returns them."""
 
     def __init__(
         self,
@@ -103,8 +101,7 @@ class StepHandle:
         self._runner = runner
         self._batch = batch
         self._output = output
-        self._future: Future[_DeviceResult] | None = None
-        self._device: _DeviceResult | None = None  # set when the device work ran inline
+        self._device: _DeviceResult | None = None
         self._host: _DeviceResult | None = None  # its tensors being copied to the host
         self._copied: torch.cuda.Event | None = None
         if batch is not None:
@@ -114,16 +111,10 @@ class StepHandle:
             self._positions = batch.ends[sample_idx]
             self._sample_ids = [batch.request_ids[i] for i in sample_idx]
 
-    def device_result(self) -> _DeviceResult:
-        """The step's device tensors (waits for the executor, not for the device)."""
-        if self._device is None:
-            self._device = self._future.result()
-        return self._device
-
     def start_copy(self) -> None:
         """Start copying the results to the host without waiting (on CUDA: pinned memory and an
         event, so `result()` waits for this step only, not for steps launched after it)."""
-        device = self.device_result()
+        device = self._device
         if self._runner.device.type != "cuda":
             self._host = device
             return
@@ -141,8 +132,6 @@ class StepHandle:
 
     def result(self) -> RunnerOutput:
         if self._output is None:
-            if self._host is None:
-                self.start_copy()
             if self._copied is not None:
                 self._copied.synchronize()
             self._output = self._runner._finish(self._batch, self._host, self)
@@ -157,9 +146,7 @@ class ModelRunner:
     """Runs the steps the scheduler plans, on the persistent batch (engine/input_batch.py).
 
     `graphs`, when set, runs the decode steps that fit it (see engine/cuda_graph.py); every other
-    step runs the model eagerly. `device_executor`, when set, runs each step's device work (the
-    forward pass and sampling) on that single-worker executor instead of the calling thread: a
-    stand-in for a GPU stream on CPU, used to measure how much host work the engine hides.
+    step runs the model eagerly.
 
     `launch(out)` prepares the step and starts its device work; the returned handle's `result()`
     brings the sampled ids back. A step launched before the previous one's result was read
@@ -176,7 +163,6 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
-        device_executor: Executor | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -184,7 +170,6 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed)
         self.graphs = graphs
-        self.device_executor = device_executor
         self.input_batch = InputBatch(max_num_seqs, max_model_len, cdiv(max_model_len, block_size))
         self._last: StepHandle | None = None  # the last launched step that sampled
 
@@ -210,6 +195,7 @@ class ModelRunner:
             previous.result()  # penalties read the whole history on the host: wait for it
         batch = state.prepare(out, rows, self.block_size)
         sampling_rows = [self._sampling_row(batch, i) for i in batch.sample_indices.tolist()]
+        plan = self.sampler.plan(sampling_rows, self.device) if sampling_rows else None
         prompt_targets = batch.prompt_logprob_targets
         prompt_ks = [
             self.input_batch.params[int(batch.rows[i])].prompt_logprobs or 0
@@ -226,7 +212,7 @@ class ModelRunner:
         def device_work() -> _DeviceResult:
             with torch.inference_mode():
                 if inputs.fill_dst.numel():
-                    sampled = previous.device_result().sample.token_ids
+                    sampled = previous._device.sample.token_ids
                     inputs.input_ids[inputs.fill_dst] = sampled[inputs.fill_src]
                 hidden = self._forward(inputs)
                 prompt_logprobs = None
@@ -236,15 +222,12 @@ class ModelRunner:
                 sample = None
                 if sampling_rows:
                     logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                    sample = self.sampler.sample(logits, sampling_rows)
+                    sample = self.sampler.sample(logits, plan)
                 return _DeviceResult(sample, prompt_logprobs)
 
         handle = StepHandle(self, batch)
-        if self.device_executor is not None:
-            handle._future = self.device_executor.submit(device_work)
-        else:
-            handle._device = device_work()
-            handle.start_copy()
+        handle._device = device_work()  # on CUDA: queued kernels, nothing waits
+        handle.start_copy()
         if sampling_rows:
             self._last = handle
         return handle

@@ -31,6 +31,19 @@ class SamplingRow:
 
 
 @dataclass(frozen=True)
+class SamplingPlan:
+    """What `Sampler.plan` decides on the host for one batch of rows."""
+
+    rows: list[SamplingRow]
+    randoms: list[int]  # rows that sample (the others take the argmax)
+    random_idx: torch.Tensor | None  # their indices, when only some rows sample
+    uniforms: torch.Tensor | None  # one per sampling row
+    asking: list[int]  # rows that want logprobs
+    asking_idx: torch.Tensor | None
+    penalized: bool  # some row has a penalty (its history is attached)
+
+
+@dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]
     # Per row when its request asked for logprobs, else None:
@@ -55,37 +68,55 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).to_host()
+        return self.sample(logits, self.plan(rows, logits.device)).to_host()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+    def plan(self, rows: list[SamplingRow], device: torch.device) -> SamplingPlan:
+        """The host's part of sampling these rows: which are greedy, which want logprobs, and
+        the random numbers, decided before the logits exist. A runner that overlaps steps
+        calls it on the host thread and leaves `sample` (tensor work) to the device's turn."""
+        greedy = [_is_greedy(r.params) for r in rows]
+        randoms = [i for i, g in enumerate(greedy) if not g]
+        random_rows = [rows[i] for i in randoms]
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        return SamplingPlan(
+            rows=rows,
+            randoms=randoms,
+            random_idx=None
+            if len(randoms) in (0, len(rows))
+            else to_device(randoms, torch.long, device),
+            uniforms=self._uniforms(random_rows, device) if randoms else None,
+            asking=asking,
+            asking_idx=to_device(asking, torch.long, device) if asking else None,
+            penalized=any(r.output_token_ids is not None for r in rows),
+        )
+
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> DeviceSample:
         """Sample on the logits' device; nothing waits for the device until `to_host()`."""
+        rows = plan.rows
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         raw_logits = logits
-        logits = self._apply_penalties(logits.float(), rows)
-        greedy = [_is_greedy(r.params) for r in rows]
-        if all(greedy):
+        logits = logits.float()
+        if plan.penalized:
+            logits = self._apply_penalties(logits, rows)
+        if not plan.randoms:
             token_ids = logits.argmax(dim=-1)
+        elif plan.random_idx is None:  # the common case: every row samples, no row copies
+            probs = _filtered_probs(logits, [r.params for r in rows])
+            token_ids = inverse_cdf_sample(probs, plan.uniforms)
         else:
-            randoms = [i for i, g in enumerate(greedy) if not g]
-            if len(randoms) == len(rows):  # the common case: no row copies
-                probs = _filtered_probs(logits, [r.params for r in rows])
-                token_ids = inverse_cdf_sample(probs, self._uniforms(rows, logits.device))
-            else:
-                idx = to_device(randoms, torch.long, logits.device)
-                sampled_rows = [rows[i] for i in randoms]
-                probs = _filtered_probs(logits[idx], [r.params for r in sampled_rows])
-                drawn = inverse_cdf_sample(probs, self._uniforms(sampled_rows, logits.device))
-                token_ids = logits.argmax(dim=-1).index_copy_(0, idx, drawn)
+            idx = plan.random_idx
+            probs = _filtered_probs(logits[idx], [rows[i].params for i in plan.randoms])
+            drawn = inverse_cdf_sample(probs, plan.uniforms)
+            token_ids = logits.argmax(dim=-1).index_copy_(0, idx, drawn)
 
         # Logprobs describe the model's distribution before any penalty or temperature.
-        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs = None
-        if asking:
-            idx = to_device(asking, torch.long, logits.device)
-            ks = [rows[i].params.logprobs or 0 for i in asking]
+        if plan.asking:
+            idx = plan.asking_idx
+            ks = [rows[i].params.logprobs or 0 for i in plan.asking]
             logprobs = LogprobTensors.compute(raw_logits[idx], token_ids[idx], ks)
-        return DeviceSample(token_ids, asking, logprobs)
+        return DeviceSample(token_ids, plan.asking, logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition, frequency and presence penalties for every row at once, from flat
