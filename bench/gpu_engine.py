@@ -329,6 +329,8 @@ def engine_info(llm) -> dict[str, Any]:
     plan = getattr(engine, "kv_plan", None)
     return {
         "attention_backend": getattr(engine, "attention_backend", None),
+        # On CUDA the default loop schedules step N+1 while step N runs (issue 13).
+        "async_scheduling": getattr(engine, "async_scheduling", None),
         "cuda_graphs": graphs is not None and bool(getattr(graphs, "graphs", None)),
         "graph_batch_sizes": list(getattr(graphs, "batch_sizes", []) or []) or None,
         "kv_cache_blocks": getattr(plan, "num_blocks", None),
@@ -576,20 +578,21 @@ class _TimedCall:
 @contextlib.contextmanager
 def timed_parts(engine) -> Iterator[tuple[dict[str, float], list[str]]]:
     """Time the parts of `engine.step()` by wrapping them on this engine only (engine files stay
-    as they are): schedule, execute (inside it: prepare_inputs, forward, compute_logits, sample)
-    and update_from_output. Parts this engine version does not have are reported as missing.
-    Host wall time: the first part that waits for the GPU (reading sampled ids) absorbs it."""
-    import engine.model_runner as model_runner
-
+    as they are): schedule, execute (the launch; inside it: prepare_inputs, forward,
+    compute_logits, sample) and update_from_output. Parts this engine version does not have are
+    reported as missing. Host wall time: the first part that waits for the GPU (reading sampled
+    ids) absorbs it."""
     runner = engine.runner
+    # "execute" is the launch of a step (prepare, forward, logits, sample: kernels queued); the
+    # wait for its sampled ids (StepHandle.result) falls in step_other_ms.
     targets = [
         ("schedule", engine.scheduler, "schedule"),
-        ("execute", runner, "execute"),
+        ("execute", runner, "launch"),
         ("update", engine.scheduler, "update_from_output"),
-        ("execute.prepare_inputs", model_runner, "prepare_inputs"),
+        ("execute.prepare_inputs", runner.input_batch, "prepare"),
         ("execute.forward", runner, "_forward"),
         ("execute.compute_logits", runner.model, "compute_logits"),
-        ("execute.sample", runner, "sampler"),
+        ("execute.sample", runner.sampler, "sample"),
     ]
     totals: dict[str, float] = {label: 0.0 for label, _, _ in targets}
     patched, missing = [], []
