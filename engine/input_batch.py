@@ -48,10 +48,6 @@ class Batch:
     prompt_logprob_targets: list[tuple[int, np.ndarray]]
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.request_ids)
-
-    @property
     def sample_indices(self) -> np.ndarray:
         return np.flatnonzero(self.sample)
 
@@ -215,10 +211,6 @@ class InputBatch:
             fill_src=fill_src,
             prompt_logprob_targets=prompt_targets,
         )
-
-    def known_through(self, rows: np.ndarray, ends: np.ndarray) -> bool:
-        """True when every row's ids up to its `ends` (exclusive) are on the host."""
-        return bool((self.num_known[rows] >= ends).all())
 
     def history(self, row: int, end: int) -> tuple[list[int], list[int]]:
         """(prompt ids, output ids before position `end`) of a row."""

@@ -96,35 +96,31 @@ class StepHandle:
         self,
         runner: ModelRunner | None,
         batch: Batch | None = None,
+        device: _DeviceResult | None = None,
         output: RunnerOutput | None = None,
     ) -> None:
         self._runner = runner
         self._batch = batch
+        self.device = device  # the step's results as device tensors (the next step reads ids)
         self._output = output
-        self._device: _DeviceResult | None = None
-        self._host: _DeviceResult | None = None  # its tensors being copied to the host
+        self._host: _DeviceResult | None = device  # on CUDA: copies being made to the host
         self._copied: torch.cuda.Event | None = None
         if batch is not None:
             sample_idx = batch.sample_indices
-            self._sample_rows = batch.rows[sample_idx]
-            self._serials = runner.input_batch.serial[self._sample_rows]
-            self._positions = batch.ends[sample_idx]
-            self._sample_ids = [batch.request_ids[i] for i in sample_idx]
-
-    def start_copy(self) -> None:
-        """Start copying the results to the host without waiting (on CUDA: pinned memory and an
-        event, so `result()` waits for this step only, not for steps launched after it)."""
-        device = self._device
-        if self._runner.device.type != "cuda":
-            self._host = device
-            return
-        copy = _copy_to_host
-        self._host = _DeviceResult(
-            None if device.sample is None else device.sample.map(copy),
-            None if device.prompt_logprobs is None else device.prompt_logprobs.map(copy),
-        )
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+            self.sample_rows = batch.rows[sample_idx]
+            self.serials = runner.input_batch.serial[self.sample_rows]
+            self.positions = batch.ends[sample_idx]
+            self.sample_ids = [batch.request_ids[i] for i in sample_idx]
+            if runner.device.type == "cuda":
+                # Pinned memory and an event: result() then waits for this step only, not for
+                # steps launched after it.
+                copy = _copy_to_host
+                self._host = _DeviceResult(
+                    None if device.sample is None else device.sample.map(copy),
+                    None if device.prompt_logprobs is None else device.prompt_logprobs.map(copy),
+                )
+                self._copied = torch.cuda.Event()
+                self._copied.record()
 
     @property
     def done(self) -> bool:
@@ -209,25 +205,20 @@ class ModelRunner:
             else None
         )
 
-        def device_work() -> _DeviceResult:
-            with torch.inference_mode():
-                if inputs.fill_dst.numel():
-                    sampled = previous._device.sample.token_ids
-                    inputs.input_ids[inputs.fill_dst] = sampled[inputs.fill_src]
-                hidden = self._forward(inputs)
-                prompt_logprobs = None
-                if prompt_target_ids is not None:
-                    logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
-                    prompt_logprobs = LogprobTensors.compute(logits, prompt_target_ids, prompt_ks)
-                sample = None
-                if sampling_rows:
-                    logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                    sample = self.sampler.sample(logits, plan)
-                return _DeviceResult(sample, prompt_logprobs)
-
-        handle = StepHandle(self, batch)
-        handle._device = device_work()  # on CUDA: queued kernels, nothing waits
-        handle.start_copy()
+        # On CUDA everything below queues kernels: nothing waits for the device.
+        if inputs.fill_dst.numel():
+            sampled = previous.device.sample.token_ids
+            inputs.input_ids[inputs.fill_dst] = sampled[inputs.fill_src]
+        hidden = self._forward(inputs)
+        prompt_logprobs = None
+        if prompt_target_ids is not None:
+            logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
+            prompt_logprobs = LogprobTensors.compute(logits, prompt_target_ids, prompt_ks)
+        sample = None
+        if sampling_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sample = self.sampler.sample(logits, plan)
+        handle = StepHandle(self, batch, _DeviceResult(sample, prompt_logprobs))
         if sampling_rows:
             self._last = handle
         return handle
@@ -248,11 +239,11 @@ class ModelRunner:
         if host.sample is None:
             return RunnerOutput({}, {}, prompt_logprobs)
         result = host.sample.to_host()
-        ids = handle._sample_ids
+        ids = handle.sample_ids
         self.input_batch.record(
-            handle._sample_rows,
-            handle._serials,
-            handle._positions,
+            handle.sample_rows,
+            handle.serials,
+            handle.positions,
             np.asarray(result.token_ids, dtype=np.int64),
         )
         sampled = dict(zip(ids, result.token_ids, strict=True))
