@@ -6,7 +6,10 @@
 1. offline: `LLM.generate` on all prompts at once (what `pagedserve bench throughput` does), and
    again with max_num_seqs = the client concurrency, which separates "HTTP costs" from "a smaller
    batch costs";
-2. online: a `pagedserve serve` process and `pagedserve bench serve` at --max-concurrency.
+2. online: `pagedserve bench serve` at --max-concurrency against a `pagedserve serve` process per
+   --server-modes entry: "core-process" (the engine core in a process of its own) and
+   "in-process" (`--no-core-process`: the engine loop on the server's main thread). All servers
+   start first and wait idle (no CPU) while another runs.
 
 The three runs are repeated --repeats times, interleaved, and medians are reported (this VM's
 speed drifts by 10-20% over minutes). Every run uses the prompts `bench serve` draws (random
@@ -18,6 +21,7 @@ or allocator state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -99,6 +103,9 @@ def _run_online(args: argparse.Namespace, base: str, plot: str | None) -> dict[s
     return bench_serve.run(bench_args)
 
 
+SERVER_MODES = {"core-process": "--core-process", "in-process": "--no-core-process"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -110,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--server-modes",
+        default=",".join(SERVER_MODES),
+        help=f"comma-separated, from {sorted(SERVER_MODES)}",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="bench serve's PNG for the online run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -125,53 +137,69 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_offline_worker(args)))
         return 0
 
+    modes = args.server_modes.split(",")
+    unknown = sorted(set(modes) - set(SERVER_MODES))
+    if unknown:
+        raise ValueError(f"--server-modes: unknown {unknown}; choose from {sorted(SERVER_MODES)}")
     # Interleaved repeats: this machine's speed drifts by 10-20% over minutes, so each ratio
     # compares runs made back to back, and the medians smooth the drift.
     runs: list[dict[str, Any]] = []
-    serve_args = ["--model", args.model, "--dtype", args.dtype, "--no-access-log"]
-    log = Path(tempfile.gettempdir()) / f"compare_serve_{os.getpid()}.log"
-    with server_process(serve_args, log, port=args.port) as base:
-        # A short warm-up request so one-time costs are not timed (as offline).
-        warm = ["--base-url", base, "--num-prompts", "2", "--seed", "1000000"]
-        bench_serve.run(bench_serve.parse_args(warm))
+    with contextlib.ExitStack() as stack:
+        bases = {}
+        for i, mode in enumerate(modes):
+            serve_args = ["--model", args.model, "--dtype", args.dtype, "--no-access-log"]
+            log = Path(tempfile.gettempdir()) / f"compare_serve_{os.getpid()}_{mode}.log"
+            bases[mode] = base = stack.enter_context(
+                server_process([*serve_args, SERVER_MODES[mode]], log, port=args.port + i)
+            )
+            # A short warm-up request so one-time costs are not timed (as offline).
+            warm = ["--base-url", base, "--num-prompts", "2", "--seed", "1000000"]
+            bench_serve.run(bench_serve.parse_args(warm))
         for r in range(args.repeats):
-            # New prompts each repeat (seed + r): the server keeps its prefix cache between
+            # New prompts each repeat (seed + r): the servers keep their prefix caches between
             # repeats, and the same prompts again would skip their prefill.
             rep = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
-            offline_all = _run_offline(rep, EngineConfig().max_num_seqs)["output_throughput"]
-            offline_capped = _run_offline(rep, max_num_seqs=args.max_concurrency)
-            plot = args.plot if r == args.repeats - 1 else None
-            online = _run_online(rep, base, plot)
-            runs.append(
-                {
-                    "seed": rep.seed,
-                    "offline": offline_all,
-                    "offline_same_batch": offline_capped["output_throughput"],
-                    "online": round(online["output_throughput"], 2),
-                    "online_failed": online["failed"],
+            run: dict[str, Any] = {"seed": rep.seed}
+            run["offline"] = _run_offline(rep, EngineConfig().max_num_seqs)["output_throughput"]
+            capped = _run_offline(rep, max_num_seqs=args.max_concurrency)
+            run["offline_same_batch"] = capped["output_throughput"]
+            for mode, base in bases.items():
+                plot = f"{args.plot.removesuffix('.png')}_{mode}.png" if args.plot else None
+                online = _run_online(rep, base, plot if r == args.repeats - 1 else None)
+                run[mode] = {
+                    "output_throughput": round(online["output_throughput"], 2),
+                    "failed": online["failed"],
                     **{k: round(online[k], 2) for k in LATENCY_KEYS},
                 }
-            )
-            print(json.dumps(runs[-1]), file=sys.stderr)
-    med = {k: statistics.median(run[k] for run in runs) for k in runs[0] if k != "seed"}
+            runs.append(run)
+            print(json.dumps(run), file=sys.stderr)
     result = {
         "model": args.model,
         "dtype": args.dtype,
         "workload": f"{args.num_prompts} x {args.input_len} in / {args.output_len} out",
         "max_concurrency": args.max_concurrency,
         "repeats": args.repeats,
-        "median_offline_output_throughput": med["offline"],
-        "median_offline_same_batch_output_throughput": med["offline_same_batch"],
-        "median_online_output_throughput": med["online"],
-        "median_ratio_online_to_offline": round(
-            statistics.median(run["online"] / run["offline"] for run in runs), 3
+        "median_offline_output_throughput": statistics.median(r["offline"] for r in runs),
+        "median_offline_same_batch_output_throughput": statistics.median(
+            r["offline_same_batch"] for r in runs
         ),
-        "median_ratio_online_to_offline_same_batch": round(
-            statistics.median(run["online"] / run["offline_same_batch"] for run in runs), 3
-        ),
-        **{f"online_{k}": med[k] for k in LATENCY_KEYS},
-        "runs": runs,
     }
+    for mode in modes:
+        online = [r[mode]["output_throughput"] for r in runs]
+        result[mode] = {
+            "median_output_throughput": statistics.median(online),
+            "median_ratio_to_offline": round(
+                statistics.median(o / r["offline"] for o, r in zip(online, runs, strict=True)), 3
+            ),
+            "median_ratio_to_offline_same_batch": round(
+                statistics.median(
+                    o / r["offline_same_batch"] for o, r in zip(online, runs, strict=True)
+                ),
+                3,
+            ),
+            **{k: statistics.median(r[mode][k] for r in runs) for k in LATENCY_KEYS},
+        }
+    result["runs"] = runs
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -376,10 +376,11 @@ def step_env(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     for module in ("triton", "transformers", "tokenizers", "numpy", "httpx"):
         with contextlib.suppress(Exception):
             info[module] = __import__(module).__version__
-    # The GPU machine lacks these unless the .whl/ wheels were installed (gguf: engine imports).
+    # The GPU machine lacks these unless the .whl/ wheels were installed (gguf, msgspec: the engine
+    # imports them).
     info["importable"] = {
         m: importlib.util.find_spec(m) is not None
-        for m in ("fastapi", "starlette", "uvicorn", "pydantic", "gguf", "openai")
+        for m in ("fastapi", "starlette", "uvicorn", "pydantic", "gguf", "openai", "zmq", "msgspec")
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

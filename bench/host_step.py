@@ -8,7 +8,9 @@ A 1-layer, 64-wide Llama on CPU (vocab 2048, dummy weights) whose forward return
 SmolLM2's real tokenizer for detokenization: what remains is the engine's own Python and the
 small lm_head matmul. Prints one JSON object: the step's wall time and the time inside each part
 (schedule, launch, of which prepare and the sampler, finish (the sampled ids back on the host),
-update_from_output, the engine's per-request output work).
+update_from_output, the engine's per-request output work), and `core_process_step_ms`: the
+step without the front end's output processing but with the encoding of its outputs, i.e. the
+host work of the engine core's loop when it runs in its own process.
 
 `--device-ms D` simulates a device: a one-thread executor (the GPU stream) is busy D ms per
 launched step, in launch order, and a step's results are ready only when its turn is over. The
@@ -27,9 +29,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import torch
 
 from engine.cpu_allocator import keep_large_allocations_in_heap
+from engine.messages import CoreOutputs
 from scheduler.utils import cdiv
 
 TINY_CONFIG = {
@@ -112,6 +116,18 @@ def measure(
     timed(engine.runner.input_batch, "prepare", "launch.prepare")
     timed(engine.runner, "_finish", "finish")
     timed(engine.runner.sampler, "sample", "launch.sampler")
+    # The split at the process boundary: what the core process would run per step (step_samples,
+    # plus encoding its outputs for the socket) and what the API server would (process).
+    timed(engine, "step_samples", "core.step_samples")
+    timed(engine.output_processor, "process", "front_end.process")
+    inner_step_samples = engine.step_samples
+    last_samples = []
+
+    def step_samples_kept():
+        last_samples[:] = inner_step_samples()
+        return last_samples[:]
+
+    engine.step_samples = step_samples_kept
     for _ in range(5):
         engine.step()
     parts.clear()
@@ -132,6 +148,16 @@ def measure(
     }
     if device is None:
         result["outputs_and_detokenize_ms"] = round(step_ms - named, 3)
+        # With the core in its own process, its loop runs this much host work per step: the
+        # step without the front end's work, plus encoding a step's outputs for the socket.
+        encoder, message = msgspec.msgpack.Encoder(), CoreOutputs(last_samples, engine.stats())
+        start = time.perf_counter()
+        for _ in range(steps):
+            encoder.encode(message)
+        encode_ms = (time.perf_counter() - start) / steps * 1e3
+        parts_ms["core.encode"] = round(encode_ms, 3)
+        core_ms = step_ms - parts_ms["front_end.process"] + encode_ms
+        result["core_process_step_ms"] = round(core_ms, 3)
     else:
         device.shutdown()
         undo()

@@ -1,4 +1,6 @@
-"""AsyncEngine: the LLMEngine step loop, fed from asyncio running on another thread.
+"""The engine as the server sees it: `EngineClient` (request streams, ids, the queue limit, failure
+state), and `AsyncEngine`, which runs an LLMEngine's step loop on a thread of the server's process.
+engine/core_process.py has the other client, with the engine core in a process of its own.
 
     event loop thread (HTTP handlers)          engine loop thread (`run`)
     ─────────────────────────────────          ──────────────────────────
@@ -6,12 +8,13 @@
     iterate the RequestStream (asyncio.Queue) <── LLMEngine.step() ─> outputs, one
                                                   call_soon_threadsafe per step for all of them
 
-Why threads and not processes: the model's matmuls release the GIL, so the HTTP side runs while
-the engine computes, and a thread hands RequestOutput objects over without pickling (what the
-HTTP path costs: BENCHMARKS.md, "Serving over HTTP on CPU"). `pagedserve serve` runs the engine
-loop on the *main* thread and uvicorn on a second one: on CPU, oneDNN/OpenMP work started from a
-non-main thread runs markedly slower (measured: BENCHMARKS.md, "What changed on the way").
-`start()` runs the loop on a background thread instead, for tests and embedding.
+Why a thread on CPU (`pagedserve serve`'s default there): the model's matmuls release the GIL, so
+the HTTP side runs while the engine computes, and the model's threads need both cores, which a
+second process only competes for (BENCHMARKS.md, "The engine core in its own process").
+`pagedserve serve` runs this loop on the *main* thread and uvicorn on a second one: on CPU,
+oneDNN/OpenMP work started from a non-main thread runs markedly slower (measured: BENCHMARKS.md,
+"What changed on the way"). `start()` runs the loop on a background thread instead, for tests and
+embedding.
 
 Only the loop touches LLMEngine (it is not thread-safe); handlers only read immutable things (the
 tokenizer, the config) and the stats snapshot the loop publishes after every iteration.
@@ -26,12 +29,11 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
-from engine.inputs import Prompt
+from engine.inputs import InputProcessor, Prompt
 from engine.llm_engine import LLMEngine
+from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from scheduler import SamplingParams
 
@@ -46,30 +48,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unexpected error; no request can be served."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine loop publishes after each iteration (read by /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0  # scheduler requests (samples) not yet admitted
-    kv_blocks_used: int = 0  # blocks held by live requests (ref count > 0)
-    kv_blocks_total: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which found
-    num_steps: int = 0
-    step_seconds: float = 0.0  # total time spent in LLMEngine.step()
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
 class RequestStream:
     """The consumer side of one request: outputs arrive on an asyncio queue fed by the engine
     thread. Iterate it once; leaving the loop early (or `abort()`) aborts the request."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: EngineClient, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.loop = loop
@@ -99,42 +82,45 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
-_STOP = object()
+class EngineClient:
+    """What the server needs of an engine, wherever its core runs: the input checks, request
+    streams, unique request ids, the waiting-queue limit and the engine's failure state.
 
+    Subclasses deliver the engine's outputs (`_deliver`, on whichever thread they come from)
+    and implement `_submit`, `abort`, `start` and `shutdown`."""
 
-class AsyncEngine:
-    """Serves many concurrent `generate` calls from one LLMEngine running on a thread."""
-
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
+    def __init__(self, inputs: InputProcessor, max_queue_len: int | None = None) -> None:
         if max_queue_len is not None and max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1 or None (no limit), got {max_queue_len}")
-        self.engine = engine
+        self.inputs = inputs
         self.max_queue_len = max_queue_len
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._lock = threading.Lock()  # guards _num_queued_adds and _ids_in_use
-        self._num_queued_adds = 0
+        self._lock = threading.Lock()  # guards _num_submitted and _ids_in_use
+        # Requests handed to the engine; the engine's stats count those it has queued, so the
+        # difference is what is on its way and not yet in stats.num_waiting.
+        self._num_submitted = 0
         self._ids_in_use: set[str] = set()
-        self._thread: threading.Thread | None = None  # set by start()
-        self._running = False  # the loop is running (in whichever thread)
+        self._streams: dict[str, RequestStream] = {}  # owned by the thread that delivers
+        self._running = False
         self._error: BaseException | None = None
-        self._num_steps = 0
-        self._step_seconds = 0.0
-        self.stats = self._collect_stats()
+        self.stats = EngineStats()
 
     # ---- what handlers may read ------------------------------------------------------------------
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.inputs.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.inputs.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inputs.vocab_size
 
     def process_prompt(self, prompt: str | Sequence[int] | Prompt) -> Prompt:
-        """`LLMEngine.process_prompt`, from the caller's thread."""
-        return self.engine.process_prompt(prompt)
+        """`InputProcessor.process_prompt`, from the caller's thread."""
+        return self.inputs.process_prompt(prompt)
 
     @property
     def is_running(self) -> bool:
@@ -143,6 +129,108 @@ class AsyncEngine:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Check a request (`InputProcessor.process_inputs`, on the caller's thread) and queue
+        it; iterate the returned stream for its outputs (of `params.output_kind`: the server
+        asks for "delta").
+
+        Raises at once (nothing queued) ValueError for inputs the engine cannot serve,
+        QueueFullError when max_queue_len requests are already waiting and EngineDeadError when
+        the engine has stopped. Call from a running event loop: outputs are delivered to it."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_message())
+        prompt = self.inputs.process_inputs(prompt, params)
+        with self._lock:
+            if request_id in self._ids_in_use:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            stats = self.stats
+            in_transit = self._num_submitted - stats.num_requests_added
+            if (
+                self.max_queue_len is not None
+                and stats.num_waiting + in_transit >= self.max_queue_len
+            ):
+                raise QueueFullError(
+                    f"the server's waiting queue is full ({self.max_queue_len} requests are "
+                    "waiting); retry later"
+                )
+            self._num_submitted += 1
+            self._ids_in_use.add(request_id)
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        self._submit(request_id, prompt, params, arrival_time, stream)
+        return stream
+
+    def _submit(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None,
+        stream: RequestStream,
+    ) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; a no-op when it already finished."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    # ---- delivery (the delivering thread) --------------------------------------------------------
+
+    def _finish(self, request_id: str, stream: RequestStream) -> None:
+        stream.finished = True
+        with self._lock:
+            self._ids_in_use.discard(request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._finish(output.request_id, stream)
+            batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            _post(loop, _put_all, items)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in self._streams.items():
+            self._finish(request_id, stream)
+            _post(stream.loop, stream.queue.put_nowait, error)
+        self._streams.clear()
+
+    def _dead_message(self) -> str:
+        return f"the engine has stopped ({self._error!r}); restart the server"
+
+
+_STOP = object()
+
+
+class AsyncEngine(EngineClient):
+    """Serves many concurrent `generate` calls from one LLMEngine running on a thread."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
+        super().__init__(engine.inputs, max_queue_len)
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # set by start()
+        self.stats = engine.stats()
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -182,42 +270,10 @@ class AsyncEngine:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int] | Prompt,
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> RequestStream:
-        """Check a request (`LLMEngine.process_inputs`, on the caller's thread) and queue it;
-        iterate the returned stream for its outputs (of `params.output_kind`: the server asks
-        for "delta").
-
-        Raises at once (nothing queued) ValueError for inputs the engine cannot serve,
-        QueueFullError when max_queue_len requests are already waiting and EngineDeadError when
-        the loop has stopped. Call from a running event loop: outputs are delivered to it."""
-        if not self.is_running:
-            raise EngineDeadError(self._dead_message())
-        prompt = self.engine.process_inputs(prompt, params)
-        with self._lock:
-            if request_id in self._ids_in_use:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            if (
-                self.max_queue_len is not None
-                and self.stats.num_waiting + self._num_queued_adds >= self.max_queue_len
-            ):
-                raise QueueFullError(
-                    f"the server's waiting queue is full ({self.max_queue_len} requests are "
-                    "waiting); retry later"
-                )
-            self._num_queued_adds += 1
-            self._ids_in_use.add(request_id)
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+    def _submit(self, request_id, prompt, params, arrival_time, stream) -> None:
         self._commands.put(("add", (request_id, prompt, params, arrival_time, stream)))
-        return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request from any thread; a no-op when it already finished."""
         self._commands.put(("abort", request_id))
 
     # ---- engine thread ---------------------------------------------------------------------------
@@ -243,15 +299,10 @@ class AsyncEngine:
                         self._add(*payload)
                     else:
                         self._abort(payload)
-                self.stats = self._collect_stats()  # aborts show in /metrics before the step
-                outputs = []
-                if engine.has_unfinished_requests():
-                    start = time.perf_counter()
-                    outputs = engine.step()
-                    self._step_seconds += time.perf_counter() - start
-                    self._num_steps += 1
+                self.stats = engine.stats()  # aborts show in /metrics before the step
+                outputs = engine.step() if engine.has_unfinished_requests() else []
                 # Stats first: a consumer woken by its output must see the state after the step.
-                self.stats = self._collect_stats()
+                self.stats = engine.stats()
                 self._deliver(outputs)
         except KeyboardInterrupt:  # Ctrl-C while the loop runs on the main thread
             self._fail_all(EngineDeadError("the server is shutting down"))
@@ -261,12 +312,6 @@ class AsyncEngine:
             self._error = e
             self._fail_all(EngineDeadError(self._dead_message()))
 
-    def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.finished = True
-            _post(stream.loop, stream.queue.put_nowait, error)
-        self._streams.clear()
-
     def _add(
         self,
         request_id: str,
@@ -275,8 +320,6 @@ class AsyncEngine:
         arrival_time: float | None,
         stream: RequestStream,
     ) -> None:
-        with self._lock:
-            self._num_queued_adds -= 1
         self.engine.enqueue(request_id, prompt, params, arrival_time)
         self._streams[request_id] = stream
 
@@ -287,43 +330,6 @@ class AsyncEngine:
             self._finish(request_id, stream)
             if output is not None:
                 _post(stream.loop, stream.queue.put_nowait, output)
-
-    def _finish(self, request_id: str, stream: RequestStream) -> None:
-        stream.finished = True
-        with self._lock:
-            self._ids_in_use.discard(request_id)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        # One wake-up of each event loop per step, not one per request.
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-                self._finish(output.request_id, stream)
-            batches.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, items in batches.items():
-            _post(loop, _put_all, items)
-
-    def _collect_stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        kv = scheduler.kv_cache_manager
-        return EngineStats(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            kv_blocks_used=kv.num_used_blocks,
-            kv_blocks_total=kv.num_total_blocks,
-            num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=kv.num_prefix_cache_queries_tokens,
-            prefix_cache_hits=kv.num_prefix_cache_hits_tokens,
-            num_steps=self._num_steps,
-            step_seconds=self._step_seconds,
-        )
-
-    def _dead_message(self) -> str:
-        return f"the engine loop has stopped ({self._error!r}); restart the server"
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

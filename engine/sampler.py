@@ -11,13 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.messages import TokenLogprobs
 from scheduler import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct stream positions
 _MASK64 = (1 << 64) - 1
-
-# One position: (token logprob, token rank (1 = most likely), [(token id, logprob)] top-k)
-TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)

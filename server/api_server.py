@@ -1,7 +1,10 @@
 """`pagedserve serve`: build the engine (weights, KV cache), then serve it over HTTP.
 
-uvicorn runs on a second thread and the engine loop on the main one (why: engine/async_engine.py).
-Ctrl-C or SIGTERM stops the loop first, so that streams in flight end at once, then uvicorn.
+With the engine core in its own process (`--core-process`, the default on CUDA;
+engine/core_process.py), the main thread supervises it and uvicorn runs on a second thread;
+in-process (the default on CPU), the engine loop runs on the main thread instead (why:
+engine/async_engine.py). Ctrl-C or SIGTERM stops the
+engine first, so that streams in flight end at once, then uvicorn.
 """
 
 from __future__ import annotations
@@ -13,12 +16,23 @@ import time
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineClient
+from engine.core_process import ProcessEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from server.app import build_app
 
 logger = logging.getLogger("pagedserve")
+
+# Whether the engine core runs in a process of its own, by device type (`--core-process`). On a
+# GPU the split keeps HTTP and detokenization off the host loop that feeds the device. On CPU
+# the model's threads need every core, and the second process only competes with them: the
+# split served 0.88-0.91x of in-process (BENCHMARKS.md, "The engine core in its own process").
+DEFAULT_CORE_PROCESS = {"cuda": True, "cpu": False}
+
+# How long the server keeps answering after its core process died: open streams get their error
+# event out, and whoever polls /health sees 503 (not just a refused connection) before the exit.
+DEAD_CORE_GRACE_S = 1.0
 
 
 def run_server(
@@ -30,66 +44,96 @@ def run_server(
     max_queue_len: int | None = None,
     log_level: str = "info",
     access_log: bool = True,
+    core_process: bool | None = None,
 ) -> None:
-    """Load the model and serve until interrupted (Ctrl-C / SIGTERM)."""
+    """Load the model and serve until interrupted (Ctrl-C / SIGTERM). `core_process`: run the
+    engine core in a process of its own (None: the default for the device, DEFAULT_CORE_PROCESS)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
-    engine = LLMEngine(config)  # logs parameters, dtype, device and the KV-cache plan
-    async_engine = AsyncEngine(engine, max_queue_len=max_queue_len)
+    if core_process is None:
+        core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
     names = served_model_names or [config.model]
-    app = build_app(
-        async_engine, names, model_root=config.model, api_key=api_key, manage_engine=False
-    )
-    plan = engine.kv_plan
-    logger.info(
-        "serving %s on http://%s:%d/v1 (device %s, dtype %s, %d KV blocks of %d tokens, "
-        "%d bytes/token, max concurrency %.1f at %d tokens%s)",
-        names[0],
-        host,
-        port,
-        engine.device,
-        str(engine.dtype).removeprefix("torch."),
-        plan.num_blocks,
-        plan.block_size,
-        plan.bytes_per_token,
-        plan.max_concurrency,
-        plan.max_model_len,
-        ", API key required" if api_key else "",
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level.lower(),
-            access_log=access_log,
-            timeout_keep_alive=30,
-            timeout_graceful_shutdown=5,
+    if core_process:
+        client: EngineClient = ProcessEngine(config, max_queue_len=max_queue_len)
+        client.start()  # loads the model in the core process; logs its plan there
+        description = client.description
+    else:
+        engine = LLMEngine(config)  # logs parameters, dtype, device and the KV-cache plan
+        client = AsyncEngine(engine, max_queue_len=max_queue_len)
+        description = engine.describe()
+    try:
+        app = build_app(
+            client, names, model_root=config.model, api_key=api_key, manage_engine=False
         )
-    )
-    http = threading.Thread(target=server.run, name="pagedserve-http", daemon=True)
-    http.start()
-    while not server.started:  # bind errors end the thread early
-        if not http.is_alive():
-            raise ValueError(f"could not serve on {host}:{port} (see the log above)")
-        time.sleep(0.05)
+        logger.info(
+            "serving %s on http://%s:%d/v1 (%s, engine core %s%s)",
+            names[0],
+            host,
+            port,
+            description,
+            f"in process {client.pid}" if core_process else "in this process",
+            ", API key required" if api_key else "",
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                log_level=log_level.lower(),
+                access_log=access_log,
+                timeout_keep_alive=30,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        http = threading.Thread(target=server.run, name="pagedserve-http", daemon=True)
+        http.start()
+        while not server.started:  # bind errors end the thread early
+            if not http.is_alive():
+                raise ValueError(f"could not serve on {host}:{port} (see the log above)")
+            time.sleep(0.05)
+    except BaseException:
+        client.shutdown()
+        raise
 
     def stop_engine_when_http_stops() -> None:
         http.join()
-        async_engine.shutdown()  # uvicorn ended by itself (e.g. a fatal error): end the loop
+        client.shutdown()  # uvicorn ended by itself (e.g. a fatal error): end the engine
 
     threading.Thread(target=stop_engine_when_http_stops, daemon=True).start()
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        async_engine.run()
+        if core_process:
+            _wait_for_core(client)
+        else:
+            client.run()
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        server.should_exit = True
-        http.join(timeout=10)
-    if async_engine.error is not None:
-        raise RuntimeError(f"the engine loop failed: {async_engine.error!r}")
+        # A second Ctrl-C (or `timeout` forwarding the signal) must not cut the shutdown short:
+        # it is bounded anyway (the core gets SIGTERM, then SIGKILL).
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            client.shutdown()  # first: streams in flight end at once, not after uvicorn's grace
+            server.should_exit = True
+            http.join(timeout=10)
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, previous)
+    if client.error is not None:
+        logger.error("the server stops because the engine failed: %r", client.error)
+        raise SystemExit(1)
+
+
+def _wait_for_core(client: ProcessEngine) -> None:
+    """Return when the core process dies (after DEAD_CORE_GRACE_S) or uvicorn stops;
+    KeyboardInterrupt on Ctrl-C/SIGTERM."""
+    died = threading.Event()
+    client.on_dead = died.set
+    while client.is_running and not died.wait(0.5):  # a timeout, so signals get through
+        pass
+    if client.error is not None:
+        time.sleep(DEAD_CORE_GRACE_S)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import EngineClient
 from server.errors import APIError, error_response, install_error_handlers
 from server.metrics import Metrics
 from server.protocol import (
@@ -38,7 +38,7 @@ def version() -> str:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     served_model_names: tuple[str, ...] | list[str],
     model_root: str,
     api_key: str | None = None,
@@ -151,7 +151,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(state, body.model)
         tokenizer = engine.tokenizer
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(

@@ -63,6 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         log_level=args.log_level,
         access_log=not args.no_access_log,
+        core_process=args.core_process,
     )
     return 0
 
@@ -107,6 +108,14 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         help="answer 503 while this many requests wait to be scheduled (default: no limit)",
     )
     srv.add_argument("--no-access-log", action="store_true")
+    srv.add_argument(
+        "--core-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the engine core (scheduler, model) in a process of its own, apart from HTTP, "
+        "tokenization and detokenization (default: on for CUDA, off on CPU, where it measured "
+        "slower)",
+    )
     srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")

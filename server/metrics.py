@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.async_engine import EngineStats
+from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.async_engine import EngineClient, RequestStream
 from engine.inputs import Prompt
 from engine.outputs import RequestOutput
 from scheduler import SamplingParams
@@ -35,7 +35,7 @@ MIN_LOGPROB = -9999.0
 class ServerState:
     """What every handler needs; one per app (kept on app.state)."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     metrics: Metrics
     served_model_names: tuple[str, ...]
     model_root: str

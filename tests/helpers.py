@@ -71,3 +71,23 @@ TINY_CONFIG_JSON = {
 # [1000, 10000). bos 1 and eos 2 are special; ids 0 and 3..257 are the synthetic byte tokens,
 # every other id i reads "<i>".
 DUMMY_MODEL_CONFIG = {**TINY_CONFIG_JSON, "vocab_size": 10240}
+
+
+def process_alive(pid: int | None) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid` (Linux /proc)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children

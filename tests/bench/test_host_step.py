@@ -15,6 +15,9 @@ def test_host_step_reports_each_part():
         "launch.sampler",
         "finish",
         "update_from_output",
+        "core.step_samples",
+        "core.encode",
+        "front_end.process",
     }
     parts = result["parts_ms"]
     rounding = 0.002  # each figure is rounded to a microsecond on its own
@@ -23,6 +26,13 @@ def test_host_step_reports_each_part():
     assert result["step_ms"] >= parts["schedule"] + parts["launch"] - rounding
     assert parts["schedule"] > 0 and inner > 0
     assert result["outputs_and_detokenize_ms"] > 0
+    # The step is the core's part and the front end's; the core process adds the encoding.
+    core = parts["core.step_samples"]
+    assert result["step_ms"] >= core + parts["front_end.process"] - rounding
+    assert core >= parts["schedule"] + parts["launch"] + parts["update_from_output"] - rounding
+    assert parts["core.encode"] > 0
+    core_process = result["step_ms"] - parts["front_end.process"] + parts["core.encode"]
+    assert abs(result["core_process_step_ms"] - core_process) <= rounding
 
 
 def test_host_step_simulates_a_device_busy_for_each_step():

@@ -171,7 +171,10 @@ def test_full_waiting_queue_gives_503(limited_server):
     with httpx.Client(headers=headers, timeout=120) as http:
         with http.stream("POST", f"{s.v1}/completions", json=long_body) as running:
             assert running.status_code == 200
-            next(running.iter_lines())  # the first request holds the only batch slot
+            # The first request holds the only batch slot. Keep the line iterator: a dropped one
+            # may close the response, and the server then aborts the request.
+            lines = running.iter_lines()
+            next(lines)
 
             def wait_in_queue() -> None:
                 r = httpx.post(

@@ -1,0 +1,308 @@
+"""EngineCore: the model side of the engine, one step = schedule -> run model -> update.
+
+It knows samples (one scheduler request each) and token ids; text is the front end's
+(engine/output_processor.py). Token-level stops (EOS, stop token ids, max_tokens, max_model_len)
+are the scheduler's; a stop string found by the front end comes back as `finish_samples`.
+`LLMEngine` runs a core in the caller's process; engine/core_process.py runs one in its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+import kernels
+from engine.cpu_linear import can_pack
+from engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
+from engine.engine_config import EngineConfig
+from engine.kv_cache import GiB, KVCachePlan, allocate_kv_caches, gpu_kv_cache_budget, plan_kv_cache
+from engine.messages import CoreRequest, EngineStats, SampleOutput
+from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
+from engine.model_source import ModelSource, resolve_model
+from engine.tokenizer import eos_token_ids, load_tokenizer
+from engine.weights import load_weights
+from scheduler import (
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from scheduler.utils import cdiv
+
+logger = logging.getLogger("pagedserve")
+
+
+class EngineCore:
+    """The model side of the engine: weights, KV cache, scheduler and runner. Takes samples
+    (`add_sample`), steps them, returns what each step produced (`step_samples`)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.source: ModelSource = resolve_model(config.model)
+        self.model_config: ModelConfig = self.source.config
+        mc = self.model_config
+        self.max_model_len = config.model_len(mc.max_position_embeddings)
+        self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.attention_ops = kernels.get_backend(self.attention_backend)
+        if self.attention_backend == "triton":  # refuse now, not at the first step after loading
+            self.attention_ops.check_runnable(self.device)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
+
+        start = time.perf_counter()
+        self.model = self._build_model()
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(
+            "model %s (%s): %.1fM parameters, %s on %s, %s attention, loaded in %.1f s",
+            config.model,
+            mc.architecture,
+            self.num_params / 1e6,
+            _dtype_name(self.dtype),
+            self.device,
+            self.attention_backend,
+            time.perf_counter() - start,
+        )
+
+        self.max_num_batched_tokens = config.step_token_budget
+        kv_memory = config.kv_cache_memory
+        if self.device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
+            kv_memory = self._profile_kv_cache_budget()
+        self.kv_plan: KVCachePlan = plan_kv_cache(
+            mc,
+            self.dtype,
+            config.block_size,
+            self.max_model_len,
+            memory_bytes=kv_memory,
+            num_blocks=config.num_kv_blocks,
+        )
+        logger.info(self.kv_plan.describe())
+        kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            kv_caches,
+            config.block_size,
+            self.device,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.seed,
+            graphs=self._capture_decode_graphs(kv_caches),
+        )
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda"
+        )
+        # Asynchronous scheduling: the step launched last, whose outputs the next step() reads.
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=self.kv_plan.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        )
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.num_requests_added = 0  # requests, counted by the caller (see EngineStats)
+
+    def _build_model(self) -> LlamaForCausalLM:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(
+                    self.model_config,
+                    self.max_model_len,
+                    attention_ops=self.attention_ops,
+                )
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(load_weights(self.source, self.config.load_format))
+        if can_pack(self.device, self.dtype):
+            model.pack_linear_weights()
+        return model.eval()
+
+    def _profile_kv_cache_budget(self) -> int:
+        """GPU bytes for the KV cache: run the largest possible step once (all of
+        max_num_batched_tokens, sampled by as many sequences as may run) on a scratch cache,
+        measure its activation peak, and give the KV cache what the --gpu-memory-utilization
+        share leaves after that peak and everything already in use."""
+        device, mc, block_size = self.device, self.model_config, self.config.block_size
+        step = profile_step(
+            self.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            block_size,
+            self.max_model_len,
+            mc.vocab_size,
+        )
+        num_blocks = sum(len(s.block_table) for s in step.scheduled)
+        scratch = KVCachePlan(
+            num_blocks, block_size, mc.kv_bytes_per_token(self.dtype.itemsize), self.max_model_len
+        )
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        caches = allocate_kv_caches(mc, scratch, self.dtype, device)
+        runner = ModelRunner(
+            self.model,
+            caches,
+            block_size,
+            device,
+            len(step.new_requests),
+            self.max_model_len,
+            self.config.seed,
+        )
+        runner.execute(step)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - baseline - scratch.total_bytes
+        del caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        utilization = self.config.gpu_memory_utilization
+        budget = gpu_kv_cache_budget(total, utilization, total - free, peak)
+        logger.info(
+            "GPU memory: %.1f GiB total, %.2f GiB in use (weights %.2f GiB), %.2f GiB activation "
+            "peak for a %d-token step; KV cache gets %.2f GiB (--gpu-memory-utilization %.2f)",
+            total / GiB,
+            (total - free) / GiB,
+            sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB,
+            peak / GiB,
+            self.max_num_batched_tokens,
+            budget / GiB,
+            utilization,
+        )
+        return budget
+
+    def _capture_decode_graphs(self, kv_caches: list) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, unless on CPU, --enforce-eager, or an attention backend
+        that synchronises with the host (the torch reference cannot be captured)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.attention_backend != "triton":
+            logger.info(
+                "CUDA graphs off: the %s attention backend cannot be captured",
+                self.attention_backend,
+            )
+            return None
+        max_batch = min(
+            self.config.max_cuda_graph_batch_size or self.config.max_num_seqs,
+            self.config.max_num_seqs,
+            MAX_CAPTURE_BATCH_SIZE,
+        )
+        graphs = DecodeGraphs(
+            self.model,
+            kv_caches,
+            max_batch,
+            cdiv(self.max_model_len, self.config.block_size),
+            self.device,
+        )
+        graphs.capture_all()
+        return graphs
+
+    # ---- samples ---------------------------------------------------------------------------------
+
+    def add_sample(self, sample: CoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                sample.request_id,
+                sample.prompt_token_ids,
+                sample.params,
+                self.eos_token_ids,
+                sample.arrival_time,
+            )
+        )
+
+    def abort_samples(self, request_ids: list[str], stopped: bool = False) -> None:
+        """End samples in whatever state they are and free their blocks now; unknown or finished
+        ids are ignored. `stopped`: the front end matched a stop string (else the client left)."""
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, status)
+
+    def has_work(self) -> bool:
+        """Samples to schedule, or a launched step whose results are still to be read."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    # ---- stepping --------------------------------------------------------------------------------
+
+    def step_samples(self) -> list[SampleOutput]:
+        """Run one scheduler step; return what it produced for each sample (tokens, finishes,
+        logprobs, prompt logprobs).
+
+        With asynchronous scheduling a call launches step N + 1 and then returns the outputs of
+        step N, whose device work ran (and whose ids came back) meanwhile."""
+        start = time.perf_counter()
+        try:
+            sched_out = self.scheduler.schedule()
+            handle = self.runner.launch(sched_out)  # also when empty: it drops finished requests
+            if not self.async_scheduling:
+                if not sched_out.num_scheduled_tokens:
+                    return []
+                return self._process(sched_out, handle.result())
+            previous = self._in_flight
+            self._in_flight = (sched_out, handle) if sched_out.num_scheduled_tokens else None
+            if previous is None:
+                return []
+            return self._process(previous[0], previous[1].result())
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+
+    def _process(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[SampleOutput]:
+        """Apply a step's sampled tokens to the scheduler; one output per sample touched."""
+        outputs: dict[str, SampleOutput] = {}
+        # First: a sample's first token comes in the step that scores its last prompt chunk, and
+        # the front end must have the complete prompt logprobs by then.
+        for request_id, prompt_logprobs in runner_out.prompt_logprobs.items():
+            outputs[request_id] = SampleOutput(request_id, [], prompt_logprobs=prompt_logprobs)
+        logprobs = runner_out.logprobs
+        for delta in self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids):
+            request_id = delta.request_id
+            out = outputs.get(request_id)
+            if out is None:
+                out = outputs[request_id] = SampleOutput(request_id, list(delta.new_token_ids))
+            else:
+                out.new_token_ids = list(delta.new_token_ids)
+            out.finish_reason = delta.finish_reason
+            out.logprobs = logprobs.get(request_id)
+        return list(outputs.values())
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_total_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.num_prefix_cache_queries_tokens,
+            prefix_cache_hits=kv.num_prefix_cache_hits_tokens,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            num_requests_added=self.num_requests_added,
+        )
+
+    def describe(self) -> str:
+        """Device, dtype and KV cache, as the server's start-up line gives them."""
+        plan = self.kv_plan
+        return (
+            f"device {self.device}, dtype {_dtype_name(self.dtype)}, {plan.num_blocks} KV blocks "
+            f"of {plan.block_size} tokens, {plan.bytes_per_token} bytes/token, max concurrency "
+            f"{plan.max_concurrency:.1f} at {plan.max_model_len} tokens"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,336 @@
+"""The engine core in a process of its own, and `ProcessEngine`, the server's client of it.
+
+    API server process                                  engine core process (`run_engine_core`)
+    ──────────────────                                  ───────────────────────────────────────
+    HTTP, chat templates, InputProcessor                EngineCore: scheduler, runner, model
+    add_request ─ OutputProcessor.add ─ AddRequest ──>  PULL ─> add_sample / abort_samples
+    receiver thread <── CoreOutputs (per step) ──────── PUSH <─ step_samples + stats
+      OutputProcessor.process: detokenize, stop strings
+      (a stop string sends AbortSamples(stopped=True) back), deliver to the streams
+
+Two ZeroMQ PUSH/PULL pairs over ipc:// sockets in a private temporary folder carry msgpack
+(msgspec) encodings of engine/messages.py. The core's main thread runs only the engine loop, so
+on a GPU the host work of the next step is never held up by HTTP, tokenization or
+detokenization: those share the API server's GIL, not the core's.
+
+Supervision: the API server starts the core (`start` waits for its CoreReady), watches it (a
+receiver thread notices within 0.1 s when it has exited), and stops it (`shutdown`: a Shutdown
+message, then SIGTERM, then SIGKILL). A core that dies fails every open stream with
+EngineDeadError and calls `on_dead` (the server then exits non-zero). The core ignores SIGINT (a
+Ctrl-C at the terminal reaches both processes; the server decides), exits on SIGTERM, and dies
+with its parent (PR_SET_PDEATHSIG, and a parent-pid check while idle), so no orphan outlives a
+killed server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from engine.async_engine import EngineClient, EngineDeadError, RequestStream, _post
+from engine.engine_config import EngineConfig
+from engine.inputs import InputProcessor, Prompt
+from engine.messages import (
+    AbortSamples,
+    AddRequest,
+    CoreFailed,
+    CoreInput,
+    CoreMessage,
+    CoreOutputs,
+    CoreReady,
+    Shutdown,
+)
+from engine.model_source import resolve_model
+from engine.output_processor import OutputProcessor
+from engine.tokenizer import load_tokenizer
+from scheduler import SamplingParams
+
+logger = logging.getLogger("pagedserve")
+
+_POLL_MS = 100  # how often the receiver looks at the core process while no output arrives
+_PARENT_CHECK_MS = 1000  # how often an idle core checks that its parent is alive
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcessEngine(EngineClient):
+    """The server's engine when the core runs in a child process: tokenizer, input checks and
+    output processing here, the model there."""
+
+    def __init__(self, config: EngineConfig, max_queue_len: int | None = None) -> None:
+        source = resolve_model(config.model)  # reads the config, not the weights
+        tokenizer = load_tokenizer(source, config.tokenizer)
+        model_config = source.config
+        inputs = InputProcessor(
+            tokenizer,
+            config.model_len(model_config.max_position_embeddings),
+            model_config.vocab_size,
+        )
+        super().__init__(inputs, max_queue_len)
+        self.config = config
+        self.description = ""  # the core's device, dtype and KV cache, once started
+        self.on_dead: Callable[[], None] | None = None  # called on the receiver thread
+        self.output_processor = OutputProcessor(tokenizer)
+        # Guards the output processor, the streams and the input socket, which the event loop
+        # (add, abort) and the receiver thread (outputs, stop strings) both use.
+        self._state_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._process: multiprocessing.Process | None = None
+        self._receiver: threading.Thread | None = None
+        self._stopping = False
+        self._folder: str | None = None
+        self._context: zmq.Context | None = None
+        self._input: zmq.Socket | None = None
+        self._output: zmq.Socket | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's id while it runs."""
+        return self._process.pid if self._process is not None else None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the core process and wait until its model is loaded. Raises ValueError when the
+        core refuses the config, RuntimeError when it dies while starting."""
+        if self._process is not None:
+            raise RuntimeError("ProcessEngine was already started")
+        self._folder = tempfile.mkdtemp(prefix="pagedserve-")
+        input_address = f"ipc://{self._folder}/input"
+        output_address = f"ipc://{self._folder}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.bind(output_address)
+        level = logging.getLogger("pagedserve").getEffectiveLevel()
+        # spawn, not fork: the parent may hold threads and an initialised torch.
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(self.config, input_address, output_address, level),
+            name="pagedserve-core",
+            daemon=True,  # multiprocessing ends it if this process exits without shutdown()
+        )
+        try:
+            self._process.start()
+            ready = self._wait_ready()
+        except BaseException:  # includes Ctrl-C while the model loads
+            if self._process.pid is not None:  # it started
+                self._stop_process(timeout=5.0)
+            self._close()
+            raise
+        if ready.max_model_len != self.max_model_len:
+            raise AssertionError(
+                f"core max_model_len {ready.max_model_len} != front end {self.max_model_len}"
+            )
+        self.description = ready.description
+        logger.info("engine core process %d ready", self._process.pid)
+        self._running = True
+        self._receiver = threading.Thread(
+            target=self._receive, name="pagedserve-core-outputs", daemon=True
+        )
+        self._receiver.start()
+
+    def _wait_ready(self) -> CoreReady:
+        decoder = msgspec.msgpack.Decoder(CoreMessage)
+        while True:
+            if self._output.poll(_POLL_MS):
+                message = decoder.decode(self._output.recv())
+                if isinstance(message, CoreReady):
+                    return message
+                if isinstance(message, CoreFailed):
+                    error = ValueError if message.value_error else RuntimeError
+                    raise error(message.message)
+                raise RuntimeError(f"unexpected message from the engine core: {message!r}")
+            if not self._process.is_alive():
+                raise RuntimeError(
+                    f"the engine core process exited with code {self._process.exitcode} while "
+                    "starting (see the log above)"
+                )
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core (requests in flight end with EngineDeadError) and wait for it. Safe to
+        call from any thread but the receiver, more than once."""
+        if self._process is None or self._stopping:
+            return
+        self._stopping = True
+        with self._state_lock:
+            self._fail_all(EngineDeadError("the server is shutting down"))
+            if self._process.is_alive():
+                self._input.send(self._encoder.encode(Shutdown()))
+        self._stop_process(timeout)
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        self._running = False
+        self._close()
+
+    def _stop_process(self, timeout: float) -> None:
+        process = self._process
+        process.join(timeout)
+        if process.is_alive():
+            process.terminate()
+            process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+    def _close(self) -> None:
+        for socket in (self._input, self._output):
+            if socket is not None:
+                socket.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    # ---- requests (event loop thread) ------------------------------------------------------------
+
+    def _submit(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None,
+        stream: RequestStream,
+    ) -> None:
+        with self._state_lock:
+            if not self.is_running or self._stopping:  # the core died since add_request checked
+                self._finish(request_id, stream)
+                _post(stream.loop, stream.queue.put_nowait, EngineDeadError(self._dead_message()))
+                return
+            samples = self.output_processor.add(request_id, prompt, params, arrival_time)
+            self._streams[request_id] = stream
+            self._input.send(self._encoder.encode(AddRequest(samples)))
+
+    def abort(self, request_id: str) -> None:
+        with self._state_lock:
+            output, sample_ids = self.output_processor.abort(request_id)
+            if sample_ids and self.is_running and not self._stopping:
+                self._input.send(self._encoder.encode(AbortSamples(sample_ids)))
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._finish(request_id, stream)
+                if output is not None:
+                    _post(stream.loop, stream.queue.put_nowait, output)
+
+    # ---- receiver thread -------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        decoder = msgspec.msgpack.Decoder(CoreMessage)
+        while not self._stopping:
+            if not self._output.poll(_POLL_MS):
+                if not self._process.is_alive() and not self._stopping:
+                    self._core_died()
+                    return
+                continue
+            message = decoder.decode(self._output.recv())
+            if not isinstance(message, CoreOutputs):
+                logger.warning("unexpected message from the engine core: %r", message)
+                continue
+            with self._state_lock:
+                results, stopped = self.output_processor.process(message.outputs)
+                if stopped and not self._stopping:
+                    self._input.send(self._encoder.encode(AbortSamples(stopped, stopped=True)))
+                # Stats first: a consumer woken by its output must see the state after the step.
+                self.stats = message.stats
+                self._deliver(results)
+
+    def _core_died(self) -> None:
+        code = self._process.exitcode
+        self._error = RuntimeError(f"the engine core process exited with code {code}")
+        logger.error("%s; failing every open request", self._error)
+        with self._state_lock:
+            self._fail_all(EngineDeadError(self._dead_message()))
+        if self.on_dead is not None:
+            self.on_dead()
+
+
+# ---- the core process ---------------------------------------------------------------------------
+
+
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, log_level: int
+) -> None:
+    """The engine core process: load the model, say CoreReady, then loop (take inputs, step,
+    send outputs) until Shutdown, SIGTERM or the parent's death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_now)
+    parent = _die_with_parent()
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    from engine.core import EngineCore  # torch and the model code: only in this process
+    from engine.cpu_allocator import keep_large_allocations_in_heap
+
+    keep_large_allocations_in_heap()  # the process's own entry point sets it (why: there)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        try:
+            core = EngineCore(config)
+        except Exception as e:
+            if not isinstance(e, ValueError):
+                logger.exception("the engine core could not start")
+            outputs.send(encoder.encode(CoreFailed(str(e), isinstance(e, ValueError))))
+            return
+        outputs.send(encoder.encode(CoreReady(core.max_model_len, core.describe())))
+        _serve(core, inputs, outputs, encoder, parent)
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=1000)  # let the last message out
+        context.term()
+
+
+def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encoder, parent: int) -> None:
+    decoder = msgspec.msgpack.Decoder(CoreInput)
+    while True:
+        if not core.has_work():  # idle: block on the input socket, watching the parent
+            while not inputs.poll(_PARENT_CHECK_MS):
+                if os.getppid() != parent:
+                    return
+        while True:  # everything that arrived during the last step
+            try:
+                frame = inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            message = decoder.decode(frame)
+            if isinstance(message, AddRequest):
+                for sample in message.samples:
+                    core.add_sample(sample)
+                core.num_requests_added += 1
+            elif isinstance(message, AbortSamples):
+                core.abort_samples(message.request_ids, stopped=message.stopped)
+            else:
+                return  # Shutdown
+        samples = core.step_samples() if core.has_work() else []
+        outputs.send(encoder.encode(CoreOutputs(samples, core.stats())))
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    sys.exit(0)
+
+
+def _die_with_parent() -> int:
+    """Ask Linux to SIGTERM this process when its parent dies; return the parent's pid (an idle
+    core also checks it, where prctl is not available)."""
+    parent = multiprocessing.parent_process().pid
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        sys.exit(0)
+    return parent

@@ -1,0 +1,96 @@
+"""What passes between the front end (tokenizer, detokenizer, stop strings, streams) and the engine
+core (scheduler, model): plain msgspec structs, the same whether the core runs in the caller's
+process (LLMEngine) or in its own (engine/core_process.py sends them over ZeroMQ as msgpack).
+
+The core knows samples, not requests: a request with n samples arrives as n CoreRequests, and
+each step returns one SampleOutput per sample that has something new.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from scheduler import SamplingParams
+
+# One position: (token logprob, token rank (1 = most likely), [(token id, logprob)] top-k).
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+
+
+class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
+    """One sample to schedule: its id, prompt and params (n = 1; its own seed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class SampleOutput(msgspec.Struct, array_like=True, gc=False):
+    """What one step produced for one sample. Prompt logprobs (when asked for) come as the
+    prompt chunks are scored, possibly in steps without a new token."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" when the core ended it
+    logprobs: TokenLogprobs | None = None  # of the last new token, when params.logprobs is set
+    # (prompt position of the first entry, one entry per position from there on)
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+
+
+class EngineStats(msgspec.Struct, array_like=True, frozen=True):
+    """What the engine core publishes after each iteration of its loop (read by /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # scheduler requests (samples) not yet admitted
+    kv_blocks_used: int = 0  # blocks held by live requests (ref count > 0)
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    num_steps: int = 0
+    step_seconds: float = 0.0  # total time spent stepping the engine
+    num_requests_added: int = 0  # requests (not samples) the core has received so far
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+# ---- front end -> core process ------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    samples: list[CoreRequest]  # the n samples of one request
+
+
+class AbortSamples(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    stopped: bool = False  # True: a stop string ended them (finish "stop"), not the client
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+CoreInput = AddRequest | AbortSamples | Shutdown
+
+
+# ---- core process -> front end ------------------------------------------------------------------
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    max_model_len: int
+    description: str  # device, dtype and KV-cache plan, for the front end's log line
+
+
+class CoreOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
+    outputs: list[SampleOutput]
+    stats: EngineStats
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    message: str  # why the core could not start
+    value_error: bool  # the config was refused (a ValueError), rather than a crash
+
+
+CoreMessage = CoreReady | CoreOutputs | CoreFailed
