@@ -29,6 +29,7 @@ import asyncio
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 
 from engine.inputs import InputProcessor, Prompt
@@ -82,7 +83,7 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
-class EngineClient:
+class EngineClient(ABC):
     """What the server needs of an engine, wherever its core runs: the input checks, request
     streams, unique request ids, the waiting-queue limit and the engine's failure state.
 
@@ -168,6 +169,7 @@ class EngineClient:
         self._submit(request_id, prompt, params, arrival_time, stream)
         return stream
 
+    @abstractmethod
     def _submit(
         self,
         request_id: str,
@@ -176,17 +178,19 @@ class EngineClient:
         arrival_time: float | None,
         stream: RequestStream,
     ) -> None:
-        raise NotImplementedError
+        """Hand a checked request to the engine; its outputs go to `stream`."""
 
+    @abstractmethod
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; a no-op when it already finished."""
-        raise NotImplementedError
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start the engine; requests are accepted once this returns."""
 
+    @abstractmethod
     def shutdown(self, timeout: float = 10.0) -> None:
-        raise NotImplementedError
+        """Stop the engine; requests in flight end with EngineDeadError."""
 
     # ---- delivery (the delivering thread) --------------------------------------------------------
 
