@@ -3,18 +3,21 @@ updates and detokenization, with the model's forward stubbed out.
 
     python -m bench.host_step --batch-size 256 --context 1000 --steps 60
     python -m bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling
+    python -m bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling \
+        --core-loop
 
 A 1-layer, 64-wide Llama on CPU (vocab 2048, dummy weights) whose forward returns zeros, with
 SmolLM2's real tokenizer for detokenization: what remains is the engine's own Python and the
 small lm_head matmul. Prints one JSON object: the step's wall time and the time inside each part
-(schedule, launch, of which prepare and the sampler, finish (the sampled ids back on the host),
-update_from_output, the engine's per-request output work), and `core_process_step_ms`: the
-step without the front end's output processing but with the encoding of its outputs, i.e. the
-host work of the engine core's loop when it runs in its own process.
+(schedule, launch, of which prepare, the lm_head and the sampler's tensor work, finish (the
+sampled ids back on the host), update_from_output, the engine's per-request output work);
+`core_process_step_ms`: the step without the front end's output processing but with the
+encoding of its outputs, i.e. the work of the engine core's loop when it runs in its own
+process; and `core_host_ms`: that loop without the lm_head and the sampler's tensor work, which
+a GPU runs (the CPU computes them here), i.e. the host time a device step cannot hide.
 
-`--device-ms D` simulates a device: a one-thread executor (the GPU stream) is busy D ms per
-launched step, in launch order, and a step's results are ready only when its turn is over. The
-worker only sleeps (no GIL), as a GPU needs no host thread while it runs. Without asynchronous
+`--device-ms D` simulates a device (a GPU stream): each launched step occupies it D ms, in launch
+order, and a step's results are ready only when its turn is over. Without asynchronous
 scheduling a step then costs host + D; with it, max(host, D) once the host hides behind it.
 """
 
@@ -26,7 +29,6 @@ import json
 import random
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -58,6 +60,7 @@ def measure(
     steps: int,
     device_ms: float | None = None,
     async_scheduling: bool = False,
+    core_loop: bool = False,
 ) -> dict:
     from engine import LLM, SamplingParams
 
@@ -91,10 +94,9 @@ def measure(
     hidden = TINY_CONFIG["hidden_size"]
 
     engine.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
-    device = None
+    undo = None
     if device_ms is not None:
-        device = ThreadPoolExecutor(1, thread_name_prefix="device")
-        undo = simulate_device(engine.runner, device, device_ms / 1e3)
+        undo = simulate_device(engine.runner, device_ms / 1e3)
 
     parts: collections.Counter[str] = collections.Counter()
 
@@ -116,6 +118,7 @@ def measure(
     timed(engine.runner.input_batch, "prepare", "launch.prepare")
     timed(engine.runner, "_finish", "finish")
     timed(engine.runner.sampler, "sample", "launch.sampler")
+    timed(engine.model, "compute_logits", "launch.lm_head")
     # The split at the process boundary: what the core process would run per step (step_samples,
     # plus encoding its outputs for the socket) and what the API server would (process).
     timed(engine, "step_samples", "core.step_samples")
@@ -128,12 +131,19 @@ def measure(
         return last_samples[:]
 
     engine.step_samples = step_samples_kept
+    step = engine.step
+    if core_loop:  # what the core process's loop runs: no front end, outputs encoded to send
+        encoder = msgspec.msgpack.Encoder()
+
+        def step():
+            encoder.encode(CoreOutputs(engine.step_samples(), engine.stats()))
+
     for _ in range(5):
-        engine.step()
+        step()
     parts.clear()
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        step()
     step_ms = (time.perf_counter() - start) / steps * 1e3
     parts_ms = {k: round(v / steps * 1e3, 3) for k, v in sorted(parts.items())}
     named = sum(parts_ms[k] for k in ("schedule", "launch", "finish", "update_from_output"))
@@ -143,10 +153,11 @@ def measure(
         "steps": steps,
         "async_scheduling": engine.async_scheduling,
         "device_ms": device_ms,
+        "loop": "core" if core_loop else "engine",
         "step_ms": round(step_ms, 3),
         "parts_ms": parts_ms,
     }
-    if device is None:
+    if undo is None and not core_loop:
         result["outputs_and_detokenize_ms"] = round(step_ms - named, 3)
         # With the core in its own process, its loop runs this much host work per step: the
         # step without the front end's work, plus encoding a step's outputs for the socket.
@@ -158,34 +169,46 @@ def measure(
         parts_ms["core.encode"] = round(encode_ms, 3)
         core_ms = step_ms - parts_ms["front_end.process"] + encode_ms
         result["core_process_step_ms"] = round(core_ms, 3)
-    else:
-        device.shutdown()
+        # What the device does on a GPU (queued kernels there, computed here on the CPU): the
+        # lm_head matmul and the sampler's tensor work. The rest is the core's host time.
+        device_work = parts_ms["launch.lm_head"] + parts_ms["launch.sampler"]
+        result["core_host_ms"] = round(core_ms - device_work, 3)
+    if undo is not None:
         undo()
     return result
 
 
-def simulate_device(runner, device: ThreadPoolExecutor, seconds: float):
-    """Every launched step keeps `device` busy `seconds` (in launch order); its result waits
-    for that. Returns what undoes the patch of StepHandle."""
+def simulate_device(runner, seconds: float):
+    """Every launched step keeps a simulated device busy `seconds`, in launch order (a GPU stream):
+    it starts when both it is launched and the previous step is done, and its result() waits
+    until it is over. A deadline per step, no thread: a device needs no host thread (nor the
+    GIL) while it runs. Returns what undoes the patches."""
     import engine.model_runner as model_runner
 
     launch = runner.launch
     result = model_runner.StepHandle.result
+    device_free_at = 0.0
 
     def launch_on_device(out):
+        nonlocal device_free_at
         handle = launch(out)
-        handle.device_busy = device.submit(time.sleep, seconds)
+        device_free_at = max(time.perf_counter(), device_free_at) + seconds
+        handle.device_done_at = device_free_at
         return handle
 
     def result_after_device(handle):
-        busy = getattr(handle, "device_busy", None)
-        if busy is not None:
-            busy.result()
+        done_at = getattr(handle, "device_done_at", None)
+        if done_at is not None and (wait := done_at - time.perf_counter()) > 0:
+            time.sleep(wait)
         return result(handle)
+
+    def undo():
+        runner.launch = launch
+        model_runner.StepHandle.result = result
 
     runner.launch = launch_on_device
     model_runner.StepHandle.result = result_after_device
-    return lambda: setattr(model_runner.StepHandle, "result", result)
+    return undo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="schedule step N+1 while step N runs",
     )
+    parser.add_argument(
+        "--core-loop",
+        action="store_true",
+        help="time the engine core's loop alone (step_samples and encoding its outputs), as it "
+        "runs in its own process, instead of the in-process engine step with its front end",
+    )
     return parser
 
 
@@ -210,7 +239,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     keep_large_allocations_in_heap()  # as `pagedserve` does
     result = measure(
-        args.batch_size, args.context, args.steps, args.device_ms, args.async_scheduling
+        args.batch_size,
+        args.context,
+        args.steps,
+        args.device_ms,
+        args.async_scheduling,
+        args.core_loop,
     )
     print(json.dumps(result))
 

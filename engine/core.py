@@ -261,22 +261,30 @@ class EngineCore:
 
     def _process(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[SampleOutput]:
         """Apply a step's sampled tokens to the scheduler; one output per sample touched."""
-        outputs: dict[str, SampleOutput] = {}
-        # First: a sample's first token comes in the step that scores its last prompt chunk, and
-        # the front end must have the complete prompt logprobs by then.
-        for request_id, prompt_logprobs in runner_out.prompt_logprobs.items():
-            outputs[request_id] = SampleOutput(request_id, [], prompt_logprobs=prompt_logprobs)
         logprobs = runner_out.logprobs
-        for delta in self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids):
-            request_id = delta.request_id
-            out = outputs.get(request_id)
+        outputs = [
+            SampleOutput(
+                delta.request_id,
+                list(delta.new_token_ids),
+                delta.finish_reason,
+                logprobs.get(delta.request_id),
+            )
+            for delta in self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        ]
+        if not runner_out.prompt_logprobs:
+            return outputs
+        # A sample's first token comes in the step that scores its last prompt chunk: it carries
+        # the rest of its prompt logprobs too. Samples still in their prompt get outputs without
+        # tokens.
+        by_id = {out.request_id: out for out in outputs}
+        prompt_only = []
+        for request_id, prompt_logprobs in runner_out.prompt_logprobs.items():
+            out = by_id.get(request_id)
             if out is None:
-                out = outputs[request_id] = SampleOutput(request_id, list(delta.new_token_ids))
+                prompt_only.append(SampleOutput(request_id, [], prompt_logprobs=prompt_logprobs))
             else:
-                out.new_token_ids = list(delta.new_token_ids)
-            out.finish_reason = delta.finish_reason
-            out.logprobs = logprobs.get(request_id)
-        return list(outputs.values())
+                out.prompt_logprobs = prompt_logprobs
+        return prompt_only + outputs
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

@@ -190,7 +190,7 @@ class ModelRunner:
         ):
             previous.result()  # penalties read the whole history on the host: wait for it
         batch = state.prepare(out, rows, self.block_size)
-        sampling_rows = [self._sampling_row(batch, i) for i in batch.sample_indices.tolist()]
+        sampling_rows = self._sampling_rows(batch)
         plan = self.sampler.plan(sampling_rows, self.device) if sampling_rows else None
         prompt_targets = batch.prompt_logprob_targets
         prompt_ks = [
@@ -257,21 +257,28 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
-    def _sampling_row(self, batch: Batch, i: int) -> SamplingRow:
-        row = int(batch.rows[i])
-        end = int(batch.ends[i])
-        params = self.input_batch.params[row]
-        num_output_tokens = end - int(self.input_batch.num_prompt[row])
-        if row not in self.input_batch.history_rows:
-            return SamplingRow(params, num_output_tokens)
-        want_prompt, want_output = needs_history(params)
-        prompt_ids, output_ids = self.input_batch.history(row, end)
-        return SamplingRow(
-            params,
-            num_output_tokens,
-            prompt_token_ids=prompt_ids if want_prompt else None,
-            output_token_ids=output_ids if want_output else None,
-        )
+    def _sampling_rows(self, batch: Batch) -> list[SamplingRow]:
+        """What the sampler needs of each sampling sequence, in batch order; the token history
+        only for rows with penalties."""
+        state = self.input_batch
+        sample_idx = batch.sample_indices
+        rows = batch.rows[sample_idx].tolist()
+        num_outputs = (batch.ends[sample_idx] - state.num_prompt[batch.rows[sample_idx]]).tolist()
+        params = state.params
+        sampling = [SamplingRow(params[row], n) for row, n in zip(rows, num_outputs, strict=True)]
+        if state.history_rows:
+            for i, row in enumerate(rows):
+                if row not in state.history_rows:
+                    continue
+                want_prompt, want_output = needs_history(params[row])
+                prompt_ids, output_ids = state.history(row, int(batch.ends[sample_idx[i]]))
+                sampling[i] = SamplingRow(
+                    params[row],
+                    num_outputs[i],
+                    prompt_token_ids=prompt_ids if want_prompt else None,
+                    output_token_ids=output_ids if want_output else None,
+                )
+        return sampling
 
 
 def profile_step(

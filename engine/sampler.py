@@ -8,6 +8,7 @@ share the batch, nor on whether it was preempted and recomputed in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +19,9 @@ _SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct stream 
 _MASK64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True)
-class SamplingRow:
-    """What the sampler needs to know about one sequence that samples this step."""
+class SamplingRow(NamedTuple):
+    """What the sampler needs to know about one sequence that samples this step (a tuple: one is
+    built per sequence per step)."""
 
     params: SamplingParams
     num_output_tokens: int

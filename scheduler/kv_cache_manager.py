@@ -127,9 +127,12 @@ class KVCacheManager:
             and not new_computed_blocks
             and num_total_tokens <= len(table) * self.block_size
         ):
-            # Most decode steps: the slots are in the last block already.
+            # Most decode steps: the slots are in the last block already, and no block filled up
+            # (checked here rather than in _cache_full_blocks: this runs per request per step).
             if self.enable_prefix_caching:
-                self._cache_full_blocks(request, table, min(num_total_tokens, request.num_tokens))
+                num_known = min(num_total_tokens, len(request.all_token_ids))
+                if num_known // self.block_size > self._num_cached_blocks.get(request_id, 0):
+                    self._cache_full_blocks(request, table, num_known)
             return []
         if new_computed_blocks and (table or request.num_computed_tokens):
             raise ValueError(

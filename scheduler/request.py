@@ -61,6 +61,7 @@ class Request:
         "all_token_ids",
         "sampling_params",
         "eos_token_ids",
+        "stop_token_ids",
         "status",
         "num_computed_tokens",
         "arrival_time",
@@ -82,6 +83,10 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        # The ids that end the request when sampled: its stop tokens, and EOS unless ignored.
+        self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            self.stop_token_ids |= self.eos_token_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Wall-clock seconds (time.time()), like vLLM, so it can be compared across processes.

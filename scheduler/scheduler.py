@@ -106,13 +106,17 @@ class Scheduler:
         sampling: list[Request] = []
         preempted: list[Request] = []
 
+        kv = self.kv_cache_manager
+        running = self.running
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+        # The hot loop of a decode step (one pass per running request): attribute reads are
+        # inlined rather than going through Request's properties.
+        while index < len(running) and token_budget > 0:
+            request = running[index]
             pending = request.num_output_placeholders
-            target = request.num_tokens + pending
+            target = len(request.all_token_ids) + pending
             if pending and (
-                request.num_output_tokens + pending >= request.sampling_params.max_tokens
+                len(request.output_token_ids) + pending >= request.sampling_params.max_tokens
                 or target >= max_model_len
             ):
                 # The token in flight is its last (max_tokens or the context is reached): the
@@ -123,19 +127,17 @@ class Scheduler:
             if num_new_tokens == 0:
                 index += 1
                 continue
-            while (
-                new_block_ids := self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            ) is None:
+            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
                 # Victims come from the tail, which lies after `index`: requests already
                 # scheduled this step are never preempted.
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
                 cached_ids.append(request.request_id)
-                cached_new_blocks.append(tuple(new_block_ids))
+                cached_new_blocks.append(tuple(new_block_ids) if new_block_ids else ())
                 cached_starts.append(request.num_computed_tokens)
                 self._advance(request, num_new_tokens, num_scheduled, sampling)
                 token_budget -= num_new_tokens
@@ -239,9 +241,13 @@ class Scheduler:
         """
         deltas: list[RequestDelta] = []
         num_finished = 0
+        max_model_len = self.config.max_model_len
+        # The other hot loop of a decode step: Request's properties and the stop rules are
+        # inlined (a stop token, EOS unless ignored, then the length limits, in that order).
         for request in self._sampling.pop(output.step_id, ()):
             request.num_output_placeholders -= 1
-            if request.is_finished:
+            status = request.status
+            if status > RequestStatus.PREEMPTED:
                 continue  # aborted or stopped since schedule(): the token has nowhere to go
             try:
                 token_id = sampled_token_ids[request.request_id]
@@ -250,29 +256,35 @@ class Scheduler:
                     f"no sampled token for request {request.request_id!r}, which sampled in "
                     f"step {output.step_id}"
                 ) from None
-            request.append_output_token_ids(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                running = request.status == RequestStatus.RUNNING
-                self._release(request, status, remove_from_queues=not running)
-                num_finished += running
+            output_token_ids = request.output_token_ids
+            output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            if token_id in request.stop_token_ids:
+                finished = RequestStatus.FINISHED_STOPPED
+            elif (
+                len(output_token_ids) >= request.sampling_params.max_tokens
+                or len(request.all_token_ids) >= max_model_len
+            ):
+                finished = RequestStatus.FINISHED_LENGTH
+            else:
+                deltas.append(
+                    RequestDelta(
+                        request.request_id,
+                        (token_id,),
+                        status,
+                        None,
+                        len(request.prompt_token_ids),
+                        len(output_token_ids),
+                    )
+                )
+                continue
+            running = status == RequestStatus.RUNNING
+            self._release(request, finished, remove_from_queues=not running)
+            num_finished += running
             deltas.append(self._delta(request, (token_id,)))
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return deltas
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        """The finished status the newly appended `token_id` leads to, or None."""
-        params = request.sampling_params
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # ------------------------------------------------------------- finishing early
 

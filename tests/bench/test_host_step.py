@@ -13,6 +13,7 @@ def test_host_step_reports_each_part():
         "launch",
         "launch.prepare",
         "launch.sampler",
+        "launch.lm_head",
         "finish",
         "update_from_output",
         "core.step_samples",
@@ -21,7 +22,7 @@ def test_host_step_reports_each_part():
     }
     parts = result["parts_ms"]
     rounding = 0.002  # each figure is rounded to a microsecond on its own
-    inner = parts["launch.prepare"] + parts["launch.sampler"]
+    inner = parts["launch.prepare"] + parts["launch.sampler"] + parts["launch.lm_head"]
     assert parts["launch"] >= inner - rounding
     assert result["step_ms"] >= parts["schedule"] + parts["launch"] - rounding
     assert parts["schedule"] > 0 and inner > 0
@@ -33,6 +34,12 @@ def test_host_step_reports_each_part():
     assert parts["core.encode"] > 0
     core_process = result["step_ms"] - parts["front_end.process"] + parts["core.encode"]
     assert abs(result["core_process_step_ms"] - core_process) <= rounding
+    # The core's host time leaves out what a GPU computes: the lm_head and the sampler's work.
+    device_work = parts["launch.lm_head"] + parts["launch.sampler"]
+    assert parts["launch.lm_head"] > 0
+    assert (
+        abs(result["core_host_ms"] - (result["core_process_step_ms"] - device_work)) <= 2 * rounding
+    )
 
 
 def test_host_step_simulates_a_device_busy_for_each_step():
@@ -47,3 +54,13 @@ def test_host_step_simulates_a_device_busy_for_each_step():
         assert result["device_ms"] == 20.0
         assert result["step_ms"] >= 20.0
     assert StepHandle.result is result_method  # the simulation is undone
+
+
+def test_host_step_times_the_core_loop_alone():
+    """--core-loop runs what the core process runs per step: no front end, outputs encoded."""
+    result = measure(4, 20, 3, core_loop=True)
+    assert result["loop"] == "core"
+    parts = result["parts_ms"]
+    assert "front_end.process" not in parts
+    assert parts["core.step_samples"] >= parts["schedule"] + parts["launch"] - 0.002
+    assert result["step_ms"] >= parts["core.step_samples"] - 0.001
