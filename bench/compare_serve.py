@@ -11,9 +11,11 @@
    "in-process" (`--no-core-process`: the engine loop on the server's main thread). All servers
    start first and wait idle (no CPU) while another runs.
 
-The three runs are repeated --repeats times, interleaved, and medians are reported (this VM's
-speed drifts by 10-20% over minutes). Every run uses the prompts `bench serve` draws (random
-token ids, seed 0), greedy sampling, ignore_eos and exactly output-len tokens per request.
+The runs are repeated --repeats times, interleaved, and medians are reported (this VM's speed
+drifts by 10-20% over minutes). Within a repeat the same-batch offline run comes before and
+after the servers' runs, and their mean is the baseline of that repeat's ratios. Every run uses
+the prompts `bench serve` draws (random token ids, seed 0), greedy sampling, ignore_eos and
+exactly output-len tokens per request.
 Each offline run and the server live in their own process, so no run inherits another's threads
 or allocator state.
 """
@@ -161,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             rep = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
             run: dict[str, Any] = {"seed": rep.seed}
             run["offline"] = _run_offline(rep, EngineConfig().max_num_seqs)["output_throughput"]
-            capped = _run_offline(rep, max_num_seqs=args.max_concurrency)
-            run["offline_same_batch"] = capped["output_throughput"]
+            before = _run_offline(rep, max_num_seqs=args.max_concurrency)["output_throughput"]
             for mode, base in bases.items():
                 plot = f"{args.plot.removesuffix('.png')}_{mode}.png" if args.plot else None
                 online = _run_online(rep, base, plot if r == args.repeats - 1 else None)
@@ -171,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                     "failed": online["failed"],
                     **{k: round(online[k], 2) for k in LATENCY_KEYS},
                 }
+            # The same-batch baseline is run before and after the servers and averaged: the
+            # ratios then compare against the machine's speed around the online runs, not only
+            # before them (it drifts within a repeat too).
+            after = _run_offline(rep, max_num_seqs=args.max_concurrency)["output_throughput"]
+            run["offline_same_batch_runs"] = [before, after]
+            run["offline_same_batch"] = round((before + after) / 2, 2)
             runs.append(run)
             print(json.dumps(run), file=sys.stderr)
     result = {

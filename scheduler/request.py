@@ -61,7 +61,7 @@ class Request:
         "all_token_ids",
         "sampling_params",
         "eos_token_ids",
-        "stop_token_ids",
+        "finishing_token_ids",
         "status",
         "num_computed_tokens",
         "arrival_time",
@@ -84,9 +84,10 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         # The ids that end the request when sampled: its stop tokens, and EOS unless ignored.
-        self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids)
+        finishing = frozenset(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
-            self.stop_token_ids |= self.eos_token_ids
+            finishing |= self.eos_token_ids
+        self.finishing_token_ids: frozenset[int] = finishing
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Wall-clock seconds (time.time()), like vLLM, so it can be compared across processes.

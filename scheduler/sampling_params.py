@@ -10,6 +10,8 @@ from typing import Any
 
 # OpenAI caps `logprobs` (number of alternatives per position) at 20.
 MAX_LOGPROBS = 20
+# A seed is a signed 64-bit integer, as in the OpenAI API and vLLM (and msgpack carries no more).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 # Float fields: (name, low, low bound excluded, high, wording of the allowed range).
 _FLOAT_FIELDS: tuple[tuple[str, float, bool, float | None, str], ...] = (
@@ -143,8 +145,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         set_field(self, "stop", _normalise_stop(self.stop))
         set_field(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be None or an int in [{SEED_MIN}, {SEED_MAX}] (signed 64 bits), "
+                f"got {self.seed!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

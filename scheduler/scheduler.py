@@ -259,7 +259,7 @@ class Scheduler:
             output_token_ids = request.output_token_ids
             output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
-            if token_id in request.stop_token_ids:
+            if token_id in request.finishing_token_ids:
                 finished = RequestStatus.FINISHED_STOPPED
             elif (
                 len(output_token_ids) >= request.sampling_params.max_tokens

@@ -25,10 +25,10 @@ from server.app import build_app
 logger = logging.getLogger("pagedserve")
 
 # Whether the engine core runs in a process of its own, by device type (`--core-process`). On a
-# GPU the split keeps HTTP and detokenization off the host loop that feeds the device. On CPU
-# the model's threads need every core, and the second process only competes with them: the
-# split served 0.88-0.91x of in-process (BENCHMARKS.md, "The engine core in its own process").
-DEFAULT_CORE_PROCESS = {"cuda": True, "cpu": False}
+# GPU the split keeps HTTP and detokenization off the host loop that feeds the device. On CPU it
+# serves faster too since the core's loop lost its per-request Python: 1.07x in-process at
+# concurrency 16, 1.03x at 64 (BENCHMARKS.md, "Serving with the trimmed core loop").
+DEFAULT_CORE_PROCESS = {"cuda": True, "cpu": True}
 
 # How long the server keeps answering after its core process died: open streams get their error
 # event out, and whoever polls /health sees 503 (not just a refused connection) before the exit.

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import EngineClient
-from server.errors import APIError, error_response, install_error_handlers
+from server.errors import APIError, ErrorMappingRoute, error_response, install_error_handlers
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -70,6 +70,7 @@ def build_app(
                 engine.shutdown()
 
     app = FastAPI(title="pagedserve", version=version(), lifespan=lifespan)
+    app.router.route_class = ErrorMappingRoute
     app.state.server = state
     install_error_handlers(app)
 
@@ -88,7 +89,9 @@ def build_app(
                 code="invalid_api_key",
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(
+        prefix="/v1", dependencies=[Depends(check_api_key)], route_class=ErrorMappingRoute
+    )
 
     def model_card(name: str) -> dict:
         return {

@@ -113,8 +113,8 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the engine core (scheduler, model) in a process of its own, apart from HTTP, "
-        "tokenization and detokenization (default: on for CUDA, off on CPU, where it measured "
-        "slower)",
+        "tokenization and detokenization (default: on; --no-core-process runs the engine loop "
+        "in the server's process)",
     )
     srv.set_defaults(func=_cmd_serve)
 

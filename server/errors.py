@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError, QueueFullError
@@ -83,6 +84,30 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     # ("body", "messages", 0, "role") -> "messages.0.role"
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or None
+
+
+class ErrorMappingRoute(APIRoute):
+    """A route whose exceptions all reach the client through the app's own handlers.
+
+    Starlette sends the response of a handler registered for `Exception` from its outermost
+    middleware and then re-raises: uvicorn logs "Exception in ASGI application" and closes the
+    connection, so a keep-alive client may read a reset instead of the error. Here any other
+    exception a route raises (a ValueError from a prompt check, a full queue, a dead engine, a
+    bug) becomes an APIError first, which the inner exception middleware answers and keeps the
+    connection open. Unexpected ones are logged once, by `as_api_error`."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def handle(request: Request):
+            try:
+                return await handler(request)
+            except (APIError, RequestValidationError, StarletteHTTPException):
+                raise
+            except Exception as exc:
+                raise as_api_error(exc) from exc
+
+        return handle
 
 
 def install_error_handlers(app: FastAPI) -> None:

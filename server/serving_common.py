@@ -92,6 +92,11 @@ def sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request fields; an invalid value is a 400 naming the field."""
+    if req.stream_options is not None and not req.stream:
+        # As the OpenAI API and vLLM: the options only mean something for a stream.
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     fields: dict[str, Any] = {

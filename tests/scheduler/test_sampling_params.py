@@ -34,6 +34,11 @@ def test_defaults() -> None:
     assert not params.greedy
 
 
+SEED_RANGE = (
+    "seed must be None or an int in [-9223372036854775808, 9223372036854775807] (signed 64 bits), "
+)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "expected_message"),
     [
@@ -75,8 +80,10 @@ def test_defaults() -> None:
         ("stop_token_ids", [-1], "stop_token_ids must contain only ints >= 0, got -1"),
         ("stop_token_ids", [1, False], "stop_token_ids must contain only ints >= 0, got False"),
         ("stop_token_ids", "12", "stop_token_ids must be a list of token ids >= 0, got '12'"),
-        ("seed", 1.5, "seed must be an int or None, got 1.5"),
-        ("seed", "7", "seed must be an int or None, got '7'"),
+        ("seed", 1.5, SEED_RANGE + "got 1.5"),
+        ("seed", "7", SEED_RANGE + "got '7'"),
+        ("seed", 2**63, SEED_RANGE + "got 9223372036854775808"),
+        ("seed", -(2**63) - 1, SEED_RANGE + "got -9223372036854775809"),
         ("ignore_eos", 1, "ignore_eos must be a bool, got 1"),
         ("skip_special_tokens", "yes", "skip_special_tokens must be a bool, got 'yes'"),
         ("include_stop_str_in_output", None, "include_stop_str_in_output must be a bool, got None"),

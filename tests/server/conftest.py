@@ -2,8 +2,8 @@
 
 - `server`: the embedded SmolLM2-135M-Instruct (fp32, CPU), no API key; most tests use it.
 - `limited_server`: the same model with --api-key, --max-num-seqs 1 and --max-queue-len 1, for
-  the 401 and 503 cases (a queue that fills needs a batch that is full), and with the engine core
-  in its own process (`--core-process`, the default on CUDA; on CPU the default is in-process),
+  the 401 and 503 cases (a queue that fills needs a batch that is full), and with the engine loop
+  in the server's process (`--no-core-process`; the default runs the core in its own process),
   so both modes serve the HTTP tests.
 """
 
@@ -36,6 +36,6 @@ def limited_server(tmp_path_factory) -> Iterator[RunningServer]:
     with run_server(
         log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.25", "--max-num-seqs", "1",
         "--max-queue-len", "1", "--api-key", API_KEY, "--served-model-name", "smol", "smol-alias",
-        "--core-process",
+        "--no-core-process",
     ) as s:  # fmt: skip
         yield RunningServer(s.base_url, s.log_path, API_KEY)

@@ -67,6 +67,15 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "suffix": "x"}, 400, "suffix", "suffix", id="suffix"),
     pytest.param({**GOOD, "logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias", id="bias"),
     pytest.param({**GOOD, "model": "gpt-4"}, 404, "model", "gpt-4", id="unknown-model"),
+    pytest.param(
+        {**GOOD, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "only allowed when stream is true",
+        id="stream-options-without-stream",
+    ),
+    pytest.param({**GOOD, "seed": 2**63}, 400, "seed", "signed 64 bits", id="seed-too-big"),
+    pytest.param({**GOOD, "seed": -(2**63) - 1}, 400, "seed", "signed 64", id="seed-too-small"),
 ]
 
 
@@ -79,6 +88,25 @@ def test_completion_errors(server, body, status, param, fragment):
     if status == 404:
         assert err["code"] == "model_not_found"
     _assert_healthy(server)
+
+
+def test_errors_keep_the_connection_and_log_no_traceback(server):
+    """Each invalid request, three times over one keep-alive connection: every answer is its
+    OpenAI-shaped error (none a reset connection), and the server logs no traceback for a client's
+    mistake. Checks that run inside the route handlers (prompt length, token ids, empty prompts)
+    once went through Starlette's catch-all handler, which drops the connection after answering."""
+    log_start = server.log_path.stat().st_size
+    cases = [(f"{server.v1}/completions", p.values[0], p.values[1]) for p in BAD_COMPLETIONS]
+    cases += [(f"{server.v1}/chat/completions", p.values[0], 400) for p in BAD_CHAT]
+    with httpx.Client(timeout=30) as http:
+        for url, body, status in cases:
+            for _ in range(3):
+                _assert_error(http.post(url, json=body), status)
+        # The connection still serves a valid request.
+        r = http.post(f"{server.v1}/completions", json=GOOD)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
+    log = server.log_path.read_text()[log_start:]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
 MSG = [{"role": "user", "content": "hi"}]
