@@ -42,6 +42,7 @@ def run_server(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = None,
+    request_timeout: float | None = None,
     log_level: str = "info",
     access_log: bool = True,
     core_process: bool | None = None,
@@ -63,7 +64,12 @@ def run_server(
         description = engine.describe()
     try:
         app = build_app(
-            client, names, model_root=config.model, api_key=api_key, manage_engine=False
+            client,
+            names,
+            model_root=config.model,
+            api_key=api_key,
+            manage_engine=False,
+            request_timeout=request_timeout,
         )
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, engine core %s%s)",

@@ -43,6 +43,7 @@ def build_app(
     model_root: str,
     api_key: str | None = None,
     manage_engine: bool = True,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
     background thread at startup and stops it at shutdown; otherwise the caller runs the loop
@@ -55,6 +56,7 @@ def build_app(
         served_model_names=tuple(served_model_names),
         model_root=model_root,
         api_key=api_key or None,
+        request_timeout=request_timeout,
     )
     created_at = int(time.time())
 

@@ -54,6 +54,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     run_server(
         args.config_cls.from_cli_args(args),
         host=args.host,
@@ -61,6 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name,
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
+        request_timeout=args.request_timeout,
         log_level=args.log_level,
         access_log=not args.no_access_log,
         core_process=args.core_process,
@@ -106,6 +109,14 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         type=int,
         default=None,
         help="answer 503 while this many requests wait to be scheduled (default: no limit)",
+    )
+    srv.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take, queueing included; past it the request is aborted, "
+        "its blocks freed, and the client gets a 504 (a final error event on a stream) "
+        "(default: no limit)",
     )
     srv.add_argument("--no-access-log", action="store_true")
     srv.add_argument(

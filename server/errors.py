@@ -28,6 +28,7 @@ _TYPES = {
     413: "invalid_request_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -57,8 +58,16 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# What a 503 for a full waiting queue tells clients to wait before retrying (seconds).
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+
 def error_response(err: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    headers = None
+    if err.status_code == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif err.code == "queue_full":
+        headers = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
     return JSONResponse(
         error_body(err.message, err.type, err.param, err.code),
         status_code=err.status_code,

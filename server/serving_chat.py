@@ -83,7 +83,7 @@ async def create_chat_completion(
         return StreamingResponse(
             _stream(state, req, request_id, queued), media_type="text/event-stream"
         )
-    (final,) = await unless_disconnected(raw_request, final_outputs(queued))
+    (final,) = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
     choices = [
         {
             "index": sample.index,
@@ -156,7 +156,7 @@ async def _stream(
         # The role comes first, before any token, as OpenAI does.
         for k in range(req.n):
             yield chunk(k, {"role": "assistant", "content": ""})
-        async for _, output in iterate_all(queued):
+        async for _, output in iterate_all(queued, state.request_timeout):
             for sample in output.outputs:
                 piece = _delta(sample, finished, req.logprobs, top_k)
                 if piece is not None:

@@ -40,6 +40,7 @@ class ServerState:
     served_model_names: tuple[str, ...]
     model_root: str
     api_key: str | None = None
+    request_timeout: float | None = None  # seconds a request may take (--request-timeout)
 
     @property
     def model_name(self) -> str:
@@ -159,15 +160,30 @@ def add_requests(
 
 async def iterate_all(
     queued: Sequence[tuple[RequestStream, RequestMetrics]],
+    timeout: float | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several requests as they come, tagged with the request's index. Leaving
-    early (or a failure in one) aborts all of them."""
-    if len(queued) == 1:
-        stream, tracker = queued[0]
-        async for output in stream:
-            tracker.update(output)
-            yield 0, output
-        return
+    early, a failure in one, or `timeout` seconds passing (APIError 504) aborts all of them.
+
+    The deadline bounds each wait for the next output, never the consumer's own work between
+    outputs (a timeout spanning the generator's yields would cancel whatever the consumer
+    awaits then, e.g. sending a chunk)."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+
+    async def within_deadline(awaitable):
+        if deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise APIError(
+                504,
+                f"the request did not finish within the server's --request-timeout of "
+                f"{timeout:g} s",
+                code="request_timeout",
+            ) from None
+
     merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream, tracker: RequestMetrics) -> None:
@@ -179,11 +195,21 @@ async def iterate_all(
         except BaseException as e:  # noqa: B036 - re-raised by the consumer below
             merged.put_nowait(e)
 
-    tasks = [asyncio.create_task(pump(i, s, t)) for i, (s, t) in enumerate(queued)]
+    tasks = []
     try:
+        if len(queued) == 1:  # the common case, without a task in between
+            (stream, tracker), outputs = queued[0], aiter(queued[0][0])
+            while True:
+                try:
+                    output = await within_deadline(anext(outputs))
+                except StopAsyncIteration:
+                    return
+                tracker.update(output)
+                yield 0, output
+        tasks = [asyncio.create_task(pump(i, s, t)) for i, (s, t) in enumerate(queued)]
         remaining = len(tasks)
         while remaining:
-            item = await merged.get()
+            item = await within_deadline(merged.get())
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -199,10 +225,11 @@ async def iterate_all(
 
 async def final_outputs(
     queued: Sequence[tuple[RequestStream, RequestMetrics]],
+    timeout: float | None = None,
 ) -> list[RequestOutput]:
     """The whole output of every request, in prompt order, folded from its deltas."""
     wholes: dict[int, RequestOutput] = {}
-    async for index, output in iterate_all(queued):
+    async for index, output in iterate_all(queued, timeout):
         accumulate(wholes, index, output)
     return [wholes[i] for i in range(len(queued))]
 

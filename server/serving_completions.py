@@ -77,7 +77,7 @@ async def create_completion(
         return StreamingResponse(
             _stream(state, req, request_id, queued, writer), media_type="text/event-stream"
         )
-    finals = await unless_disconnected(raw_request, final_outputs(queued))
+    finals = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
     choices = []
     for prompt_index, output in enumerate(finals):
         for sample in output.outputs:
@@ -264,7 +264,7 @@ async def _stream(
     }
     wholes: dict[int, RequestOutput] = {}
     try:
-        async for prompt_index, output in iterate_all(queued):
+        async for prompt_index, output in iterate_all(queued, state.request_timeout):
             for choice in writer.delta_choices(prompt_index, output):
                 yield sse({**base, "choices": [choice]})
             accumulate(wholes, prompt_index, output)

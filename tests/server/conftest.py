@@ -1,8 +1,9 @@
 """Real `pagedserve serve` processes on free local ports, started once per session.
 
 - `server`: the embedded SmolLM2-135M-Instruct (fp32, CPU), no API key; most tests use it.
-- `limited_server`: the same model with --api-key, --max-num-seqs 1 and --max-queue-len 1, for
-  the 401 and 503 cases (a queue that fills needs a batch that is full), and with the engine loop
+- `limited_server`: the same model with --api-key, --max-num-seqs 1, --max-queue-len 1 and
+  --request-timeout, for the 401, 503 and 504 cases (a queue that fills needs a batch that is
+  full), and with the engine loop
   in the server's process (`--no-core-process`; the default runs the core in its own process),
   so both modes serve the HTTP tests.
 """
@@ -17,6 +18,8 @@ from tests.server.util import RunningServer, run_server
 
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
+# limited_server's --request-timeout: long enough for its other tests' streams to outlive them.
+REQUEST_TIMEOUT_S = 15
 
 
 # The real model as both servers run it.
@@ -36,6 +39,6 @@ def limited_server(tmp_path_factory) -> Iterator[RunningServer]:
     with run_server(
         log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.25", "--max-num-seqs", "1",
         "--max-queue-len", "1", "--api-key", API_KEY, "--served-model-name", "smol", "smol-alias",
-        "--no-core-process",
+        "--no-core-process", "--request-timeout", str(REQUEST_TIMEOUT_S),
     ) as s:  # fmt: skip
         yield RunningServer(s.base_url, s.log_path, API_KEY)

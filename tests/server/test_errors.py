@@ -3,6 +3,7 @@ request normally."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -10,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.conftest import MAX_MODEL_LEN, REQUEST_TIMEOUT_S
 from tests.server.util import client, metric
 
 GOOD = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
@@ -223,7 +224,51 @@ def test_full_waiting_queue_gives_503(limited_server):
                 http.post(f"{s.v1}/completions", json={**GOOD}), 503, None, "queue is full"
             )
             assert err["code"] == "queue_full"
+            retry = http.post(f"{s.v1}/completions", json={**GOOD})
+            assert retry.status_code == 503 and retry.headers["retry-after"] == "1"
         # Closing the first stream aborts it; the queued request then runs and succeeds.
         waiter.join(timeout=60)
     assert waiter_status == [200]
+    _assert_healthy(s)
+
+
+def test_request_timeout_aborts_and_frees_blocks(limited_server):
+    """--request-timeout: a stream that would run for minutes ends at the deadline with a
+    request_timeout error event and [DONE]; a request queued behind it (max_num_seqs 1) counts
+    its time in the queue and gets a 504; afterwards no KV block is held and the server serves."""
+    s = limited_server
+    headers = {"Authorization": f"Bearer {s.api_key}"}
+    # ~1,900 tokens: over a minute at this model's CPU speed, far past the timeout.
+    body = {"prompt": "Count:", "max_tokens": 1900, "ignore_eos": True, "temperature": 0}
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST", f"{s.v1}/completions", json={**body, "stream": True}, headers=headers,
+            timeout=120,
+        ) as r:  # fmt: skip
+            assert r.status_code == 200
+            events.extend(line for line in r.iter_lines() if line)
+
+    streamer = threading.Thread(target=stream)
+    start = time.monotonic()
+    streamer.start()
+    deadline = time.monotonic() + 30
+    while metric(s, "pagedserve_num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.02)
+    queued = httpx.post(f"{s.v1}/completions", json=body, headers=headers, timeout=120)
+    err = _assert_error(queued, 504, None, f"--request-timeout of {REQUEST_TIMEOUT_S:g} s")
+    assert (err["type"], err["code"]) == ("server_error", "request_timeout")
+    streamer.join(timeout=60)
+    elapsed = time.monotonic() - start
+    assert REQUEST_TIMEOUT_S <= elapsed < REQUEST_TIMEOUT_S + 20
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["error"]["code"] == "request_timeout"
+    assert len(events) > 3  # tokens were streamed before the deadline
+    deadline = time.monotonic() + 10
+    while metric(s, "pagedserve_kv_blocks_used") or metric(s, "pagedserve_num_requests_running"):
+        assert time.monotonic() < deadline, "the timed-out requests still hold blocks"
+        time.sleep(0.05)
     _assert_healthy(s)
