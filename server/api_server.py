@@ -21,6 +21,7 @@ from engine.core_process import ProcessEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from server.app import build_app
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("pagedserve")
 
@@ -43,6 +44,7 @@ def run_server(
     api_key: str | None = None,
     max_queue_len: int | None = None,
     request_timeout: float | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     log_level: str = "info",
     access_log: bool = True,
     core_process: bool | None = None,
@@ -70,6 +72,7 @@ def run_server(
             api_key=api_key,
             manage_engine=False,
             request_timeout=request_timeout,
+            max_request_body_bytes=max_request_body_bytes,
         )
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, engine core %s%s)",

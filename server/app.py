@@ -17,7 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import EngineClient
-from server.errors import APIError, ErrorMappingRoute, error_response, install_error_handlers
+from server.errors import (
+    APIError,
+    BodySizeLimit,
+    ErrorMappingRoute,
+    error_response,
+    install_error_handlers,
+)
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -44,6 +51,7 @@ def build_app(
     api_key: str | None = None,
     manage_engine: bool = True,
     request_timeout: float | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
     background thread at startup and stops it at shutdown; otherwise the caller runs the loop
@@ -73,6 +81,7 @@ def build_app(
 
     app = FastAPI(title="pagedserve", version=version(), lifespan=lifespan)
     app.router.route_class = ErrorMappingRoute
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
     app.state.server = state
     install_error_handlers(app)
 

@@ -14,6 +14,7 @@ import sys
 
 from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.engine_config import DTYPES, EngineConfig
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -54,6 +55,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(
+            f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
+        )
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     run_server(
@@ -64,6 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queue_len=args.max_queue_len,
         request_timeout=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
         log_level=args.log_level,
         access_log=not args.no_access_log,
         core_process=args.core_process,
@@ -109,6 +115,12 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         type=int,
         default=None,
         help="answer 503 while this many requests wait to be scheduled (default: no limit)",
+    )
+    srv.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="refuse larger request bodies with a 413 (default: %(default)s)",
     )
     srv.add_argument(
         "--request-timeout",

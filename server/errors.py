@@ -17,6 +17,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import EngineDeadError, QueueFullError
+from server.limits import QUEUE_FULL_RETRY_AFTER_S
 
 logger = logging.getLogger("pagedserve")
 
@@ -56,10 +57,6 @@ def error_body(
     message: str, err_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-# What a 503 for a full waiting queue tells clients to wait before retrying (seconds).
-QUEUE_FULL_RETRY_AFTER_S = 1
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -117,6 +114,47 @@ class ErrorMappingRoute(APIRoute):
                 raise as_api_error(exc) from exc
 
         return handle
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` is a 413 in the OpenAI shape, refused
+    from its Content-Length before it is read, or as soon as a chunked body passes the limit
+    (the route then fails while reading it, and the HTTPException handler answers)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self, size: str) -> APIError:
+        return APIError(
+            413,
+            f"the request body ({size}) is larger than this server's limit of {self.max_bytes} "
+            "bytes (--max-request-body-bytes)",
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            response = error_response(self._error(f"{int(declared)} bytes"))
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # An HTTPException: FastAPI passes it on from its body parsing (which turns
+                    # any other exception into a generic 400), and the handler below answers.
+                    raise StarletteHTTPException(413, self._error(f"over {received} bytes").message)
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,11 +1,11 @@
 """Real `pagedserve serve` processes on free local ports, started once per session.
 
 - `server`: the embedded SmolLM2-135M-Instruct (fp32, CPU), no API key; most tests use it.
-- `limited_server`: the same model with --api-key, --max-num-seqs 1, --max-queue-len 1 and
-  --request-timeout, for the 401, 503 and 504 cases (a queue that fills needs a batch that is
-  full), and with the engine loop
-  in the server's process (`--no-core-process`; the default runs the core in its own process),
-  so both modes serve the HTTP tests.
+- `limited_server`: the same model with --api-key, --max-num-seqs 1, --max-queue-len 1,
+  --request-timeout and --max-request-body-bytes, for the 401, 413, 503 and 504 cases (a queue
+  that fills needs a batch that is full), and with the engine loop in the server's process
+  (`--no-core-process`; the default runs the core in its own process), so both modes serve the
+  HTTP tests.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
 # limited_server's --request-timeout: long enough for its other tests' streams to outlive them.
 REQUEST_TIMEOUT_S = 15
+MAX_REQUEST_BODY_BYTES = 100_000  # limited_server's --max-request-body-bytes
 
 
 # The real model as both servers run it.
@@ -40,5 +41,6 @@ def limited_server(tmp_path_factory) -> Iterator[RunningServer]:
         log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.25", "--max-num-seqs", "1",
         "--max-queue-len", "1", "--api-key", API_KEY, "--served-model-name", "smol", "smol-alias",
         "--no-core-process", "--request-timeout", str(REQUEST_TIMEOUT_S),
+        "--max-request-body-bytes", str(MAX_REQUEST_BODY_BYTES),
     ) as s:  # fmt: skip
         yield RunningServer(s.base_url, s.log_path, API_KEY)

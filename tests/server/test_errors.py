@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, REQUEST_TIMEOUT_S
+from tests.server.conftest import MAX_MODEL_LEN, MAX_REQUEST_BODY_BYTES, REQUEST_TIMEOUT_S
 from tests.server.util import client, metric
 
 GOOD = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
@@ -272,3 +272,26 @@ def test_request_timeout_aborts_and_frees_blocks(limited_server):
         assert time.monotonic() < deadline, "the timed-out requests still hold blocks"
         time.sleep(0.05)
     _assert_healthy(s)
+
+
+def test_request_body_over_the_limit_is_a_413(limited_server):
+    """--max-request-body-bytes: a body over it is refused with a 413 in the OpenAI shape, from
+    its Content-Length or, for a chunked body, once the bytes read pass the limit; the keep-alive
+    connection then serves a valid request."""
+    s = limited_server
+    headers = {"Authorization": f"Bearer {s.api_key}"}
+    big = {**GOOD, "prompt": "x" * (MAX_REQUEST_BODY_BYTES + 10)}
+    with httpx.Client(headers=headers, timeout=60) as http:
+        err = _assert_error(http.post(f"{s.v1}/completions", json=big), 413, None, "limit of")
+        assert f"limit of {MAX_REQUEST_BODY_BYTES} bytes" in err["message"]
+        assert err["type"] == "invalid_request_error"
+        payload = json.dumps(big).encode()
+
+        def chunks():  # no Content-Length: sent chunked
+            for i in range(0, len(payload), 16_384):
+                yield payload[i : i + 16_384]
+
+        r = http.post(f"{s.v1}/completions", content=chunks())
+        _assert_error(r, 413, None, f"limit of {MAX_REQUEST_BODY_BYTES} bytes")
+        r = http.post(f"{s.v1}/completions", json=GOOD)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
