@@ -21,7 +21,7 @@ from engine.core_process import ProcessEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from server.app import build_app
-from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("pagedserve")
 
@@ -45,6 +45,8 @@ def run_server(
     max_queue_len: int | None = None,
     request_timeout: float | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_n: int = DEFAULT_MAX_N,
+    allowed_origins: list[str] | None = None,
     log_level: str = "info",
     access_log: bool = True,
     core_process: bool | None = None,
@@ -73,6 +75,8 @@ def run_server(
             manage_engine=False,
             request_timeout=request_timeout,
             max_request_body_bytes=max_request_body_bytes,
+            max_n=max_n,
+            allowed_origins=allowed_origins,
         )
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, engine core %s%s)",

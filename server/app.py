@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -24,7 +25,7 @@ from server.errors import (
     error_response,
     install_error_handlers,
 )
-from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -52,6 +53,8 @@ def build_app(
     manage_engine: bool = True,
     request_timeout: float | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_n: int = DEFAULT_MAX_N,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
     background thread at startup and stops it at shutdown; otherwise the caller runs the loop
@@ -65,6 +68,7 @@ def build_app(
         model_root=model_root,
         api_key=api_key or None,
         request_timeout=request_timeout,
+        max_n=max_n,
     )
     created_at = int(time.time())
 
@@ -82,6 +86,13 @@ def build_app(
     app = FastAPI(title="pagedserve", version=version(), lifespan=lifespan)
     app.router.route_class = ErrorMappingRoute
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if allowed_origins:  # CORS stays off (browsers refuse cross-origin calls) unless asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.state.server = state
     install_error_handlers(app)
 

@@ -14,7 +14,7 @@ import sys
 
 from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.engine_config import DTYPES, EngineConfig
-from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -55,6 +55,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.max_n < 1:
+        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
     if args.max_request_body_bytes < 1:
         raise ValueError(
             f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
@@ -70,6 +72,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         request_timeout=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n,
+        allowed_origins=args.allowed_origins,
         log_level=args.log_level,
         access_log=not args.no_access_log,
         core_process=args.core_process,
@@ -115,6 +119,18 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         type=int,
         default=None,
         help="answer 503 while this many requests wait to be scheduled (default: no limit)",
+    )
+    srv.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help="largest n (samples per prompt) a request may ask for (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        help="origins that browsers may call this server from (CORS; default: none, CORS off)",
     )
     srv.add_argument(
         "--max-request-body-bytes",

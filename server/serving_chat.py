@@ -75,7 +75,7 @@ async def create_chat_completion(
     )
     max_tokens = check_max_tokens(requested, len(prompt.token_ids), state.engine.max_model_len)
     top_k = req.top_logprobs or 0
-    params = sampling_params(req, max_tokens, logprobs=top_k if req.logprobs else None)
+    params = sampling_params(state, req, max_tokens, logprobs=top_k if req.logprobs else None)
     arrival = time.monotonic()
     request_id = new_id("chatcmpl")
     queued = add_requests(state, request_id, [prompt], [params], arrival)

@@ -20,6 +20,7 @@ from engine.inputs import Prompt
 from engine.outputs import RequestOutput
 from scheduler import SamplingParams
 from server.errors import APIError, as_api_error, error_body
+from server.limits import DEFAULT_MAX_N
 from server.metrics import Metrics, RequestMetrics
 from server.protocol import SamplingFields
 
@@ -41,6 +42,7 @@ class ServerState:
     model_root: str
     api_key: str | None = None
     request_timeout: float | None = None  # seconds a request may take (--request-timeout)
+    max_n: int = DEFAULT_MAX_N  # samples per prompt (--max-n)
 
     @property
     def model_name(self) -> str:
@@ -87,6 +89,7 @@ def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_l
 
 
 def sampling_params(
+    state: ServerState,
     req: SamplingFields,
     max_tokens: int,
     logprobs: int | None,
@@ -97,6 +100,10 @@ def sampling_params(
         # As the OpenAI API and vLLM: the options only mean something for a stream.
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    if isinstance(req.n, int) and req.n > state.max_n:
+        raise APIError(
+            400, f"n must be at most {state.max_n} on this server (--max-n), got {req.n}", param="n"
         )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")

@@ -63,6 +63,7 @@ async def create_completion(
         max_tokens = check_max_tokens(max_tokens, len(prompt.token_ids), state.engine.max_model_len)
         params.append(
             sampling_params(
+                state,
                 req,
                 max_tokens,
                 logprobs=req.logprobs,

@@ -2,7 +2,8 @@
 
 - `server`: the embedded SmolLM2-135M-Instruct (fp32, CPU), no API key; most tests use it.
 - `limited_server`: the same model with --api-key, --max-num-seqs 1, --max-queue-len 1,
-  --request-timeout and --max-request-body-bytes, for the 401, 413, 503 and 504 cases (a queue
+  --request-timeout, --max-request-body-bytes and --allowed-origins, for the 401, 413, 503 and
+  504 cases and CORS (a queue
   that fills needs a batch that is full), and with the engine loop in the server's process
   (`--no-core-process`; the default runs the core in its own process), so both modes serve the
   HTTP tests.
@@ -21,6 +22,7 @@ API_KEY = "test-key-0123456789"
 # limited_server's --request-timeout: long enough for its other tests' streams to outlive them.
 REQUEST_TIMEOUT_S = 15
 MAX_REQUEST_BODY_BYTES = 100_000  # limited_server's --max-request-body-bytes
+ALLOWED_ORIGIN = "http://app.example"  # limited_server's --allowed-origins (CORS)
 
 
 # The real model as both servers run it.
@@ -42,5 +44,6 @@ def limited_server(tmp_path_factory) -> Iterator[RunningServer]:
         "--max-queue-len", "1", "--api-key", API_KEY, "--served-model-name", "smol", "smol-alias",
         "--no-core-process", "--request-timeout", str(REQUEST_TIMEOUT_S),
         "--max-request-body-bytes", str(MAX_REQUEST_BODY_BYTES),
+        "--allowed-origins", ALLOWED_ORIGIN,
     ) as s:  # fmt: skip
         yield RunningServer(s.base_url, s.log_path, API_KEY)

@@ -135,6 +135,9 @@ def test_serve_refuses_bad_options_before_loading():
     res = _run("serve", "--request-timeout", "0", timeout=60)
     assert res.returncode == 2
     assert "error: --request-timeout must be > 0 seconds, got 0.0" in res.stderr
+    res = _run("serve", "--max-n", "0", timeout=60)
+    assert res.returncode == 2
+    assert "error: --max-n must be >= 1, got 0" in res.stderr
     res = _run("serve", "--max-request-body-bytes", "0", timeout=60)
     assert res.returncode == 2
     assert "error: --max-request-body-bytes must be >= 1, got 0" in res.stderr

@@ -11,7 +11,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MAX_REQUEST_BODY_BYTES, REQUEST_TIMEOUT_S
+from tests.server.conftest import (
+    ALLOWED_ORIGIN,
+    MAX_MODEL_LEN,
+    MAX_REQUEST_BODY_BYTES,
+    REQUEST_TIMEOUT_S,
+)
 from tests.server.util import client, metric
 
 GOOD = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
@@ -44,6 +49,7 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "top_p": 0}, 400, "top_p", "top_p", id="top_p"),
     pytest.param({**GOOD, "n": 0}, 400, "n", "n must be", id="n"),
     pytest.param({**GOOD, "n": "two"}, 400, "n", "integer", id="n-type"),
+    pytest.param({**GOOD, "n": 129}, 400, "n", "n must be at most 128", id="n-over-max-n"),
     pytest.param({**GOOD, "logprobs": 21}, 400, "logprobs", "logprobs", id="logprobs"),
     pytest.param({**GOOD, "max_tokens": 0}, 400, "max_tokens", "max_tokens", id="max_tokens-0"),
     pytest.param(
@@ -295,3 +301,24 @@ def test_request_body_over_the_limit_is_a_413(limited_server):
         _assert_error(r, 413, None, f"limit of {MAX_REQUEST_BODY_BYTES} bytes")
         r = http.post(f"{s.v1}/completions", json=GOOD)
         assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(" Paris")
+
+
+def test_cors_is_off_unless_origins_are_allowed(server, limited_server):
+    """Without --allowed-origins no CORS header is ever sent (browsers then refuse cross-origin
+    calls); with it, a preflight from an allowed origin is granted and others are not."""
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    r = httpx.get(f"{server.v1}/models", headers={"Origin": ALLOWED_ORIGIN})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(f"{server.v1}/completions", headers={"Origin": ALLOWED_ORIGIN, **preflight})
+    assert "access-control-allow-origin" not in r.headers
+    s = limited_server
+    r = httpx.options(f"{s.v1}/completions", headers={"Origin": ALLOWED_ORIGIN, **preflight})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    r = httpx.options(
+        f"{s.v1}/completions", headers={"Origin": "http://other.example", **preflight}
+    )
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
