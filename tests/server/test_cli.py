@@ -129,21 +129,16 @@ def test_unknown_model_is_a_clear_error():
 
 
 def test_serve_refuses_bad_options_before_loading():
-    res = _run("serve", "--max-queue-len", "0", timeout=60)
-    assert res.returncode == 2
-    assert "error: --max-queue-len must be >= 1, got 0" in res.stderr
-    res = _run("serve", "--request-timeout", "0", timeout=60)
-    assert res.returncode == 2
-    assert "error: --request-timeout must be > 0 seconds, got 0.0" in res.stderr
-    res = _run("serve", "--max-n", "0", timeout=60)
-    assert res.returncode == 2
-    assert "error: --max-n must be >= 1, got 0" in res.stderr
-    res = _run("serve", "--max-request-body-bytes", "0", timeout=60)
-    assert res.returncode == 2
-    assert "error: --max-request-body-bytes must be >= 1, got 0" in res.stderr
-    res = _run("serve", "--port", "70000", timeout=60)
-    assert res.returncode == 2
-    assert "error: port must be in [0, 65535], got 70000" in res.stderr
+    for args, message in [
+        (("--max-queue-len", "0"), "--max-queue-len must be >= 1, got 0"),
+        (("--request-timeout", "0"), "--request-timeout must be > 0 seconds, got 0.0"),
+        (("--max-n", "0"), "--max-n must be >= 1, got 0"),
+        (("--max-request-body-bytes", "0"), "--max-request-body-bytes must be >= 1, got 0"),
+        (("--port", "70000"), "port must be in [0, 65535], got 70000"),
+    ]:
+        res = _run("serve", *args, timeout=60)
+        assert res.returncode == 2, args
+        assert f"error: {message}" in res.stderr, res.stderr
 
 
 def test_serve_on_a_busy_port_is_a_clear_error(tiny_llama_dir):
