@@ -205,7 +205,8 @@ async def iterate_all(
     tasks = []
     try:
         if len(queued) == 1:  # the common case, without a task in between
-            (stream, tracker), outputs = queued[0], aiter(queued[0][0])
+            stream, tracker = queued[0]
+            outputs = aiter(stream)
             while True:
                 try:
                     output = await within_deadline(anext(outputs))
