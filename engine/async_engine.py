@@ -49,6 +49,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unexpected error; no request can be served."""
 
 
+class DrainingError(RuntimeError):
+    """The server is shutting down: it finishes the requests it has and takes no new ones."""
+
+
 class RequestStream:
     """The consumer side of one request: outputs arrive on an asyncio queue fed by the engine
     thread. Iterate it once; leaving the loop early (or `abort()`) aborts the request."""
@@ -103,6 +107,7 @@ class EngineClient(ABC):
         self._streams: dict[str, RequestStream] = {}  # owned by the thread that delivers
         self._running = False
         self._error: BaseException | None = None
+        self.draining = False  # set by start_draining(): new requests are refused
         self.stats = EngineStats()
 
     # ---- what handlers may read ------------------------------------------------------------------
@@ -131,6 +136,16 @@ class EngineClient(ABC):
     def error(self) -> BaseException | None:
         return self._error
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests accepted whose last output has not been delivered yet."""
+        with self._lock:
+            return len(self._ids_in_use)
+
+    def start_draining(self) -> None:
+        """Refuse new requests (DrainingError) from now on; those accepted go on."""
+        self.draining = True
+
     # ---- requests --------------------------------------------------------------------------------
 
     def add_request(
@@ -145,10 +160,13 @@ class EngineClient(ABC):
         asks for "delta").
 
         Raises at once (nothing queued) ValueError for inputs the engine cannot serve,
-        QueueFullError when max_queue_len requests are already waiting and EngineDeadError when
-        the engine has stopped. Call from a running event loop: outputs are delivered to it."""
+        QueueFullError when max_queue_len requests are already waiting, DrainingError once the
+        server is shutting down and EngineDeadError when the engine has stopped. Call from a
+        running event loop: outputs are delivered to it."""
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
+        if self.draining:
+            raise DrainingError("the server is shutting down and accepts no new requests")
         prompt = self.inputs.process_inputs(prompt, params)
         with self._lock:
             if request_id in self._ids_in_use:

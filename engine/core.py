@@ -245,24 +245,78 @@ class EngineCore:
         start = time.perf_counter()
         try:
             sched_out = self.scheduler.schedule()
-            handle = self.runner.launch(sched_out)  # also when empty: it drops finished requests
-            if not self.async_scheduling:
-                if not sched_out.num_scheduled_tokens:
-                    return []
-                return self._process(sched_out, handle.result())
+            scheduled = bool(sched_out.num_scheduled_tokens)
+            synchronous = not self.async_scheduling
+            result = None
+            try:
+                handle = self.runner.launch(sched_out)  # also when empty: drops finished requests
+                result = handle.result() if synchronous and scheduled else None
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                failed, handle, scheduled = self._fail_step(sched_out, exc), None, False
+            else:
+                failed = []
+            if synchronous:
+                return failed + (self._process(sched_out, result) if result is not None else [])
             previous = self._in_flight
-            self._in_flight = (sched_out, handle) if sched_out.num_scheduled_tokens else None
+            self._in_flight = (sched_out, handle) if scheduled else None
             if previous is None:
-                return []
-            return self._process(previous[0], previous[1].result())
+                return failed
+            return failed + self._process(previous[0], previous[1].result())
         finally:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
 
+    def _fail_step(self, sched_out: SchedulerOutput, exc: BaseException) -> list[SampleOutput]:
+        """A step ran out of device memory: fail the request with the most tokens in it (a large
+        prefill chunk, as a rule) and recompute the others later; the engine goes on."""
+        scheduled = sched_out.num_scheduled_tokens
+        # The largest share; among equals the newest request (the last in batch order).
+        culprit = max(reversed(scheduled), key=scheduled.__getitem__)
+        logger.error(
+            "step %d ran out of memory (%s): failing request %s (%d of its %d tokens), "
+            "recomputing the other %d requests",
+            sched_out.step_id,
+            exc,
+            culprit,
+            scheduled[culprit],
+            sched_out.total_num_scheduled_tokens,
+            len(scheduled) - 1,
+        )
+        self.scheduler.finish_request(culprit, RequestStatus.FINISHED_ERROR)
+        self.scheduler.undo_step(sched_out)
+        message = (
+            f"the server ran out of memory computing {scheduled[culprit]} tokens of this "
+            "request; retry with a shorter prompt (the server's --max-num-batched-tokens bounds "
+            "the tokens of one step)"
+        )
+        return [SampleOutput(culprit, [], "error", error=message)]
+
+    def _fail_nonfinite(self, request_ids: list[str]) -> list[SampleOutput]:
+        """Fail the requests whose logits held NaN or inf; their blocks are cleared for reuse."""
+        logger.error(
+            "the model produced NaN or infinite logits for %d request(s) (%s): failing them",
+            len(request_ids),
+            ", ".join(request_ids),
+        )
+        block_ids = []
+        for request_id in request_ids:
+            block_ids += self.scheduler.fail_request(request_id)
+        self.runner.clear_blocks(block_ids)
+        message = (
+            "the model produced non-finite logits (NaN or infinity) for this request, so it was "
+            "stopped instead of sampling from them"
+        )
+        return [SampleOutput(rid, [], "error", error=message) for rid in request_ids]
+
     def _process(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[SampleOutput]:
         """Apply a step's sampled tokens to the scheduler; one output per sample touched."""
+        failed = []
+        if runner_out.nonfinite_request_ids:  # first: update_from_output then skips them
+            failed = self._fail_nonfinite(runner_out.nonfinite_request_ids)
         logprobs = runner_out.logprobs
-        outputs = [
+        outputs = failed + [
             SampleOutput(
                 delta.request_id,
                 list(delta.new_token_ids),
@@ -310,6 +364,14 @@ class EngineCore:
             f"of {plan.block_size} tokens, {plan.bytes_per_token} bytes/token, max concurrency "
             f"{plan.max_concurrency:.1f} at {plan.max_model_len} tokens"
         )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: CUDA's caching allocator, or the CPU allocator (which raises a
+    plain RuntimeError) when the operating system refuses the memory."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

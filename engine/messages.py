@@ -31,10 +31,12 @@ class SampleOutput(msgspec.Struct, array_like=True, gc=False):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" when the core ended it
+    # "stop" | "length" | "abort" | "error" when the core ended it
+    finish_reason: str | None = None
     logprobs: TokenLogprobs | None = None  # of the last new token, when params.logprobs is set
     # (prompt position of the first entry, one entry per position from there on)
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    error: str | None = None  # with finish "error": what went wrong, for the client
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True):

@@ -35,6 +35,9 @@ class RunnerOutput:
     # Per request that scored prompt tokens this step: (prompt position of the first entry, one
     # entry per prompt position from there on).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Requests whose logits held a NaN or an infinity; their entry in sampled_token_ids is a
+    # placeholder (see Sampler.sample).
+    nonfinite_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,19 @@ class ModelRunner:
         )
         sampled = dict(zip(ids, result.token_ids, strict=True))
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        nonfinite = [ids[i] for i in result.nonfinite_rows]
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, nonfinite)
+
+    @torch.inference_mode()
+    def clear_blocks(self, block_ids: list[int]) -> None:
+        """Zero these KV blocks in every layer: attention reads whole blocks and masks their
+        unused tail, but a NaN left there would still poison the weighted sum."""
+        if not block_ids:
+            return
+        index = to_device(block_ids, torch.long, self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_fill_(0, index, 0)
+            v_cache.index_fill_(0, index, 0)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         num_tokens = inputs.input_ids.shape[0]

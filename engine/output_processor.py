@@ -9,6 +9,7 @@ process with LLMEngine, in the API server's with the core in its own process.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from engine.inputs import Prompt
 from engine.messages import CoreRequest, SampleOutput, TokenLogprobs
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from scheduler import SamplingParams
+
+logger = logging.getLogger("pagedserve")
 
 
 @dataclass
@@ -70,6 +73,7 @@ class _Parent:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_prompt_logprobs: int = 0
     sent_prompt_logprobs: bool = False  # a delta output carried them already
+    error: str | None = None  # why the request failed (a sample ended with finish "error")
 
     def output(self, finished: bool) -> RequestOutput | None:
         """This step's output in the request's `output_kind`, or None when it has none."""
@@ -112,6 +116,7 @@ class _Parent:
             first_token_time=self.first_token_time,
             finished_time=time.time() if finished else None,
             prompt_logprobs=prompt_logprobs,
+            error=self.error,
         )
 
 
@@ -210,9 +215,17 @@ class OutputProcessor:
                 self._record_prompt_logprobs(parent, *out.prompt_logprobs)
             if out.new_token_ids and parent.first_token_time is None:
                 parent.first_token_time = now
-            if out.new_token_ids or out.finish_reason is not None:
-                if self._append(sample, out):
-                    stopped.append(out.request_id)
+            if out.finish_reason == "error":
+                stopped += self._fail(parent, sample, out.error or "the engine failed")
+                touched[parent.request_id] = parent
+            elif out.new_token_ids or out.finish_reason is not None:
+                try:
+                    if self._append(sample, out):
+                        stopped.append(out.request_id)
+                except Exception as exc:  # e.g. the tokenizer fails on these ids: this request
+                    logger.exception("request %s: processing its output failed", parent.request_id)
+                    reason = f"processing the output failed: {type(exc).__name__}: {exc}"
+                    stopped += self._fail(parent, sample, reason)
                 touched[parent.request_id] = parent
         results = []
         for parent in touched.values():
@@ -260,6 +273,17 @@ class OutputProcessor:
                 visible_end -= stop_holdback(sample.full_text, params.stop)
         out.text = sample.full_text[: max(visible_end, len(out.text))]
         return stopped_here
+
+    def _fail(self, parent: _Parent, sample: _Sample, error: str) -> list[str]:
+        """End a request because one of its samples failed: that sample finishes with "error",
+        the others with "abort". Returns the ids of the samples for the core to stop."""
+        if parent.error is None:
+            parent.error = error
+        sample.output.finish_reason = "error"
+        for other in parent.samples:
+            if not other.output.finished:
+                other.output.finish_reason = "abort"
+        return [_child_id(parent.request_id, s.output.index) for s in parent.samples]
 
     def _record_prompt_logprobs(
         self, parent: _Parent, first_position: int, entries: list[TokenLogprobs]

@@ -24,7 +24,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None  # per token: chosen token + top-k
     cumulative_logprob: float | None = None
@@ -49,6 +49,9 @@ class RequestOutput:
     # the n samples; complete in the first output with output tokens (a "delta" output carries
     # them once).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the engine failed this request alone (NaN logits, out of memory, an exception
+    # while detokenizing): the failed sample has finish_reason "error", the others "abort".
+    error: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold the next "delta" output of the same request into this one (in place)."""
@@ -71,5 +74,6 @@ class RequestOutput:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finished = delta.finished
+        self.error = delta.error
         self.first_token_time = delta.first_token_time
         self.finished_time = delta.finished_time

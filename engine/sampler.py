@@ -7,7 +7,7 @@ share the batch, nor on whether it was preempted and recomputed in between.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -48,6 +48,9 @@ class SamplerOutput:
     # Per row when its request asked for logprobs, else None:
     # (chosen token logprob, chosen token rank (1 = most likely), [(token id, logprob)] top-k)
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # Rows whose logits held a NaN or an infinity: their token is a placeholder (0), and the
+    # engine fails their requests instead of sampling garbage.
+    nonfinite_rows: list[int] = field(default_factory=list)
 
 
 def needs_history(params: SamplingParams) -> tuple[bool, bool]:
@@ -109,13 +112,19 @@ class Sampler:
             drawn = inverse_cdf_sample(probs, plan.uniforms)
             token_ids = logits.argmax(dim=-1).index_copy_(0, idx, drawn)
 
+        # A row with a NaN or an infinity (a broken model or an overflow on this input) samples
+        # an arbitrary index, maybe past the vocabulary; the next step may read it on the device
+        # before the host sees it, so it becomes token 0, and `finite` tells the host.
+        finite = torch.isfinite(logits).all(dim=-1)
+        token_ids = token_ids.masked_fill(~finite, 0)
+
         # Logprobs describe the model's distribution before any penalty or temperature.
         logprobs = None
         if plan.asking:
             idx = plan.asking_idx
             ks = [rows[i].params.logprobs or 0 for i in plan.asking]
             logprobs = LogprobTensors.compute(raw_logits[idx], token_ids[idx], ks)
-        return DeviceSample(token_ids, plan.asking, logprobs)
+        return DeviceSample(token_ids, finite, plan.asking, logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition, frequency and presence penalties for every row at once, from flat
@@ -325,6 +334,7 @@ class DeviceSample:
     """A step's sampled ids (and logprobs of the rows that asked) still on the device."""
 
     token_ids: torch.Tensor  # [rows]
+    finite: torch.Tensor  # [rows] bool: False where the row's logits were not all finite
     logprob_rows: list[int]
     logprobs: LogprobTensors | None
 
@@ -332,6 +342,7 @@ class DeviceSample:
         """The same sample with `fn` applied to every tensor (e.g. a copy to the host)."""
         return DeviceSample(
             fn(self.token_ids),
+            fn(self.finite),
             self.logprob_rows,
             None if self.logprobs is None else self.logprobs.map(fn),
         )
@@ -341,4 +352,5 @@ class DeviceSample:
         if self.logprobs is not None:
             for i, entry in zip(self.logprob_rows, self.logprobs.to_host(), strict=True):
                 logprobs[i] = entry
-        return SamplerOutput(token_ids=self.token_ids.tolist(), logprobs=logprobs)
+        nonfinite = [] if self.finite.all() else (~self.finite).nonzero().flatten().tolist()
+        return SamplerOutput(self.token_ids.tolist(), logprobs, nonfinite)

@@ -258,10 +258,12 @@ def _attend(
     else:
         lens = torch.tensor(group_seq_lens, device=device)
         block_ids = block_tables[torch.tensor(seqs, device=device), :num_blocks]
-    # Entries past a sequence's last block may be garbage (even out of range): point them at
-    # block 0, whose keys the mask hides.
+    # Entries past a sequence's last block may be garbage (even out of range): point them at the
+    # sequence's own first block, whose keys the mask hides. Not a fixed block such as 0: masked
+    # keys still reach the weighted sum (as 0 * value), so a NaN in another request's block would
+    # poison this one.
     used = torch.arange(num_blocks, device=device) < (lens[:, None] + block_size - 1) // block_size
-    block_ids = torch.where(used, block_ids, 0)
+    block_ids = torch.where(used, block_ids, block_ids[:, :1])
     k = _gather_kv(k_cache, block_ids)
     v = _gather_kv(v_cache, block_ids)
 

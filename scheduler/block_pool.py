@@ -144,6 +144,13 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def uncache(self, block: Block) -> None:
+        """Take one block out of the prefix cache (a no-op for an uncached block)."""
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every hash (in-use blocks just stop being shareable); returns how many."""
         num_dropped = len(self._cached)

@@ -184,6 +184,17 @@ class KVCacheManager:
         if table:
             self.block_pool.free(reversed(table))
 
+    def free_untrusted(self, request: Request) -> list[int]:
+        """Free the blocks of a request whose KV must not be reused (its step produced NaN or
+        inf): those no other request holds also leave the prefix cache. Returns their ids, for
+        the caller to clear before the pool hands them out again."""
+        table = self._tables.get(request.request_id, ())
+        owned = [block for block in table if block.ref_cnt == 1]
+        for block in owned:
+            self.block_pool.uncache(block)
+        self.free(request)
+        return [block.block_id for block in owned]
+
     # -------------------------------------------------------------------- internals
 
     def _hashes_of(self, request: Request, num_blocks: int) -> list[BlockHash]:

@@ -22,22 +22,25 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the engine failed this request alone (non-finite logits, out of memory)
 
     @property
     def is_finished(self) -> bool:
-        """True for the three FINISHED_* states."""
+        """True for the FINISHED_* states."""
         return self > RequestStatus.PREEMPTED
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI `finish_reason` ("stop" | "length" | "abort"), None while unfinished."""
-        if self == RequestStatus.FINISHED_STOPPED:
-            return "stop"
-        if self == RequestStatus.FINISHED_LENGTH:
-            return "length"
-        if self == RequestStatus.FINISHED_ABORTED:
-            return "abort"
-        return None
+        """`finish_reason` ("stop" | "length" | "abort" | "error"), None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 class Request:

@@ -54,6 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_since_schedule: list[str] = []
+        self._preempted_since_schedule: list[str] = []  # by undo_step, for the runner to drop
         # Per step not yet applied by update_from_output: the requests it samples for.
         self._step_id = 0
         self._sampling: dict[int, list[Request]] = {}
@@ -189,6 +190,8 @@ class Scheduler:
             self._sampling[self._step_id] = sampling
         finished_ids = tuple(self._finished_since_schedule)
         self._finished_since_schedule.clear()
+        preempted_ids = (*self._preempted_since_schedule, *(r.request_id for r in preempted))
+        self._preempted_since_schedule.clear()
         return SchedulerOutput(
             step_id=self._step_id,
             new_requests=tuple(new_requests),
@@ -197,7 +200,7 @@ class Scheduler:
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
-            preempted_request_ids=tuple(request.request_id for request in preempted),
+            preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
         )
 
@@ -225,6 +228,24 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def undo_step(self, output: SchedulerOutput) -> None:
+        """Forget a step that failed before it produced anything (the device ran out of memory):
+        its sampling placeholders are dropped, and every request it scheduled that still runs is
+        preempted, to recompute later. The prefix cache is emptied, since blocks cached when the
+        step's slots were granted never received their KV."""
+        for request in self._sampling.pop(output.step_id, ()):
+            request.num_output_placeholders -= 1
+        # In reverse: each preempted request goes to the head of the queue, so they keep their
+        # order there.
+        for request_id in reversed(output.num_scheduled_tokens):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(request)
+            self._preempt(request)
+            self._preempted_since_schedule.append(request_id)
+        self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------- results
 
@@ -301,6 +322,18 @@ class Scheduler:
             return None
         self._release(request, status, remove_from_queues=True)
         return self._delta(request, ())
+
+    def fail_request(self, request_id: str) -> list[int]:
+        """End a request the engine could not serve (FINISHED_ERROR), as `finish_request`, except
+        that its KV is not trusted: returns the ids of the blocks it held alone, which left the
+        prefix cache and which the caller clears (a NaN in a block's masked tail would still
+        poison the next owner's attention)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return []
+        block_ids = self.kv_cache_manager.free_untrusted(request)
+        self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        return block_ids
 
     def abort(self, request_id: str) -> RequestDelta | None:
         """Abort a request in any state; None if the id is unknown or already finished."""

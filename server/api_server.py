@@ -2,9 +2,9 @@
 
 With the engine core in its own process (`--core-process`, the default on CUDA;
 engine/core_process.py), the main thread supervises it and uvicorn runs on a second thread;
-in-process (the default on CPU), the engine loop runs on the main thread instead (why:
-engine/async_engine.py). Ctrl-C or SIGTERM stops the
-engine first, so that streams in flight end at once, then uvicorn.
+in-process, the engine loop runs on the main thread instead (why: engine/async_engine.py).
+Ctrl-C or SIGTERM drains (`_Drain`): new requests are refused while those in flight finish,
+within --shutdown-timeout; then the engine stops, then uvicorn.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ from engine.core_process import ProcessEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from server.app import build_app
-from server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 
 logger = logging.getLogger("pagedserve")
 
@@ -50,9 +54,11 @@ def run_server(
     log_level: str = "info",
     access_log: bool = True,
     core_process: bool | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
-    """Load the model and serve until interrupted (Ctrl-C / SIGTERM). `core_process`: run the
-    engine core in a process of its own (None: the default for the device, DEFAULT_CORE_PROCESS)."""
+    """Load the model and serve until interrupted (Ctrl-C / SIGTERM: see _Drain).
+    `core_process`: run the engine core in a process of its own (None: the default for the
+    device, DEFAULT_CORE_PROCESS)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if core_process is None:
@@ -113,26 +119,27 @@ def run_server(
         client.shutdown()  # uvicorn ended by itself (e.g. a fatal error): end the engine
 
     threading.Thread(target=stop_engine_when_http_stops, daemon=True).start()
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    drain = _Drain(client, shutdown_timeout)
+    previous_term = signal.signal(signal.SIGTERM, drain.on_signal)
+    previous_int = signal.signal(signal.SIGINT, drain.on_signal)
     try:
         if core_process:
             _wait_for_core(client)
         else:
-            client.run()
-    except KeyboardInterrupt:
-        logger.info("shutting down")
+            client.run()  # until the drain (or a failure) stops the engine
     finally:
-        # A second Ctrl-C (or `timeout` forwarding the signal) must not cut the shutdown short:
-        # it is bounded anyway (the core gets SIGTERM, then SIGKILL).
-        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Once the engine stopped, signals must not cut the rest short: it is bounded anyway
+        # (the core gets SIGTERM, then SIGKILL).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
+            drain.stop_now()
             client.shutdown()  # first: streams in flight end at once, not after uvicorn's grace
             server.should_exit = True
             http.join(timeout=10)
         finally:
             signal.signal(signal.SIGINT, previous_int)
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous_term)
     if client.error is not None:
         logger.error("the server stops because the engine failed: %r", client.error)
         raise SystemExit(1)
@@ -149,5 +156,50 @@ def _wait_for_core(client: ProcessEngine) -> None:
         time.sleep(DEAD_CORE_GRACE_S)
 
 
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Drain:
+    """Graceful shutdown on SIGTERM or Ctrl-C: refuse new requests (503, and /health says 503),
+    let those in flight finish for up to `timeout` seconds, then stop the engine, which ends
+    the rest with a final error event. A second signal stops at once.
+
+    The signal handler only sets events (it runs between two bytecodes of the main thread, which
+    may hold any lock but these); a thread does the waiting and the logging."""
+
+    def __init__(self, client: EngineClient, timeout: float) -> None:
+        self.client = client
+        self.timeout = timeout
+        self._signalled = threading.Event()
+        self._now = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-drain", daemon=True)
+        self._thread.start()
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        (self._now if self._signalled.is_set() else self._signalled).set()
+
+    def stop_now(self) -> None:
+        """Skip what is left of the drain and wait for the drain thread to finish."""
+        self._now.set()
+        self._signalled.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        self._signalled.wait()
+        if self._now.is_set():  # stop_now() without a signal: the engine already stopped
+            return
+        client = self.client
+        client.start_draining()
+        logger.info(
+            "shutting down: %d requests in flight get up to %g s to finish (--shutdown-timeout); "
+            "signal again to stop now",
+            client.num_unfinished_requests,
+            self.timeout,
+        )
+        deadline = time.monotonic() + self.timeout
+        while client.num_unfinished_requests and not self._now.wait(
+            min(0.05, max(0.0, deadline - time.monotonic()))
+        ):
+            if time.monotonic() >= deadline:
+                break
+        left = client.num_unfinished_requests
+        if left:
+            logger.warning("shutting down: aborting the %d requests still in flight", left)
+        client.shutdown()

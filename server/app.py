@@ -151,6 +151,10 @@ def build_app(
             return error_response(
                 APIError(503, f"engine is not running: {engine.error!r}", code="engine_dead")
             )
+        if engine.draining:  # load balancers stop sending requests here
+            return error_response(
+                APIError(503, "the server is shutting down", code="shutting_down")
+            )
         return Response(status_code=200)
 
     @app.get("/version")

@@ -14,7 +14,11 @@ import sys
 
 from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.engine_config import DTYPES, EngineConfig
-from server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -63,6 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     run_server(
         args.config_cls.from_cli_args(args),
         host=args.host,
@@ -77,6 +83,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=not args.no_access_log,
         core_process=args.core_process,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return 0
 
@@ -145,6 +152,14 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         help="seconds a request may take, queueing included; past it the request is aborted, "
         "its blocks freed, and the client gets a 504 (a final error event on a stream) "
         "(default: no limit)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish while new ones "
+        "are refused with a 503; then the rest end with an error event (a second signal: at "
+        "once) (default: %(default)s)",
     )
     srv.add_argument("--no-access-log", action="store_true")
     srv.add_argument(

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import EngineDeadError, QueueFullError
+from engine.async_engine import DrainingError, EngineDeadError, QueueFullError
 from server.limits import QUEUE_FULL_RETRY_AFTER_S
 
 logger = logging.getLogger("pagedserve")
@@ -82,6 +82,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="queue_full")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, DrainingError):
+        return APIError(503, str(exc), code="shutting_down")
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 

@@ -47,13 +47,7 @@ def server_process(
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
         try:
-            deadline = time.monotonic() + timeout
-            while not _healthy(base):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {timeout} s:\n{_tail(log_path)}")
-                time.sleep(0.2)
+            wait_healthy(proc, base, log_path, timeout)
             yield base
         finally:
             proc.terminate()
@@ -62,6 +56,18 @@ def server_process(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path, timeout: float) -> None:
+    """Wait until the server `proc` started answers /health at `base`. Raises RuntimeError with
+    the log's tail when it exits or stays unhealthy for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not _healthy(base):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not healthy after {timeout} s:\n{_tail(log_path)}")
+        time.sleep(0.2)
 
 
 def _healthy(base: str) -> bool:

@@ -10,3 +10,7 @@ DEFAULT_MAX_N = 128
 # token ids is about 1 MB of JSON, so this leaves room for long chats without letting one client
 # make the server buffer gigabytes.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
+
+# How long a SIGTERM / Ctrl-C lets requests in flight finish before aborting them
+# (--shutdown-timeout): under Kubernetes' default grace period of 30 s before its SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0

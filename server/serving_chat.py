@@ -164,7 +164,7 @@ async def _stream(
             accumulate(wholes, 0, output)
         if req.stream_options is not None and req.stream_options.include_usage and wholes:
             yield sse({**base, "choices": [], "usage": usage([wholes[0]])})
-    except Exception as e:  # the engine died mid-stream: tell the client in-band
+    except Exception as e:  # the request failed or the engine died: tell the client in-band
         yield sse_error(e)
     yield SSE_DONE
 

@@ -197,7 +197,7 @@ async def iterate_all(
         try:
             async for output in stream:
                 tracker.update(output)
-                merged.put_nowait((index, output))
+                merged.put_nowait((index, _checked(output)))
             merged.put_nowait(None)
         except BaseException as e:  # noqa: B036 - re-raised by the consumer below
             merged.put_nowait(e)
@@ -213,7 +213,7 @@ async def iterate_all(
                 except StopAsyncIteration:
                     return
                 tracker.update(output)
-                yield 0, output
+                yield 0, _checked(output)
         tasks = [asyncio.create_task(pump(i, s, t)) for i, (s, t) in enumerate(queued)]
         remaining = len(tasks)
         while remaining:
@@ -229,6 +229,14 @@ async def iterate_all(
             task.cancel()
         for stream, _ in queued:
             stream.abort()
+
+
+def _checked(output: RequestOutput) -> RequestOutput:
+    """The output, unless the engine failed its request: then the client's 500 (a stream's final
+    error event), the other requests going on."""
+    if output.error is not None:
+        raise APIError(500, f"the request failed: {output.error}", code="request_failed")
+    return output
 
 
 async def final_outputs(

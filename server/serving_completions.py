@@ -275,6 +275,6 @@ async def _stream(
                 counts["completion_tokens"] = 0
                 counts["total_tokens"] = counts["prompt_tokens"]
             yield sse({**base, "choices": [], "usage": counts})
-    except Exception as e:  # the engine died mid-stream: tell the client in-band
+    except Exception as e:  # the request failed or the engine died: tell the client in-band
         yield sse_error(e)
     yield SSE_DONE

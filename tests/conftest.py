@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,22 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def nan_llama_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with a NaN input embedding for token tests.helpers.NAN_TOKEN: any prompt
+    holding that token gives NaN logits (a broken model, for real)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import NAN_TOKEN
+
+    path = tmp_path_factory.mktemp("nan-llama") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.embed_tokens.weight"][NAN_TOKEN] = float("nan")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="session")

