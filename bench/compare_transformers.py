@@ -133,10 +133,12 @@ def load_hf_model(model: str, dtype: str, device: str, load_format: str):
     if source.kind == "gguf":
         path = source.gguf_file
         hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch_dtype
+            path.parent, gguf_file=path.name, dtype=torch_dtype, trust_remote_code=False
         )
     else:
-        hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype)
+        hf = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=torch_dtype, trust_remote_code=False
+        )
     return hf.to(device).eval()
 
 

@@ -59,13 +59,20 @@ def load_tokenizer(
         )
         return synthetic_tokenizer(source.config, name=f"synthetic:{source.name}")
     path = _tokenizer_path(source)
+    # Never run a folder's own Python (auto_map): transformers asks on a terminal when
+    # trust_remote_code is left unset, so it is refused here outright.
+    options = dict(local_files_only=True, trust_remote_code=False)
     try:
         if path.is_file():
-            return AutoTokenizer.from_pretrained(
-                path.parent, gguf_file=path.name, local_files_only=True
-            )
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
+        return AutoTokenizer.from_pretrained(path, **options)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise ValueError(
+                f"the tokenizer in {str(path)!r} needs Python code of its own (auto_map), which "
+                "pagedserve never runs; use a folder with a standard tokenizer (tokenizer.json), "
+                "or pass --tokenizer DIR"
+            ) from None
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
 
 
