@@ -144,8 +144,9 @@ def test_where_tokenizers_come_from(monkeypatch, tmp_path: Path):
     weights_only.mkdir()
     (weights_only / "config.json").write_text(json.dumps(shape.config.to_hf_dict()))
     assert is_synthetic_tokenizer(load_tokenizer(resolve_model(str(weights_only))))
-    gguf_call = (gguf_path.parent, {"gguf_file": gguf_path.name, "local_files_only": True})
-    assert calls == [gguf_call, gguf_call, (tmp_path, {"local_files_only": True}), gguf_call]
+    local = {"local_files_only": True, "trust_remote_code": False}
+    gguf_call = (gguf_path.parent, {"gguf_file": gguf_path.name, **local})
+    assert calls == [gguf_call, gguf_call, (tmp_path, local), gguf_call]
 
     with pytest.raises(ValueError, match="model 'no-such-model' not found"):
         load_tokenizer("no-such-model")
