@@ -76,7 +76,7 @@ class Sampler:
         """The host's part of sampling these rows: which are greedy, which want logprobs, and
         the random numbers, decided before the logits exist. A runner that overlaps steps
         calls it on the host thread and leaves `sample` (tensor work) to the device's turn."""
-        greedy = [_is_greedy(r.params) for r in rows]
+        greedy = [r.params.greedy for r in rows]
         randoms = [i for i, g in enumerate(greedy) if not g]
         random_rows = [rows[i] for i in randoms]
         asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -99,6 +99,10 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         raw_logits = logits
         logits = logits.float()
+        # A row with a NaN or an infinity (a broken model or an overflow on this input) samples
+        # an arbitrary index, maybe past the vocabulary; the next step may read it on the device
+        # before the host sees it, so it becomes token 0 below, and `finite` tells the host.
+        finite = torch.isfinite(logits).all(dim=-1)
         if plan.penalized:
             logits = self._apply_penalties(logits, rows)
         if not plan.randoms:
@@ -112,10 +116,6 @@ class Sampler:
             drawn = inverse_cdf_sample(probs, plan.uniforms)
             token_ids = logits.argmax(dim=-1).index_copy_(0, idx, drawn)
 
-        # A row with a NaN or an infinity (a broken model or an overflow on this input) samples
-        # an arbitrary index, maybe past the vocabulary; the next step may read it on the device
-        # before the host sees it, so it becomes token 0, and `finite` tells the host.
-        finite = torch.isfinite(logits).all(dim=-1)
         token_ids = token_ids.masked_fill(~finite, 0)
 
         # Logprobs describe the model's distribution before any penalty or temperature.
@@ -164,7 +164,10 @@ class Sampler:
             freq = to_device([r.params.frequency_penalty for r in rows], logits.dtype, device)
             pres = to_device([r.params.presence_penalty for r in rows], logits.dtype, device)
             logits -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(logits.dtype)
-        return logits
+        # A tiny repetition_penalty divides a logit into infinity: keep it the largest finite
+        # value instead, so the row still samples (infinities make the softmax NaN).
+        finite_max = torch.finfo(logits.dtype).max
+        return logits.clamp_(-finite_max, finite_max) if rep_rows else logits
 
     def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
         """One uniform number per row, drawn on the host (so seeds reproduce on any device): a
@@ -234,10 +237,6 @@ def inverse_cdf_sample(
     last_nonzero = (inner < inner[:, -1:]).sum(dim=-1, keepdim=True)
     j = torch.minimum(j, last_nonzero)
     return (c * chunk + j).squeeze(1)
-
-
-def _is_greedy(p: SamplingParams) -> bool:
-    return p.temperature == 0.0 or p.top_k == 1
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -238,7 +238,7 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     *,
     chat_template: str | None = None,
-    **template_kwargs: Any,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The chat prompt as text (what `apply_chat_template` tokenizes)."""
     result = _run_template(
@@ -247,13 +247,33 @@ def render_chat_prompt(
     return str(result)
 
 
+# Arguments of transformers' apply_chat_template that decide what it returns, or that the server
+# passes itself: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "chat_template",
+        "add_generation_prompt",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     *,
     chat_template: str | None = None,
-    **template_kwargs: Any,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of a chat conversation, equal to transformers' own `apply_chat_template`.
 
@@ -272,16 +292,24 @@ def _run_template(
     add_generation_prompt: bool,
     chat_template: str | None,
     tokenize: bool,
-    template_kwargs: dict[str, Any],
+    template_kwargs: Mapping[str, Any] | None,
 ) -> Any:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model's tokenizer has no chat template; use the completions API or supply a "
             "chat template"
         )
+    template_kwargs = template_kwargs or {}
+    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    if taken:
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+            "these itself (add_generation_prompt is a field of the request)"
+        )
+    messages = normalize_messages(messages)
     try:
         return tokenizer.apply_chat_template(
-            normalize_messages(messages),
+            messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=tokenize,
@@ -290,6 +318,13 @@ def _run_template(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template rejected the messages: {e}") from e
+    except (TypeError, AttributeError, KeyError) as e:
+        # Template variables of the wrong type (e.g. chat_template_kwargs {"tools": true}) fail
+        # inside transformers' template helpers or the template itself.
+        raise ValueError(
+            f"the chat template could not render these messages and chat_template_kwargs: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def _as_id_list(result: Any) -> list[int]:

@@ -10,8 +10,12 @@ from typing import Any
 
 # OpenAI caps `logprobs` (number of alternatives per position) at 20.
 MAX_LOGPROBS = 20
-# A seed is a signed 64-bit integer, as in the OpenAI API and vLLM (and msgpack carries no more).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Integers are signed 64-bit, as a seed is in the OpenAI API and vLLM (and msgpack, the core
+# process's wire format, carries no more).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Temperatures below this sample as greedy (as in vLLM): dividing float32 logits by less
+# overflows them to infinity, and the draw is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 # Float fields: (name, low, low bound excluded, high, wording of the allowed range).
 _FLOAT_FIELDS: tuple[tuple[str, float, bool, float | None, str], ...] = (
@@ -79,8 +83,10 @@ def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
         raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {value!r}")
     ids = tuple(value)
     for token_id in ids:
-        if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"stop_token_ids must contain only ints >= 0, got {token_id!r}")
+        if not _is_int(token_id) or not 0 <= token_id <= INT64_MAX:
+            raise ValueError(
+                f"stop_token_ids must contain only ints in [0, {INT64_MAX}], got {token_id!r}"
+            )
     return ids
 
 
@@ -139,17 +145,21 @@ class SamplingParams:
                 range_text=range_text,
             )
             set_field(self, name, value)
-        if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.top_k) or not (-1 <= self.top_k <= INT64_MAX):
+            raise ValueError(
+                f"top_k must be -1 or 0 (off) or an int in [1, {INT64_MAX}], got {self.top_k!r}"
+            )
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
+            raise ValueError(
+                f"max_tokens must be an int in [1, {INT64_MAX}], got {self.max_tokens!r}"
+            )
         set_field(self, "stop", _normalise_stop(self.stop))
         set_field(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         if self.seed is not None and (
-            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
         ):
             raise ValueError(
-                f"seed must be None or an int in [{SEED_MIN}, {SEED_MAX}] (signed 64 bits), "
+                f"seed must be None or an int in [{INT64_MIN}, {INT64_MAX}] (signed 64 bits), "
                 f"got {self.seed!r}"
             )
         for name in ("logprobs", "prompt_logprobs"):
@@ -168,8 +178,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature 0, or below GREEDY_TEMPERATURE, or
+        top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied; the copy is validated like a new instance."""

@@ -15,7 +15,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.tokenizer import apply_chat_template
 from scheduler.sampling_params import MAX_LOGPROBS
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest
+from server.protocol import ChatCompletionRequest, TokenizeRequest
 from server.serving_common import (
     SSE_DONE,
     ServerState,
@@ -37,13 +37,13 @@ from server.serving_common import (
 )
 
 
-def chat_prompt_ids(state: ServerState, req: Any) -> list[int]:
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
     """Token ids of the conversation (also used by /tokenize with messages)."""
     return apply_chat_template(
         state.engine.tokenizer,
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
-        **(getattr(req, "chat_template_kwargs", None) or {}),
+        template_kwargs=req.chat_template_kwargs,
     )
 
 

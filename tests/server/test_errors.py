@@ -83,6 +83,15 @@ BAD_COMPLETIONS = [
     ),
     pytest.param({**GOOD, "seed": 2**63}, 400, "seed", "signed 64 bits", id="seed-too-big"),
     pytest.param({**GOOD, "seed": -(2**63) - 1}, 400, "seed", "signed 64", id="seed-too-small"),
+    # Integers past 64 bits once reached the core process's msgpack encoder: a 500.
+    pytest.param({**GOOD, "top_k": 2**64}, 400, "top_k", "top_k must be", id="top_k-too-big"),
+    pytest.param(
+        {**GOOD, "stop_token_ids": [2**64]},
+        400,
+        "stop_token_ids",
+        "stop_token_ids must contain only ints in [0, 9223372036854775807]",
+        id="stop-token-id-too-big",
+    ),
 ]
 
 
@@ -137,6 +146,17 @@ BAD_CHAT = [
         f"max_model_len is {MAX_MODEL_LEN}",
         id="too-long",
     ),
+    # Found by tests/server/test_fuzz.py: both were 500s.
+    pytest.param(
+        {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs may not set add_generation_prompt",
+        id="template-kwargs-taken",
+    ),
+    pytest.param(
+        {"messages": MSG, "chat_template_kwargs": {"tools": True}},
+        "the chat template could not render these messages and chat_template_kwargs: TypeError",
+        id="template-kwargs-type",
+    ),
 ]
 
 
@@ -146,6 +166,35 @@ def test_chat_errors(server, body, fragment):
         httpx.post(f"{server.v1}/chat/completions", json=body, timeout=30), 400, None, fragment
     )
     _assert_healthy(server)
+
+
+def test_tokenize_checks_chat_template_kwargs(server):
+    url = f"{server.base_url}/tokenize"
+    _assert_error(
+        httpx.post(url, json={"messages": MSG, "chat_template_kwargs": "abc"}),
+        400,
+        "chat_template_kwargs",
+        "valid dictionary",
+    )
+    _assert_error(
+        httpx.post(url, json={"messages": MSG, "chat_template_kwargs": {"tokenize": False}}),
+        400,
+        None,
+        "chat_template_kwargs may not set tokenize",
+    )
+
+
+def test_extreme_sampling_values_are_served(server):
+    """Values inside the documented ranges that once overflowed float32 in the sampler: a
+    temperature this small samples greedily (as in vLLM), and a tiny repetition_penalty still
+    gives finite logits (once NaN, a 500)."""
+    url = f"{server.v1}/completions"
+    greedy = httpx.post(url, json=GOOD, timeout=30).json()["choices"][0]["text"]
+    tiny_temperature = httpx.post(url, json={**GOOD, "temperature": 1e-40}, timeout=30)
+    assert tiny_temperature.json()["choices"][0]["text"] == greedy
+    r = httpx.post(url, json={**GOOD, "repetition_penalty": 1e-300}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == GOOD["max_tokens"]
 
 
 def test_malformed_json_and_unknown_routes(server):
