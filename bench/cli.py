@@ -1,4 +1,5 @@
-"""`pagedserve bench`: throughput (offline) and serve (load-test a running server).
+"""`pagedserve bench`: throughput (offline), serve (load-test a running server) and soak (many
+mixed, partly invalid or dropped requests against a running server, then leak checks).
 
 `pagedserve bench ...` hands its arguments here, importing this module only then, so that
 nothing outside bench/ loads the benchmarks or their dependencies (the `bench` extra).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench import serve, throughput
+from bench import serve, soak, throughput
 from engine.engine_config import EngineConfig
 
 
@@ -22,10 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
     bs = sub.add_parser("serve", help="load-test a running server, like vllm bench serve")
     serve.add_arguments(bs)
     bs.set_defaults(func=serve.run)
+    sk = sub.add_parser(
+        "soak", help="mixed, partly invalid or dropped requests, then checks for leaks"
+    )
+    soak.add_arguments(sk)
+    sk.set_defaults(func=soak.run)
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    args.func(args)
-    return 0
+    result = args.func(args)
+    # The soak test's verdict is the exit status; the benchmarks have none.
+    return 1 if result.get("passed") is False else 0

@@ -184,7 +184,13 @@ class EngineClient(ABC):
             self._num_submitted += 1
             self._ids_in_use.add(request_id)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._submit(request_id, prompt, params, arrival_time, stream)
+        try:
+            self._submit(request_id, prompt, params, arrival_time, stream)
+        except BaseException:  # not queued after all: it must not count against the queue
+            with self._lock:
+                self._num_submitted -= 1
+                self._ids_in_use.discard(request_id)
+            raise
         return stream
 
     @abstractmethod

@@ -134,6 +134,7 @@ class ProcessEngine(EngineClient):
                 f"core max_model_len {ready.max_model_len} != front end {self.max_model_len}"
             )
         self.description = ready.description
+        self.stats = ready.stats
         logger.info("engine core process %d ready", self._process.pid)
         self._running = True
         self._receiver = threading.Thread(
@@ -209,8 +210,13 @@ class ProcessEngine(EngineClient):
                 _post(stream.loop, stream.queue.put_nowait, EngineDeadError(self._dead_message()))
                 return
             samples = self.output_processor.add(request_id, prompt, params, arrival_time)
+            try:
+                message = self._encoder.encode(AddRequest(samples))
+            except BaseException:  # nothing may stay registered for a request never sent
+                self.output_processor.abort(request_id)
+                raise
             self._streams[request_id] = stream
-            self._input.send(self._encoder.encode(AddRequest(samples)))
+            self._input.send(message)
 
     def abort(self, request_id: str) -> None:
         with self._state_lock:
@@ -285,7 +291,7 @@ def run_engine_core(
                 logger.exception("the engine core could not start")
             outputs.send(encoder.encode(CoreFailed(str(e), isinstance(e, ValueError))))
             return
-        outputs.send(encoder.encode(CoreReady(core.max_model_len, core.describe())))
+        outputs.send(encoder.encode(CoreReady(core.max_model_len, core.describe(), core.stats())))
         _serve(core, inputs, outputs, encoder, parent)
     finally:
         inputs.close(linger=0)

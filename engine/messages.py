@@ -83,6 +83,7 @@ CoreInput = AddRequest | AbortSamples | Shutdown
 class CoreReady(msgspec.Struct, tag=True, array_like=True):
     max_model_len: int
     description: str  # device, dtype and KV-cache plan, for the front end's log line
+    stats: EngineStats  # before any request: /metrics shows the pool's size from the start
 
 
 class CoreOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

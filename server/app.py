@@ -63,7 +63,7 @@ def build_app(
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
         engine=engine,
-        metrics=Metrics(lambda: engine.stats),
+        metrics=Metrics(lambda: engine.stats, core_pid=lambda: getattr(engine, "pid", None)),
         served_model_names=tuple(served_model_names),
         model_root=model_root,
         api_key=api_key or None,

@@ -1,17 +1,21 @@
 """Prometheus metrics (`GET /metrics`), all named `pagedserve_*`.
 
-Two sources:
+Three sources:
 - engine state (requests running/waiting, KV blocks, preemptions, prefix-cache counters) is read
   at scrape time from the EngineStats snapshot the engine thread publishes after every iteration,
   so a scrape never waits for a step and always shows the state after the latest abort;
 - per-request latencies and token counters are recorded by the HTTP handlers as snapshots arrive
-  (`RequestMetrics`), i.e. as the client sees them, queueing in the server included.
+  (`RequestMetrics`), i.e. as the client sees them, queueing in the server included;
+- the resident memory of the API server's process and, when the engine core runs in its own
+  process, of that one (`pagedserve_resident_memory_bytes{process="server"|"core"}`), read from
+  /proc at scrape time (Linux only: elsewhere the samples are left out).
 
 Each app owns its registry (no module-level state), so several apps can live in one process.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -59,12 +63,53 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"pagedserve_{name}", doc, value=value)
 
 
-class Metrics:
-    """The registry of one server and the per-request instruments."""
+def resident_memory_bytes(pid: int) -> int | None:
+    """Resident set size of process `pid` in bytes (/proc/PID/statm: resident pages x page
+    size); None where /proc is unavailable or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            resident_pages = int(f.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
-    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
+
+class _MemoryCollector(Collector):
+    """`pagedserve_resident_memory_bytes`, one sample per process: "server" (this one) and
+    "core" (the engine core's, while `core_pid` returns one)."""
+
+    def __init__(self, core_pid: Callable[[], int | None]) -> None:
+        self._core_pid = core_pid
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "pagedserve_resident_memory_bytes",
+            "Resident memory (RSS) of the API server's process and of the engine core's",
+            labels=["process"],
+        )
+        pids = (("server", os.getpid()), ("core", self._core_pid()))
+        for process, pid in pids:
+            rss = resident_memory_bytes(pid) if pid is not None else None
+            if rss is not None:
+                family.add_metric([process], rss)
+        if family.samples:
+            yield family
+
+
+class Metrics:
+    """The registry of one server and the per-request instruments.
+
+    `core_pid` returns the id of the engine core's process when the core runs in one of its own
+    (ProcessEngine.pid), else None; without it only the server's memory is reported."""
+
+    def __init__(
+        self,
+        read_stats: Callable[[], EngineStats],
+        core_pid: Callable[[], int | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(read_stats))
+        self.registry.register(_MemoryCollector(core_pid))
         r = self.registry
         self.prompt_tokens = Counter(
             "pagedserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r

@@ -13,6 +13,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.core_process import ProcessEngine
+from engine.messages import AddRequest
 from tests.helpers import process_alive
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(6)]
@@ -36,6 +37,7 @@ def process_engine(tiny_llama_dir):
     engine.start()
     pid = engine.pid
     assert process_alive(pid)
+    assert engine.stats.kv_blocks_total == 512  # from CoreReady: before any request
     yield engine
     engine.shutdown()
     assert not process_alive(pid)
@@ -164,6 +166,35 @@ def test_bad_requests_raise_in_the_front_end(process_engine):
 
     asyncio.run(main())
     assert process_engine.vocab_size == 512 and process_engine.max_model_len == 512
+
+
+def test_a_request_that_cannot_be_sent_leaves_nothing_behind(process_engine, monkeypatch):
+    """Encoding a request for the core can fail (an integer msgpack cannot carry, if one got
+    past the checks): nothing of it may stay, or it would count against --max-queue-len for
+    ever."""
+    encoder = process_engine._encoder
+
+    class RefusingEncoder:
+        def encode(self, message):
+            if isinstance(message, AddRequest):
+                raise OverflowError("can't serialize ints > 2**64 - 1")
+            return encoder.encode(message)
+
+    monkeypatch.setattr(process_engine, "_encoder", RefusingEncoder())
+    submitted = process_engine._num_submitted
+    params = SamplingParams(temperature=0, max_tokens=2, output_kind="delta")
+
+    async def main():
+        with pytest.raises(OverflowError):
+            process_engine.add_request("unsent", PROMPTS[0], params)
+
+    asyncio.run(main())
+    assert process_engine._num_submitted == submitted
+    assert "unsent" not in process_engine._ids_in_use
+    assert "unsent" not in process_engine.output_processor
+    monkeypatch.undo()
+    got = _generate(process_engine, {"unsent": (PROMPTS[0], params)})
+    assert len(got["unsent"].outputs[0].token_ids) == 2
 
 
 def test_a_config_the_core_refuses_is_a_value_error_and_leaves_no_process(tiny_llama_dir):
