@@ -1,4 +1,4 @@
-"""`pagedserve` command line: serve, generate, kv-plan, and bench (throughput, serve).
+"""`pagedserve` command line: serve, generate, kv-plan, and bench (throughput, serve, soak).
 
 The engine flags come from `EngineConfig`'s fields (`EngineConfig.add_cli_args`). `bench` is
 parsed by `bench.cli`, imported only when that command runs: the server never loads the
@@ -189,7 +189,8 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
     # Everything after `bench` goes to bench.cli (see main).
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: `bench throughput` (offline), `bench serve` (load-test a server)",
+        help="benchmarks: `bench throughput` (offline), `bench serve` (load-test a server), "
+        "`bench soak` (mixed, dropped and invalid requests, then leak checks)",
         add_help=False,
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

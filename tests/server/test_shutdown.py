@@ -20,10 +20,14 @@ import pytest
 from server.launch import free_port, wait_healthy
 from tests.server.util import PAGEDSERVE
 
-# About 3 s of decoding for the dummy model here: long enough to probe the draining server.
+# The dummy model with room for long streams: a stream whose end the test must not reach takes
+# thousands of steps, so no machine is fast enough to finish it before the deadline.
+LONG_CONTEXT = 8192
+# About 1.5 s of decoding on a quiet machine (10 s on a loaded one): long enough to probe the
+# draining server before it ends.
 STREAM = {
     "prompt": [5, 6, 7],
-    "max_tokens": 200,
+    "max_tokens": 600,
     "n": 2,
     "ignore_eos": True,
     "stream": True,
@@ -35,6 +39,15 @@ SHUTTING_DOWN = {
     "param": None,
     "code": "shutting_down",
 }
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    from tests.helpers import DUMMY_MODEL_CONFIG
+
+    path = tmp_path_factory.mktemp("long-dummy-model") / "config.json"
+    path.write_text(json.dumps({**DUMMY_MODEL_CONFIG, "max_position_embeddings": LONG_CONTEXT}))
+    return path
 
 
 @contextlib.contextmanager
@@ -61,15 +74,17 @@ def _server(tmp_path: Path, model: Path, *args: str) -> Iterator[tuple[subproces
 class _Stream(threading.Thread):
     """A streamed completion read on a thread; `started` is set once its first event came."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, max_tokens: int) -> None:
         super().__init__()
         self.base = base
+        self.request = {**STREAM, "max_tokens": max_tokens}
         self.started = threading.Event()
         self.events: list[dict] = []
         self.done = False  # ended with [DONE]
 
     def run(self) -> None:
-        with httpx.stream("POST", f"{self.base}/v1/completions", json=STREAM, timeout=60) as r:
+        url = f"{self.base}/v1/completions"
+        with httpx.stream("POST", url, json=self.request, timeout=60) as r:
             for line in r.iter_lines():
                 if not line:
                     continue
@@ -84,15 +99,15 @@ class _Stream(threading.Thread):
         return [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
 
 
-def _start_stream(base: str) -> _Stream:
-    stream = _Stream(base)
+def _start_stream(base: str, max_tokens: int = STREAM["max_tokens"]) -> _Stream:
+    stream = _Stream(base, max_tokens)
     stream.start()
     assert stream.started.wait(timeout=60)
     return stream
 
 
-def test_sigterm_lets_the_requests_in_flight_finish(tmp_path, dummy_config_file):
-    with _server(tmp_path, dummy_config_file, "--shutdown-timeout", "60") as (proc, base):
+def test_sigterm_lets_the_requests_in_flight_finish(tmp_path, long_model):
+    with _server(tmp_path, long_model, "--shutdown-timeout", "60") as (proc, base):
         stream = _start_stream(base)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)  # the drain starts on the server's own thread
@@ -119,10 +134,10 @@ def test_sigterm_lets_the_requests_in_flight_finish(tmp_path, dummy_config_file)
     ids=["deadline", "second-signal"],
 )
 def test_requests_still_running_at_the_end_get_a_final_error_event(
-    tmp_path, dummy_config_file, serve_args, second_signal
+    tmp_path, long_model, serve_args, second_signal
 ):
-    with _server(tmp_path, dummy_config_file, *serve_args) as (proc, base):
-        stream = _start_stream(base)
+    with _server(tmp_path, long_model, *serve_args) as (proc, base):
+        stream = _start_stream(base, max_tokens=LONG_CONTEXT - 100)
         proc.send_signal(signal.SIGINT)
         if second_signal is not None:
             time.sleep(0.3)
