@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import gguf
+import numpy as np
 
 from engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
 
@@ -27,6 +28,26 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
 }
 
 ModelKind = Literal["hf_dir", "gguf", "dummy"]
+
+
+class GGUFFile(gguf.GGUFReader):
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map.
+
+    The reader slices its data once or more for every metadata value, and a GGUF file holds one
+    per tokenizer string and merge (about 150,000 for SmolLM2). Slices of an `np.memmap` run the
+    subclass's `__array_finalize__`, which made up most of the parse time (BENCHMARKS.md,
+    "Start-up"); slices of a plain view of the same mapping do not. The view keeps the mapping
+    alive, and tensors are the same zero-copy views of the file.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap
+        self._data = value.view(np.ndarray)
+
 
 # Files that make a folder a Hugging Face tokenizer folder (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -138,7 +159,7 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
 def _gguf_source(name: str, gguf_file: Path) -> ModelSource:
     # Parsing the metadata reads every tokenizer string, which is slow for large vocabularies:
     # the reader is kept so that loading the weights does not parse the file again.
-    reader = gguf.GGUFReader(gguf_file)
+    reader = GGUFFile(gguf_file)
     return ModelSource(
         name=name,
         kind="gguf",

