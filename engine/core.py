@@ -39,7 +39,7 @@ logger = logging.getLogger("pagedserve")
 
 class EngineCore:
     """The model side of the engine: weights, KV cache, scheduler and runner. Takes samples
-    (`add_sample`), steps them, returns what each step produced (`step_samples`)."""
+    (`add_samples`), steps them, returns what each step produced (`step_samples`)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -93,11 +93,14 @@ class EngineCore:
             self.max_model_len,
             config.seed,
             graphs=self._capture_decode_graphs(kv_caches),
+            ops=self.attention_ops,
         )
+        # Off with speculative decoding: a step's drafts come from the tokens the previous
+        # step accepted, so it cannot be scheduled before those are back.
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
-            else self.device.type == "cuda"
+            else self.device.type == "cuda" and not config.speculative_ngram
         )
         # Asynchronous scheduling: the step launched last, whose outputs the next step() reads.
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -109,11 +112,14 @@ class EngineCore:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
+                num_speculative_tokens=config.speculative_ngram,
+                ngram_min=config.speculative_ngram_min,
+                ngram_max=config.speculative_ngram_max,
             )
         )
         self.num_steps = 0
         self.step_seconds = 0.0
-        self.num_requests_added = 0  # requests, counted by the caller (see EngineStats)
+        self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
 
     def _build_model(self) -> LlamaForCausalLM:
         previous = torch.get_default_dtype()
@@ -212,16 +218,21 @@ class EngineCore:
 
     # ---- samples ---------------------------------------------------------------------------------
 
-    def add_sample(self, sample: CoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
+    def add_samples(self, samples: list[CoreRequest]) -> None:
+        """Queue the samples of one request. They share its prompt: the first computes it, the
+        others fork its blocks once it has (`Scheduler.add_request`'s fork_parent)."""
+        parent = None
+        for sample in samples:
+            request = Request(
                 sample.request_id,
                 sample.prompt_token_ids,
                 sample.params,
                 self.eos_token_ids,
                 sample.arrival_time,
             )
-        )
+            self.scheduler.add_request(request, fork_parent=parent)
+            parent = parent or request
+        self.num_requests_added += 1
 
     def abort_samples(self, request_ids: list[str], stopped: bool = False) -> None:
         """End samples in whatever state they are and free their blocks now; unknown or finished
@@ -323,7 +334,9 @@ class EngineCore:
                 delta.finish_reason,
                 logprobs.get(delta.request_id),
             )
-            for delta in self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+            for delta in self.scheduler.update_from_output(
+                sched_out, runner_out.sampled_token_ids, runner_out.accepted_token_ids
+            )
         ]
         if not runner_out.prompt_logprobs:
             return outputs
@@ -349,6 +362,8 @@ class EngineCore:
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_total=kv.num_total_blocks,
             num_preemptions=scheduler.num_preemptions,
+            spec_draft_tokens=scheduler.num_draft_tokens,
+            spec_accepted_tokens=scheduler.num_accepted_tokens,
             prefix_cache_queries=kv.num_prefix_cache_queries_tokens,
             prefix_cache_hits=kv.num_prefix_cache_hits_tokens,
             num_steps=self.num_steps,

@@ -3,7 +3,7 @@
     API server process                                  engine core process (`run_engine_core`)
     ──────────────────                                  ───────────────────────────────────────
     HTTP, chat templates, InputProcessor                EngineCore: scheduler, runner, model
-    add_request ─ OutputProcessor.add ─ AddRequest ──>  PULL ─> add_sample / abort_samples
+    add_request ─ OutputProcessor.add ─ AddRequest ──>  PULL ─> add_samples / abort_samples
     receiver thread <── CoreOutputs (per step) ──────── PUSH <─ step_samples + stats
       OutputProcessor.process: detokenize, stop strings
       (a stop string sends AbortSamples(stopped=True) back), deliver to the streams
@@ -313,9 +313,7 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encoder, parent: int) 
                 break
             message = decoder.decode(frame)
             if isinstance(message, AddRequest):
-                for sample in message.samples:
-                    core.add_sample(sample)
-                core.num_requests_added += 1
+                core.add_samples(message.samples)
             elif isinstance(message, AbortSamples):
                 core.abort_samples(message.request_ids, stopped=message.stopped)
             else:

@@ -124,6 +124,15 @@ class EngineConfig:
         "(default: on with CUDA; off on CPU, where the host's own cores run the model); outputs "
         "are the same either way, --no-async-scheduling is for debugging",
     )
+    speculative_ngram: int = option(
+        0,
+        "speculative decoding by prompt lookup: draft up to this many tokens per step from an "
+        "earlier occurrence of the sequence's last tokens (in its prompt or output) and verify "
+        "them in the same forward pass; greedy requests without logprobs or penalties only; "
+        "0 = off",
+    )
+    speculative_ngram_min: int = option(2, "shortest n-gram matched for speculative drafts")
+    speculative_ngram_max: int = option(4, "longest n-gram matched for speculative drafts")
     seed: int = option(0, "seed of the sampler for requests without their own")
 
     def __post_init__(self) -> None:
@@ -157,6 +166,20 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.speculative_ngram < 0:
+            raise ValueError(
+                f"speculative_ngram must be >= 0 (0 = off), got {self.speculative_ngram!r}"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min <= speculative_ngram_max, got "
+                f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
+            )
+        if self.speculative_ngram and self.async_scheduling:
+            raise ValueError(
+                "speculative_ngram needs synchronous scheduling (each step's drafts come from "
+                "the tokens the previous step accepted): drop --async-scheduling"
+            )
 
     @property
     def step_token_budget(self) -> int:

@@ -41,6 +41,10 @@ class Batch:
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     sample: np.ndarray  # [num_seqs] bool: the sequence samples a token this step
     ends: np.ndarray  # [num_seqs] position after the chunk (= the sampled token's position)
+    # [num_seqs] draft tokens at the end of each sequence's chunk (speculative decoding): a
+    # sequence with d drafts samples at its last d + 1 positions, and its first sampled token
+    # lands at ends - d.
+    num_drafts: np.ndarray
     # Placeholder tokens: input_ids[fill_dst[i]] = previous step's sampled ids[fill_src[i]].
     fill_dst: np.ndarray
     fill_src: np.ndarray
@@ -101,6 +105,12 @@ class InputBatch:
                     self.block_table[row, n : n + len(block_ids)] = block_ids
                     self.num_blocks[row] = n + len(block_ids)
             self.num_computed[rows] = cached.num_computed_tokens
+        # Copy-on-write replaced a shared block of these tables (a new request's block_ids hold
+        # the copy already).
+        for request_id, index, _, copy in out.block_copies:
+            row = self.row_of.get(request_id)
+            if row is not None:
+                self.block_table[row, index] = copy
 
     def _add(self, new: NewRequestData) -> None:
         assert new.request_id not in self.row_of, f"request {new.request_id!r} already has a row"
@@ -161,21 +171,36 @@ class InputBatch:
         if num_tokens == num_seqs:  # decode: one token per sequence
             positions = starts
             token_rows = rows
-            pos_blocks = block_tables[np.arange(num_seqs), positions // block_size]
+            seq_idx = np.arange(num_seqs)
+            pos_blocks = block_tables[seq_idx, positions // block_size]
         else:
             seq_idx = np.repeat(np.arange(num_seqs), q_lens)
             positions = starts[seq_idx] + (np.arange(num_tokens) - query_start_loc[seq_idx])
             token_rows = rows[seq_idx]
             pos_blocks = block_tables[seq_idx, positions // block_size]
+        num_drafts = np.zeros(num_seqs, dtype=np.int64)
+        if out.spec_token_ids:
+            # The drafts go after the known tokens; `accept` overwrites them with what the
+            # model picked.
+            index_of = {request_id: i for i, request_id in enumerate(out.num_scheduled_tokens)}
+            for request_id, drafts in out.spec_token_ids.items():
+                i = index_of[request_id]
+                row = int(rows[i])
+                known = int(self.num_known[row])
+                self.token_ids[row, known : known + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
+            known_end = self.num_known[token_rows] + num_drafts[seq_idx]
+        else:
+            known_end = self.num_known[token_rows]
         input_ids = self.token_ids[token_rows, positions]
-        missing = positions >= self.num_known[token_rows]
+        missing = positions >= known_end
         if missing.any():
             fill_dst = np.flatnonzero(missing)
             fill_src = self.last_sample_index[token_rows[fill_dst]]
             assert (fill_src >= 0).all(), "a placeholder token that no step is sampling"
         else:
             fill_dst = fill_src = np.empty(0, dtype=np.int64)
-        sample = ends == self.num_tokens[rows]
+        sample = ends == self.num_tokens[rows] + num_drafts
 
         prompt_targets = []
         if self.prompt_logprob_rows:
@@ -210,6 +235,7 @@ class InputBatch:
             fill_dst=fill_dst,
             fill_src=fill_src,
             prompt_logprob_targets=prompt_targets,
+            num_drafts=num_drafts,
         )
 
     def history(self, row: int, end: int) -> tuple[list[int], list[int]]:
@@ -229,3 +255,12 @@ class InputBatch:
             rows, positions, token_ids = rows[valid], positions[valid], token_ids[valid]
         self.token_ids[rows, positions] = token_ids
         self.num_known[rows] += 1
+
+    def accept(self, row: int, tokens: list[int], num_rejected: int) -> None:
+        """After `record` stored a speculative step's first token: its further accepted tokens,
+        and its progress taken back past the rejected drafts."""
+        known = int(self.num_known[row])
+        self.token_ids[row, known : known + len(tokens)] = tokens
+        self.num_known[row] += len(tokens)
+        self.num_tokens[row] += len(tokens)
+        self.num_computed[row] -= num_rejected

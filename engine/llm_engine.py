@@ -67,9 +67,7 @@ class LLMEngine(EngineCore):
     ) -> None:
         """Queue a request whose inputs `process_inputs` accepted (AsyncEngine checks them on the
         caller's thread, then queues them here on the engine's)."""
-        for sample in self.output_processor.add(request_id, prompt, params, arrival_time):
-            self.add_sample(sample)
-        self.num_requests_added += 1
+        self.add_samples(self.output_processor.add(request_id, prompt, params, arrival_time))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort every sample of a request in whatever state it is; its blocks are freed now.

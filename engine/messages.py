@@ -47,6 +47,8 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     kv_blocks_used: int = 0  # blocks held by live requests (ref count > 0)
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens scheduled
+    spec_accepted_tokens: int = 0  # of which the model agreed with
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
     num_steps: int = 0

@@ -7,10 +7,12 @@ does) and never mutates requests (update_from_output does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
 
+import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.cuda_graph import DecodeGraphs
 from engine.input_batch import Batch, InputBatch
@@ -38,6 +40,9 @@ class RunnerOutput:
     # Requests whose logits held a NaN or an infinity; their entry in sampled_token_ids is a
     # placeholder (see Sampler.sample).
     nonfinite_request_ids: list[str] = field(default_factory=list)
+    # Requests that had drafts: the drafts the model agreed with, then its own next token
+    # (sampled_token_ids holds the first of these).
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,11 @@ def to_model_inputs(batch: Batch, device: torch.device) -> ModelInputs:
     sync)."""
     qsl = batch.query_start_loc
     logits_indices = qsl[1:][batch.sample].astype(np.int64) - 1
+    drafts = batch.num_drafts[batch.sample]
+    if drafts.any():  # a sequence with d drafts samples at its last d + 1 positions
+        logits_indices = np.concatenate(
+            [np.arange(last - d, last + 1) for last, d in zip(logits_indices, drafts, strict=True)]
+        )
     prompt_rows = [qsl[i] + np.arange(len(t)) for i, t in batch.prompt_logprob_targets]
     prompt_logprob_indices = (
         np.concatenate(prompt_rows).astype(np.int64) if prompt_rows else np.empty(0, np.int64)
@@ -101,9 +111,11 @@ class StepHandle:
         batch: Batch | None = None,
         device: _DeviceResult | None = None,
         output: RunnerOutput | None = None,
+        drafts: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         self._runner = runner
         self._batch = batch
+        self.drafts = drafts or {}  # the step's draft tokens, by request
         self.device = device  # the step's results as device tensors (the next step reads ids)
         self._output = output
         self._host: _DeviceResult | None = device  # on CUDA: copies being made to the host
@@ -112,7 +124,8 @@ class StepHandle:
             sample_idx = batch.sample_indices
             self.sample_rows = batch.rows[sample_idx]
             self.serials = runner.input_batch.serial[self.sample_rows]
-            self.positions = batch.ends[sample_idx]
+            self.num_drafts = batch.num_drafts[sample_idx]
+            self.positions = batch.ends[sample_idx] - self.num_drafts
             self.sample_ids = [batch.request_ids[i] for i in sample_idx]
             if runner.device.type == "cuda":
                 # Pinned memory and an event: result() then waits for this step only, not for
@@ -162,9 +175,12 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
+        ops: ModuleType = kernels,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.ops = ops  # the kernels' backend (kernels.reference or kernels.triton_ops)
+        self._all_caches = [cache for pair in kv_caches for cache in pair]
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
@@ -181,6 +197,8 @@ class ModelRunner:
         """Apply the scheduler's increments, prepare the step and start it."""
         state = self.input_batch
         state.apply(out)
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         if not out.num_scheduled_tokens:
             return StepHandle(None, output=RunnerOutput({}, {}))
         rows = state.rows_of(out)
@@ -221,7 +239,9 @@ class ModelRunner:
         if sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sample = self.sampler.sample(logits, plan)
-        handle = StepHandle(self, batch, _DeviceResult(sample, prompt_logprobs))
+        handle = StepHandle(
+            self, batch, _DeviceResult(sample, prompt_logprobs), drafts=out.spec_token_ids
+        )
         if sampling_rows:
             self._last = handle
         return handle
@@ -243,16 +263,57 @@ class ModelRunner:
             return RunnerOutput({}, {}, prompt_logprobs)
         result = host.sample.to_host()
         ids = handle.sample_ids
+        token_ids, row_logprobs, owners = result.token_ids, result.logprobs, ids
+        accepted: dict[str, list[int]] = {}
+        if handle.num_drafts.any():
+            token_ids, row_logprobs, owners, accepted = self._verify(handle, result)
         self.input_batch.record(
             handle.sample_rows,
             handle.serials,
             handle.positions,
-            np.asarray(result.token_ids, dtype=np.int64),
+            np.asarray(token_ids, dtype=np.int64),
         )
-        sampled = dict(zip(ids, result.token_ids, strict=True))
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp is not None}
-        nonfinite = [ids[i] for i in result.nonfinite_rows]
-        return RunnerOutput(sampled, logprobs, prompt_logprobs, nonfinite)
+        for j, request_id in enumerate(ids):
+            if request_id in accepted:
+                tokens = accepted[request_id]
+                num_rejected = int(handle.num_drafts[j]) - (len(tokens) - 1)
+                self.input_batch.accept(int(handle.sample_rows[j]), tokens[1:], num_rejected)
+        sampled = dict(zip(ids, token_ids, strict=True))
+        logprobs = {rid: lp for rid, lp in zip(ids, row_logprobs, strict=True) if lp is not None}
+        nonfinite = list(dict.fromkeys(owners[i] for i in result.nonfinite_rows))
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, nonfinite, accepted)
+
+    @staticmethod
+    def _verify(handle: StepHandle, result) -> tuple[list, list, list[str], dict[str, list[int]]]:
+        """Speculative decoding, greedy: a sequence with drafts d_1..d_k sampled t_0..t_k at its
+        last k + 1 positions (t_j predicts the token after d_j, t_0 the one after its last
+        token). The drafts are accepted while t_{j-1} == d_j; the first disagreeing t (or t_k
+        when all agree) is the model's own next token. Returns each sequence's first token and
+        logprobs, the owner of every sampled row, and the accepted tokens of those with drafts."""
+        firsts, first_logprobs, owners = [], [], []
+        accepted: dict[str, list[int]] = {}
+        row = 0
+        all_drafts = handle.num_drafts.tolist()
+        for request_id, num_drafts in zip(handle.sample_ids, all_drafts, strict=True):
+            tokens = result.token_ids[row : row + num_drafts + 1]
+            firsts.append(tokens[0])
+            first_logprobs.append(result.logprobs[row])
+            owners += [request_id] * (num_drafts + 1)
+            if num_drafts:
+                drafts = handle.drafts[request_id]
+                num_accepted = 0
+                while num_accepted < num_drafts and tokens[num_accepted] == drafts[num_accepted]:
+                    num_accepted += 1
+                accepted[request_id] = tokens[: num_accepted + 1]
+            row += num_drafts + 1
+        return firsts, first_logprobs, owners, accepted
+
+    def _copy_blocks(self, copies: tuple[tuple[str, int, int, int], ...]) -> None:
+        """Copy-on-write: each shared block into the block replacing it, in every layer, before
+        the step writes into the copy (one kernel launch with the Triton backend)."""
+        src = to_device([copy[2] for copy in copies], torch.long, self.device)
+        dst = to_device([copy[3] for copy in copies], torch.long, self.device)
+        self.ops.copy_blocks(self._all_caches, src, dst)
 
     @torch.inference_mode()
     def clear_blocks(self, block_ids: list[int]) -> None:
@@ -278,9 +339,19 @@ class ModelRunner:
         state = self.input_batch
         sample_idx = batch.sample_indices
         rows = batch.rows[sample_idx].tolist()
-        num_outputs = (batch.ends[sample_idx] - state.num_prompt[batch.rows[sample_idx]]).tolist()
+        num_drafts = batch.num_drafts[sample_idx]
+        first_positions = batch.ends[sample_idx] - num_drafts
+        num_outputs = (first_positions - state.num_prompt[batch.rows[sample_idx]]).tolist()
         params = state.params
         sampling = [SamplingRow(params[row], n) for row, n in zip(rows, num_outputs, strict=True)]
+        if num_drafts.any():
+            # Drafts only go to greedy requests without penalties (Scheduler._propose): their
+            # extra rows need no history.
+            return [
+                SamplingRow(params[row], n + j)
+                for row, n, d in zip(rows, num_outputs, num_drafts.tolist(), strict=True)
+                for j in range(d + 1)
+            ]
         if state.history_rows:
             for i, row in enumerate(rows):
                 if row not in state.history_rows:

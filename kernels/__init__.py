@@ -1,8 +1,8 @@
 """The model's kernels behind one backend switch.
 
-`paged_attention`, `reshape_and_cache` and the fused layer ops (`rms_norm`, `fused_add_rms_norm`,
-`silu_and_mul`, `rotary_and_cache`) route each call to a backend module with the same
-signatures:
+`paged_attention`, `reshape_and_cache`, `copy_blocks` and the fused layer ops (`rms_norm`,
+`fused_add_rms_norm`, `silu_and_mul`, `rotary_and_cache`) route each call to a backend module
+with the same signatures:
 
     torch   `kernels.reference`, pure torch, any device; the default for CPU tensors
     triton  `kernels.triton_ops` (the kernels of `kernels.triton_attention` and
@@ -31,6 +31,7 @@ from kernels import reference
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "copy_blocks",
     "fused_add_rms_norm",
     "get_backend",
     "paged_attention",
@@ -88,6 +89,8 @@ def _dispatcher(name: str) -> Callable[..., Any]:
     @functools.wraps(reference_op)
     def op(*args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
+        if isinstance(first, (list, tuple)):  # copy_blocks: the caches
+            first = first[0]
         return getattr(get_backend(select_backend(first.device)), name)(*args, **kwargs)
 
     return op
@@ -95,6 +98,7 @@ def _dispatcher(name: str) -> Callable[..., Any]:
 
 paged_attention = _dispatcher("paged_attention")
 reshape_and_cache = _dispatcher("reshape_and_cache")
+copy_blocks = _dispatcher("copy_blocks")
 rms_norm = _dispatcher("rms_norm")
 fused_add_rms_norm = _dispatcher("fused_add_rms_norm")
 silu_and_mul = _dispatcher("silu_and_mul")

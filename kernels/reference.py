@@ -26,11 +26,14 @@ written must hold finite values (the engine allocates its caches with torch.zero
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from kernels import validation
 from kernels.validation import (
+    check_copy_blocks_args,
     check_fused_add_rms_norm_args,
     check_paged_attention_args,
     check_reshape_and_cache_args,
@@ -40,6 +43,7 @@ from kernels.validation import (
 )
 
 __all__ = [
+    "copy_blocks",
     "fused_add_rms_norm",
     "paged_attention",
     "reshape_and_cache",
@@ -84,6 +88,23 @@ def reshape_and_cache(
     # The validation guarantees the block and offset dims merge into one slot dim without a copy.
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def copy_blocks(caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy KV block `src[i]` into block `dst[i]` in every cache (copy-on-write of shared
+    blocks).
+
+    caches: every layer's key and value cache, [num_blocks, block_size, num_kv_heads, head_dim],
+        all alike and contiguous, written in place
+    src, dst: [num_copies] int64 block ids; no block is both a source and a destination, and
+        none is a destination twice, so the copies are independent of their order.
+    """
+    if validation.CHECK_ARGS:
+        check_copy_blocks_args(caches, src, dst)
+    if src.numel() == 0:
+        return
+    for cache in caches:
+        cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def paged_attention(

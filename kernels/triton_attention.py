@@ -38,12 +38,17 @@ import triton
 import triton.language as tl
 
 from kernels import validation
-from kernels.validation import check_paged_attention_args, check_reshape_and_cache_args
+from kernels.validation import (
+    check_copy_blocks_args,
+    check_paged_attention_args,
+    check_reshape_and_cache_args,
+)
 
 __all__ = [
     "INTERPRETED",
     "KernelConfig",
     "check_runnable",
+    "copy_blocks",
     "decode",
     "decode_config",
     "extend",
@@ -140,6 +145,52 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptrs,  # [num_caches] int64: the address of each cache
+    src_ptr,
+    dst_ptr,
+    block_numel,  # elements in one block of one cache
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (copy, cache, chunk): BLOCK elements of one block of one cache."""
+    copy = tl.program_id(0)
+    cache = tl.load(cache_ptrs + tl.program_id(1)).to(tl.pointer_type(DTYPE))
+    offsets = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < block_numel
+    src = tl.load(src_ptr + copy).to(tl.int64)
+    dst = tl.load(dst_ptr + copy).to(tl.int64)
+    values = tl.load(cache + src * block_numel + offsets, mask=mask)
+    tl.store(cache + dst * block_numel + offsets, values, mask=mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def copy_blocks(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy KV block `src[i]` into block `dst[i]` in every cache, all layers in one launch; see
+    `kernels.reference`."""
+    if validation.CHECK_ARGS:
+        check_copy_blocks_args(caches, src, dst)
+        check_runnable(src.device)
+    num_copies = src.numel()
+    if num_copies == 0:
+        return
+    first = caches[0]
+    addresses = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64)
+    block_numel = first[0].numel()
+    block = min(4096, triton.next_power_of_2(block_numel))
+    _copy_blocks_kernel[(num_copies, len(caches), triton.cdiv(block_numel, block))](
+        addresses.to(first.device, non_blocking=True),
+        src,
+        dst,
+        block_numel,
+        DTYPE=_TL_DTYPES[first.dtype],
+        BLOCK=block,
     )
 
 

@@ -5,6 +5,7 @@ fused layer ops of `kernels.triton_fused`, under the names and signatures of `ke
 from kernels.triton_attention import (
     INTERPRETED,
     check_runnable,
+    copy_blocks,
     paged_attention,
     reshape_and_cache,
 )
@@ -13,6 +14,7 @@ from kernels.triton_fused import fused_add_rms_norm, rms_norm, rotary_and_cache,
 __all__ = [
     "INTERPRETED",
     "check_runnable",
+    "copy_blocks",
     "fused_add_rms_norm",
     "paged_attention",
     "reshape_and_cache",

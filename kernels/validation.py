@@ -12,6 +12,7 @@ turn them on (tests/conftest.py); turn them on when writing a new caller.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -92,6 +93,27 @@ def check_reshape_and_cache_args(
     _check_same_device(
         key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
     )
+
+
+def check_copy_blocks_args(
+    caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    if not caches:
+        raise ValueError("copy_blocks needs at least one cache")
+    first = caches[0]
+    for i, cache in enumerate(caches):
+        if cache.shape != first.shape or cache.dtype != first.dtype:
+            raise ValueError(
+                f"caches[{i}] is {tuple(cache.shape)} {cache.dtype}, but caches[0] is "
+                f"{tuple(first.shape)} {first.dtype}: every cache must be alike"
+            )
+        if not cache.is_contiguous():
+            raise ValueError(f"caches[{i}] must be contiguous (stride {cache.stride()})")
+    _check_index("src", src, 1, torch.int64)
+    _check_index("dst", dst, 1, torch.int64)
+    if src.shape != dst.shape:
+        raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} differ in length")
+    _check_same_device(caches=first, src=src, dst=dst)
 
 
 def check_paged_attention_args(

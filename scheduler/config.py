@@ -24,6 +24,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_prefix_caching: bool
+    # Speculative decoding by prompt lookup: up to this many draft tokens per decode step
+    # (0: off), from n-grams of ngram_min..ngram_max tokens (scheduler/ngram.py).
+    num_speculative_tokens: int = 0
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -31,6 +36,8 @@ class SchedulerConfig:
             assert type(value) is int and value >= 1, f"{name} must be an int >= 1, got {value!r}"
         assert type(self.max_model_len) is int and self.max_model_len >= 1, self.max_model_len
         assert isinstance(self.enable_prefix_caching, bool), self.enable_prefix_caching
+        assert self.num_speculative_tokens >= 0, self.num_speculative_tokens
+        assert 1 <= self.ngram_min <= self.ngram_max, (self.ngram_min, self.ngram_max)
         assert self.num_blocks * self.block_size >= self.max_model_len, (
             f"the KV cache holds {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
             f"blocks x {self.block_size}) but max_model_len is {self.max_model_len}"

@@ -19,10 +19,15 @@ class KVCacheManager:
         slot        =   block_id * block_size + offset
 
     Invariants:
-    - A table holds exactly ceil(n / block_size) blocks, n being the number of tokens the
-      request has been granted slots for (computed or being computed this step).
-    - Only full blocks are shared (prefix-cache hits), so a shared block is never written
-      again and no copy-on-write is needed.
+    - A table holds at least ceil(n / block_size) blocks, n being the number of tokens the
+      request has been granted slots for (computed or being computed this step); exactly that
+      many except after speculative drafts were rejected (their blocks stay for later tokens).
+    - Blocks are shared through ref counts: full blocks by prefix-cache hits, and any block,
+      the partial last one included, by `fork` (the samples of one prompt, beams). A shared
+      block is never written in place: the request about to write into one gets a copy first
+      (copy-on-write in `allocate_slots`; the copies to make are collected for the runner by
+      `take_block_copies`). Only the block holding a request's next position can be one it
+      shares and writes: the blocks after it in its table are its own.
     - Blocks are cached as soon as they are allocated full of known tokens, i.e. possibly
       while their KV is still being computed in the current step. The runner must therefore
       write the KV of every scheduled token of a step before attention reads the cache (the
@@ -46,6 +51,10 @@ class KVCacheManager:
         # cache already.
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Copy-on-write since the last take_block_copies(): (request id, table index, source
+        # block id, destination block id), in the order the copies were decided.
+        self._block_copies: list[tuple[str, int, int, int]] = []
+        self.num_block_copies = 0  # copy-on-write copies so far
         # Prefix-cache statistics, in tokens, counted once per admission.
         self.num_prefix_cache_queries_tokens = 0
         self.num_prefix_cache_hits_tokens = 0
@@ -75,6 +84,17 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty if it holds none)."""
         return list(self._table_ids.get(request_id, ()))
+
+    def ref_counts(self, request_id: str) -> list[int]:
+        """The ref count of each block of the request's table (for tests and debugging)."""
+        return [block.ref_cnt for block in self._tables.get(request_id, ())]
+
+    def take_block_copies(self) -> list[tuple[str, int, int, int]]:
+        """The copy-on-write copies decided since the last call, oldest first, as (request id,
+        table index, source block id, destination block id); the runner copies each source
+        block into its destination before the step that writes it runs."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cache entry; returns the number dropped."""
@@ -122,9 +142,14 @@ class KVCacheManager:
         request_id = request.request_id
         table = self._tables.get(request_id)
         num_total_tokens = request.num_computed_tokens + num_new_tokens
+        # The block holding the next position, when the table has it and shares it: written
+        # only after a copy-on-write.
+        written = request.num_computed_tokens // self.block_size
+        shared = table is not None and written < len(table) and table[written].ref_cnt > 1
         if (
             table is not None
             and not new_computed_blocks
+            and not shared
             and num_total_tokens <= len(table) * self.block_size
         ):
             # Most decode steps: the slots are in the last block already, and no block filled up
@@ -149,8 +174,11 @@ class KVCacheManager:
         # Hit blocks that sit in the free list leave it when touched: they must not be
         # counted as capacity for the fresh blocks of this same call.
         num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_revived:
+        if num_new_blocks + shared > self.block_pool.num_free_blocks - num_revived:
             return None
+
+        if shared:
+            self._copy_on_write(request_id, table, written)
 
         if table is None:
             table = self._tables[request_id] = []
@@ -170,6 +198,58 @@ class KVCacheManager:
             self._cache_full_blocks(request, table, min(num_total_tokens, request.num_tokens))
         return new_ids
 
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Give `child` the parent's blocks that hold its first `num_tokens` tokens, which the
+        child's tokens must equal: ref counts go up, nothing is copied. The child has computed
+        those tokens; the first of the two to write into a block both hold (the partial last
+        one) gets a copy of it (`allocate_slots`)."""
+        child_id = child.request_id
+        if child_id in self._tables:
+            raise ValueError(f"fork: request {child_id!r} already holds blocks")
+        parent_table = self._tables.get(parent.request_id, [])
+        num_blocks = cdiv(num_tokens, self.block_size)
+        if not 0 < num_blocks <= len(parent_table):
+            raise ValueError(
+                f"fork: request {parent.request_id!r} holds {len(parent_table)} blocks, "
+                f"which cannot hold {num_tokens} tokens to share"
+            )
+        blocks = parent_table[:num_blocks]
+        self.block_pool.touch(blocks)
+        self._tables[child_id] = list(blocks)
+        self._table_ids[child_id] = self._table_ids[parent.request_id][:num_blocks]
+        num_full = num_tokens // self.block_size
+        self._block_hashes[child_id] = self._block_hashes.get(parent.request_id, [])[:num_full]
+        self._num_cached_blocks[child_id] = min(
+            self._num_cached_blocks.get(parent.request_id, 0), num_full
+        )
+
+    def truncate(self, request: Request, num_tokens: int) -> list[int]:
+        """Keep the blocks holding the request's first `num_tokens` tokens and free the rest
+        (rewind). A kept block that is now partly past the end and held by this request alone
+        leaves the prefix cache, since the request will write its tail again. Returns the ids
+        of the freed blocks."""
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        if not table:
+            return []
+        num_kept = cdiv(num_tokens, self.block_size)
+        if num_kept == 0:
+            freed = [block.block_id for block in table]
+            self.free(request)
+            return freed
+        dropped = table[num_kept:]
+        del table[num_kept:]
+        del self._table_ids[request_id][num_kept:]
+        self.block_pool.free(reversed(dropped))
+        num_full = num_tokens // self.block_size
+        if request_id in self._block_hashes:
+            del self._block_hashes[request_id][num_full:]
+        if request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id], num_full)
+        if num_kept > num_full and table[-1].ref_cnt == 1:
+            self.block_pool.uncache(table[-1])
+        return [block.block_id for block in dropped]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget its table; a no-op if it holds none.
 
@@ -181,6 +261,8 @@ class KVCacheManager:
         self._table_ids.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        if self._block_copies:  # a copy into a block it no longer holds is not to be made
+            self._block_copies = [c for c in self._block_copies if c[0] != request_id]
         if table:
             self.block_pool.free(reversed(table))
 
@@ -196,6 +278,17 @@ class KVCacheManager:
         return [block.block_id for block in owned]
 
     # -------------------------------------------------------------------- internals
+
+    def _copy_on_write(self, request_id: str, table: list[Block], index: int) -> None:
+        """Replace the shared block `table[index]` by a fresh one the runner fills with a copy
+        (the caller checked that one is free)."""
+        (copy,) = self.block_pool.allocate(1)
+        source = table[index]
+        self.block_pool.free([source])
+        table[index] = copy
+        self._table_ids[request_id][index] = copy.block_id
+        self._block_copies.append((request_id, index, source.block_id, copy.block_id))
+        self.num_block_copies += 1
 
     def _hashes_of(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first `num_blocks` full blocks (memoised, extended)."""

@@ -9,7 +9,7 @@ does not grow with context length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from scheduler.request import RequestStatus
@@ -67,6 +67,15 @@ class SchedulerOutput:
     preempted_request_ids: tuple[str, ...]
     # Finished or aborted since the previous schedule(): the runner may drop their state.
     finished_request_ids: tuple[str, ...]
+    # Speculative decoding: the draft tokens of the requests that have some this step. Such a
+    # request's scheduled tokens are its last token then the drafts; the runner returns the
+    # drafts it accepted and one more token (update_from_output's `accepted_token_ids`).
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Copy-on-write, before the step runs: (request id, index in its table, source block id,
+    # destination block id). The runner copies each source block into its destination (every
+    # layer) and sets the table entry of a request it already has; a new request's block_ids
+    # hold the destination already.
+    block_copies: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -70,6 +70,11 @@ class Request:
         "arrival_time",
         "num_preemptions",
         "num_output_placeholders",
+        "spec_token_ids",
+        "ngram_index",
+        "fork_parent",
+        "fork_children",
+        "send_in_full",
     )
 
     def __init__(
@@ -100,6 +105,17 @@ class Request:
         # (at most one with asynchronous scheduling, which schedules step N + 1 before step N's
         # tokens are back): their positions are scheduled, their ids unknown on the host.
         self.num_output_placeholders = 0
+        # Speculative decoding: the drafts scheduled in the step not yet applied, and the
+        # request's n-gram index (built at its first proposal).
+        self.spec_token_ids: tuple[int, ...] = ()
+        self.ngram_index = None
+        # Samples of one prompt (n > 1): the others wait attached to the first, the parent,
+        # until its prompt is computed, then fork its blocks (Scheduler.add_request).
+        self.fork_parent: Request | None = None
+        self.fork_children: list[Request] = []
+        # Running, but the runner has no current state for it (forked, or rewound): its next
+        # schedule() sends it as a NewRequestData.
+        self.send_in_full = False
 
     @property
     def num_prompt_tokens(self) -> int:

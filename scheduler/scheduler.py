@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.ngram import NgramIndex
 from scheduler.outputs import CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
@@ -53,8 +54,14 @@ class Scheduler:
         # Admission order: the tail is the first to be preempted.
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Speculative decoding: drafts scheduled, and accepted, in the steps applied so far.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # Samples attached to a parent sample (add_request's fork_parent), in no queue yet.
+        self._num_attached = 0
         self._finished_since_schedule: list[str] = []
-        self._preempted_since_schedule: list[str] = []  # by undo_step, for the runner to drop
+        # Taken out of the batch by undo_step or rewind, for the runner to drop.
+        self._preempted_since_schedule: list[str] = []
         # Per step not yet applied by update_from_output: the requests it samples for.
         self._step_id = 0
         self._sampling: dict[int, list[Request]] = {}
@@ -63,8 +70,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for admission, preempted ones included."""
-        return len(self.waiting)
+        """Requests waiting for admission, preempted ones and attached samples included."""
+        return len(self.waiting) + self._num_attached
 
     @property
     def num_running(self) -> int:
@@ -77,9 +84,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_parent: Request | None = None) -> None:
         """Queue a new request. Its prompt was checked where it entered the engine
-        (`LLMEngine.process_prompt`); here the scheduler's invariants are only asserted."""
+        (`LLMEngine.process_prompt`); here the scheduler's invariants are only asserted.
+
+        With `fork_parent`, another sample of the same prompt added before it (n > 1), the
+        request is not queued but attached to the parent. Once a token of the parent comes back
+        (its prompt's KV is in the cache then) and a sequence slot is free, the request forks
+        the parent's blocks holding all prompt tokens but the last (`KVCacheManager.fork`, no
+        copy) and joins the running requests; it computes the last prompt token itself, for its
+        own first sample. Should the parent end before that, the request is queued as it is
+        and computes its prompt alone.
+        """
         request_id = request.request_id
         assert request_id not in self.requests, f"request id {request_id!r} is already in use"
         assert request.status == RequestStatus.WAITING and not request.num_computed_tokens, (
@@ -91,7 +107,18 @@ class Scheduler:
             f"(max_model_len {self.config.max_model_len})"
         )
         self.requests[request_id] = request
-        self.waiting.append(request)
+        if fork_parent is None:
+            self.waiting.append(request)
+            return
+        assert fork_parent.request_id in self.requests and not fork_parent.output_token_ids, (
+            f"fork parent {fork_parent.request_id!r} is not a live request still in its prompt"
+        )
+        assert fork_parent.prompt_token_ids == request.prompt_token_ids, (
+            f"request {request_id!r} forks {fork_parent.request_id!r} but their prompts differ"
+        )
+        request.fork_parent = fork_parent
+        fork_parent.fork_children.append(request)
+        self._num_attached += 1
 
     # ------------------------------------------------------------------ scheduling
 
@@ -109,6 +136,8 @@ class Scheduler:
 
         kv = self.kv_cache_manager
         running = self.running
+        spec_k = self.config.num_speculative_tokens
+        spec_tokens: dict[str, tuple[int, ...]] = {}
         index = 0
         # The hot loop of a decode step (one pass per running request): attribute reads are
         # inlined rather than going through Request's properties.
@@ -128,21 +157,40 @@ class Scheduler:
             if num_new_tokens == 0:
                 index += 1
                 continue
-            while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
-                # Victims come from the tail, which lies after `index`: requests already
-                # scheduled this step are never preempted.
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
+            drafts: tuple[int, ...] = ()
+            if spec_k and num_new_tokens == 1 and not pending and token_budget > 1:
+                drafts = self._propose(request, min(spec_k, token_budget - 1))
+                if drafts:
+                    new_block_ids = kv.allocate_slots(request, 1 + len(drafts))
+                    if new_block_ids is None:
+                        drafts = ()  # no room for them: a plain decode step (which may preempt)
+            if not drafts:
+                while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
+                    # Victims come from the tail, which lies after `index`: requests already
+                    # scheduled this step are never preempted.
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if new_block_ids is None:
+                    continue  # it preempted itself
+            if request.send_in_full:  # forked, or rewound: the runner has no row for it
+                request.send_in_full = False
+                new_requests.append(self._new_request_data(request))
             else:
                 cached_ids.append(request.request_id)
                 cached_new_blocks.append(tuple(new_block_ids) if new_block_ids else ())
                 cached_starts.append(request.num_computed_tokens)
-                self._advance(request, num_new_tokens, num_scheduled, sampling)
-                token_budget -= num_new_tokens
-                index += 1
+            self._advance(request, num_new_tokens, num_scheduled, sampling)
+            if drafts:
+                # The drafts are computed too; update_from_output takes back the rejected ones.
+                request.spec_token_ids = spec_tokens[request.request_id] = drafts
+                request.num_computed_tokens += len(drafts)
+                num_new_tokens += len(drafts)
+                num_scheduled[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
 
         # Admitting while preempting would hand the blocks just freed to newer requests.
         if not preempted:
@@ -154,14 +202,15 @@ class Scheduler:
                     # Preempted while its last token was being sampled: it resumes once that
                     # token is back (the next update_from_output), with all its tokens known.
                     break
-                # Prompt logprobs need the logits of every prompt position, but cached tokens
-                # skip the forward pass: such a request never reads the prefix cache (as in
-                # vLLM v1). Its own full blocks are still cached for later requests.
-                computed_blocks, num_cached_tokens = (
-                    self.kv_cache_manager.get_computed_blocks(request)
-                    if request.sampling_params.prompt_logprobs is None
-                    else ([], 0)
-                )
+                if request.sampling_params.prompt_logprobs is None:
+                    computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(
+                        request
+                    )
+                else:
+                    # Prompt logprobs need the logits of every prompt position, but cached tokens
+                    # skip the forward pass: such a request never reads the prefix cache (as in
+                    # vLLM v1). Its own full blocks are still cached for later requests.
+                    computed_blocks, num_cached_tokens = [], 0
                 num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
                 if (
                     self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
@@ -172,16 +221,7 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached_tokens
                 self.running.append(request)
-                new_requests.append(
-                    NewRequestData(
-                        request_id=request.request_id,
-                        token_ids=tuple(request.all_token_ids),
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
-                        num_computed_tokens=num_cached_tokens,
-                        sampling_params=request.sampling_params,
-                    )
-                )
+                new_requests.append(self._new_request_data(request))
                 self._advance(request, num_new_tokens, num_scheduled, sampling)
                 token_budget -= num_new_tokens
 
@@ -202,7 +242,45 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
+            spec_token_ids=spec_tokens,
+            block_copies=tuple(self.kv_cache_manager.take_block_copies()),
         )
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        """The request in full, for a runner that has no state for it (before `_advance`)."""
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
+            num_computed_tokens=request.num_computed_tokens,
+            sampling_params=request.sampling_params,
+        )
+
+    def _propose(self, request: Request, max_drafts: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request by prompt lookup, at most `max_drafts` and never
+        past its max_tokens or max_model_len. Only greedy requests without logprobs or
+        penalties get drafts: their verification is an argmax per position."""
+        params = request.sampling_params
+        if (
+            not params.greedy
+            or params.logprobs is not None
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+        ):
+            return ()
+        num_tokens = len(request.all_token_ids)
+        room = min(
+            params.max_tokens - len(request.output_token_ids),
+            self.config.max_model_len - num_tokens,
+        )
+        max_drafts = min(max_drafts, room - 1)  # the step's own sampled token comes on top
+        if max_drafts < 1:
+            return ()
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        return tuple(request.ngram_index.propose(request.all_token_ids, max_drafts))
 
     @staticmethod
     def _advance(
@@ -225,6 +303,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.send_in_full = False  # it will be, when readmitted
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -250,7 +329,10 @@ class Scheduler:
     # ------------------------------------------------------------------- results
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Mapping[str, int],
+        accepted_token_ids: Mapping[str, Sequence[int]] | None = None,
     ) -> list[RequestDelta]:
         """Append the tokens sampled for `output`, apply stop rules, free finished requests.
 
@@ -259,6 +341,9 @@ class Scheduler:
         requests finished or aborted since schedule() are dropped; a request preempted since
         then still gets its token (it was sampled from its whole context). Returns one delta
         per request that got a token (partial prefill chunks get none), in batch order.
+
+        A request that had drafts (`output.spec_token_ids`) gets `accepted_token_ids[id]`
+        instead: the drafts the model agreed with, then its own next token.
         """
         deltas: list[RequestDelta] = []
         num_finished = 0
@@ -270,6 +355,10 @@ class Scheduler:
             status = request.status
             if status > RequestStatus.PREEMPTED:
                 continue  # aborted or stopped since schedule(): the token has nowhere to go
+            if request.spec_token_ids:
+                deltas.append(self._apply_accepted(request, accepted_token_ids[request.request_id]))
+                num_finished += deltas[-1].finished and status == RequestStatus.RUNNING
+                continue
             try:
                 token_id = sampled_token_ids[request.request_id]
             except KeyError:
@@ -280,6 +369,8 @@ class Scheduler:
             output_token_ids = request.output_token_ids
             output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
+            if request.fork_children and status == RequestStatus.RUNNING:
+                self._fork_children(request, share=True)
             if token_id in request.finishing_token_ids:
                 finished = RequestStatus.FINISHED_STOPPED
             elif (
@@ -306,6 +397,80 @@ class Scheduler:
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return deltas
+
+    def _apply_accepted(self, request: Request, tokens: Sequence[int]) -> RequestDelta:
+        """Append a speculative step's tokens (the accepted drafts, then the model's own next
+        token) one by one under the stop rules; the rejected drafts' positions are computed
+        again. Returns the request's delta."""
+        drafts = request.spec_token_ids
+        request.spec_token_ids = ()
+        num_accepted = len(tokens) - 1
+        if not 0 <= num_accepted <= len(drafts) or list(tokens[:-1]) != list(drafts[:num_accepted]):
+            raise ValueError(
+                f"request {request.request_id!r}: accepted tokens {list(tokens)} do not start "
+                f"with a prefix of its drafts {list(drafts)}"
+            )
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += num_accepted
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        params = request.sampling_params
+        finished = None
+        appended = 0
+        for token_id in tokens:
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            appended += 1
+            if token_id in request.finishing_token_ids:
+                finished = RequestStatus.FINISHED_STOPPED
+            elif (
+                len(request.output_token_ids) >= params.max_tokens
+                or len(request.all_token_ids) >= self.config.max_model_len
+            ):
+                finished = RequestStatus.FINISHED_LENGTH
+            if finished is not None:
+                break
+        new_token_ids = tuple(tokens[:appended])
+        if finished is None:
+            return self._delta(request, new_token_ids)
+        self._release(request, finished, remove_from_queues=request.status != RequestStatus.RUNNING)
+        return self._delta(request, new_token_ids)
+
+    # ------------------------------------------------------------------- rewind
+
+    def rewind(self, request_id: str, num_tokens: int) -> int:
+        """Take back the last `num_tokens` output tokens of a live request, running or waiting,
+        and return how many output tokens it has left.
+
+        A running request's blocks past the new end go back to the pool
+        (`KVCacheManager.truncate`); the kept prefix stays in the cache and is not computed
+        again, except the last kept token, whose logits give the next one. The runner gets the
+        shortened request in full at its next step; a token it still has in flight is dropped
+        when it comes back. A waiting request holds no blocks: only its tokens go back.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"cannot rewind request {request_id!r}: it is unknown or finished")
+        num_outputs = len(request.output_token_ids)
+        if not 0 < num_tokens <= num_outputs:
+            raise ValueError(
+                f"cannot rewind request {request_id!r} by {num_tokens} tokens: it has "
+                f"{num_outputs} output tokens (rewind by 1 to {num_outputs})"
+            )
+        if request.num_output_placeholders:
+            for sampling in self._sampling.values():
+                if request in sampling:
+                    sampling.remove(request)
+            request.num_output_placeholders = 0
+        request.ngram_index = None  # indexes the tokens taken back too
+        del request.output_token_ids[-num_tokens:]
+        del request.all_token_ids[-num_tokens:]
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            self.kv_cache_manager.truncate(request, request.num_computed_tokens)
+            if not request.send_in_full:
+                request.send_in_full = True
+                self._preempted_since_schedule.append(request_id)  # the runner drops its row
+        return len(request.output_token_ids)
 
     # ------------------------------------------------------------- finishing early
 
@@ -339,9 +504,43 @@ class Scheduler:
         """Abort a request in any state; None if the id is unknown or already finished."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def _fork_children(self, parent: Request, share: bool) -> None:
+        """Release the samples attached to `parent`. With `share` (the parent runs and its
+        prompt's KV is computed), as many as there are free sequence slots fork the parent's
+        blocks holding all prompt tokens but the last and join the running requests, to be sent
+        to the runner in full; the rest stay attached for a later token of the parent. Without
+        it they go to the head of the queue, in their order, to compute their prompts alone."""
+        num_shared = parent.num_prompt_tokens - 1
+        if share and num_shared:
+            kv = self.kv_cache_manager
+            num_forked = min(
+                len(parent.fork_children), self.config.max_num_seqs - len(self.running)
+            )
+            for child in parent.fork_children[:num_forked]:
+                kv.fork(parent, child, num_shared)
+                child.num_computed_tokens = num_shared
+                child.status = RequestStatus.RUNNING
+                child.send_in_full = True
+                child.fork_parent = None
+                self.running.append(child)
+            del parent.fork_children[:num_forked]
+            self._num_attached -= num_forked
+            return
+        children, parent.fork_children = parent.fork_children, []
+        self._num_attached -= len(children)
+        for child in reversed(children):
+            child.fork_parent = None
+            self.waiting.appendleft(child)
+
     def _release(self, request: Request, status: RequestStatus, remove_from_queues: bool) -> None:
         """Mark finished, free blocks, forget the request and tell the runner next step."""
-        if remove_from_queues:
+        if request.fork_children:  # ended before its prompt was computed: they go on alone
+            self._fork_children(request, share=False)
+        if request.fork_parent is not None:  # attached to its parent, in no queue
+            request.fork_parent.fork_children.remove(request)
+            request.fork_parent = None
+            self._num_attached -= 1
+        elif remove_from_queues:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:

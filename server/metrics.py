@@ -58,6 +58,10 @@ class _EngineCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
             ("engine_steps", "Engine steps run", s.num_steps),
             ("engine_step_seconds", "Time spent in engine steps", s.step_seconds),
+            ("spec_decode_draft_tokens", "Speculative decoding: draft tokens proposed",
+             s.spec_draft_tokens),
+            ("spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted",
+             s.spec_accepted_tokens),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(f"pagedserve_{name}", doc, value=value)

@@ -114,8 +114,9 @@ def test_an_exception_while_detokenizing_fails_its_request_alone(
         "processing the output failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff "
         "in position 0: injected"
     )
-    # Sample 0's third token came in the same step, before sample 1's failed.
-    assert [len(c.token_ids) for c in out["bad"].outputs] == [3, 3]
+    # Sample 1 forked sample 0's prompt after sample 0's first token, so sample 0 is one token
+    # ahead: its fourth came in the step of sample 1's third, which failed.
+    assert [len(c.token_ids) for c in out["bad"].outputs] == [4, 3]
     assert _tokens(out, GOOD_PROMPTS) == reference
 
 

@@ -145,8 +145,11 @@ def test_n_samples_score_the_prompt_once(tiny_llama_dir, reference):
     out = finished["pair"]
     assert [len(c.token_ids) for c in out.outputs] == [3, 3]
     assert_prompt_logprobs(out.prompt_logprobs, prompt, ref, k=1)
-    # Sample 0 scores the prompt; sample 1 reuses the blocks it cached in the same step.
-    assert engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens == 20
+    # Sample 0 scores the prompt; sample 1 forks its 6 blocks of the first 22 tokens (no
+    # prefix-cache lookup) and copies the partial sixth before writing the 23rd token into it.
+    kv = engine.scheduler.kv_cache_manager
+    assert len(prompt) == 23
+    assert (kv.num_prefix_cache_hits_tokens, kv.num_block_copies) == (0, 1)
 
 
 def test_k_zero_gives_only_the_prompt_token(tiny_llama_dir, reference):

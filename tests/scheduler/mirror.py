@@ -1,10 +1,11 @@
 """A runner's view of the scheduler's incremental outputs, in plain Python.
 
 The scheduler sends a request in full once (NewRequestData) and then only what changed
-(CachedRequestData). `RunnerMirror` keeps what a model runner keeps between steps and expands
-each output back into one `Scheduled` item per request: its tokens, start, whole block table
-and whether it samples. Tests compare those items with the scheduler's own state, so they
-check that the increments are enough to rebuild everything, step after step.
+(CachedRequestData, and the table entries copy-on-write replaced: `block_copies`).
+`RunnerMirror` keeps what a model runner keeps between steps and expands each output back into
+one `Scheduled` item per request: its tokens, start, whole block table and whether it samples.
+Tests compare those items with the scheduler's own state, so they check that the increments are
+enough to rebuild everything, step after step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class _State:
     params: SamplingParams
     num_tokens: int  # known ones plus those being sampled
     start: int = 0
+    since_step: int = 0  # sent in full in this step: tokens of earlier steps are not its own
 
 
 @dataclass
@@ -55,6 +57,7 @@ class RunnerMirror:
                 new.sampling_params,
                 len(new.token_ids),
                 new.num_computed_tokens,
+                output.step_id,
             )
         cached = output.cached_requests
         for request_id, blocks, start in zip(
@@ -63,6 +66,8 @@ class RunnerMirror:
             state = self.states[request_id]
             state.block_table.extend(blocks)
             state.start = start
+        for request_id, index, _, copy in output.block_copies:  # copy-on-write
+            self.states[request_id].block_table[index] = copy
         items = []
         for request_id, num in output.num_scheduled_tokens.items():
             state = self.states[request_id]
@@ -92,11 +97,16 @@ class RunnerMirror:
             state.num_tokens += sample
         return items
 
-    def record(self, sampled: Mapping[str, int]) -> None:
-        """The tokens a step sampled, once known (requests dropped since are skipped)."""
+    def record(self, step_id: int, sampled: Mapping[str, int]) -> None:
+        """The tokens step `step_id` sampled, once known (requests dropped since, or sent in full
+        again since, are skipped: a runner's row serial does that)."""
         for request_id, token_id in sampled.items():
             state = self.states.get(request_id)
-            if state is not None and len(state.token_ids) < state.num_tokens:
+            if (
+                state is not None
+                and state.since_step <= step_id
+                and len(state.token_ids) < state.num_tokens
+            ):
                 state.token_ids.append(token_id)
 
 
@@ -138,5 +148,5 @@ class MirroredScheduler(Scheduler):
     def update_from_output(self, output, sampled_token_ids):  # type: ignore[override]
         if isinstance(output, ExpandedOutput):
             output = output.output
-        self.mirror.record(sampled_token_ids)
+        self.mirror.record(output.step_id, sampled_token_ids)
         return super().update_from_output(output, sampled_token_ids)

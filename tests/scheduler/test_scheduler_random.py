@@ -35,11 +35,17 @@ EOS_TOKEN_ID = 0
 MIN_OPS = 1500
 
 
-def model_token(token_ids: Sequence[int]) -> int:
-    """Deterministic next token from the last tokens and the length."""
+def model_token(token_ids: Sequence[int], seed: int | None = None) -> int:
+    """Deterministic next token from the last tokens, the length and the request's seed (the
+    samples of one prompt get different seeds, so that they diverge: a block one of them wrote
+    in place while the others shared it would then hold the wrong fingerprints for them)."""
     last = token_ids[-1]
     before = token_ids[-2] if len(token_ids) > 1 else 3
-    return (last * 5 + before * 3 + len(token_ids)) % VOCAB_SIZE
+    return (last * 5 + before * 3 + len(token_ids) + 7 * (seed or 0)) % VOCAB_SIZE
+
+
+def next_token(request: Request) -> int:
+    return model_token(request.all_token_ids, request.sampling_params.seed)
 
 
 def prefix_fingerprints(token_ids: Sequence[int]) -> list[int]:
@@ -58,7 +64,7 @@ def reference_output(request: Request, max_model_len: int) -> tuple[list[int], R
     token_ids = list(request.prompt_token_ids)
     output: list[int] = []
     while True:
-        token_id = model_token(token_ids)
+        token_id = model_token(token_ids, params.seed)
         token_ids.append(token_id)
         output.append(token_id)
         if token_id in params.stop_token_ids:
@@ -96,12 +102,22 @@ class Driver:
     schedule_ahead: bool = False
     in_flight: ExpandedOutput | None = None  # with schedule_ahead: planned, not yet applied
     written: dict[str, int] = field(default_factory=dict)  # positions whose KV was written
+    # The table each request's last run step wrote through (a copy-on-write the scheduler has
+    # decided since takes effect when the step that carries it runs).
+    run_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
     scheduler: Scheduler = field(init=False)
     config: SchedulerConfig = field(init=False)
     kv_slots: dict[int, int] = field(default_factory=dict)  # slot -> prefix fingerprint
     all_requests: dict[str, Request] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     truncated: set[str] = field(default_factory=set)  # aborted or finished early
+    # Rewound since the last schedule(): taken out of the batch without being preempted.
+    rewound: set[str] = field(default_factory=set)
+    # Rewound while a step of theirs was in flight (schedule_ahead): its token is dropped, and
+    # what it writes is not part of their prefix any more.
+    rewound_in_flight: set[str] = field(default_factory=set)
+    num_forked: int = 0  # samples released by their parent (most of them sharing its blocks)
+    num_rewinds: int = 0
     shared_prefixes: list[list[int]] = field(default_factory=list)
     num_steps: int = 0
     num_ops: int = 0
@@ -133,8 +149,10 @@ class Driver:
         roll = self.choices.below(100)
         if roll < 15:
             self.add()
-        elif roll < 90:
+        elif roll < 87:
             self.step()
+        elif roll < 90:
+            self.rewind_random_request()
         elif roll < 97:
             self.end_random_request(RequestStatus.FINISHED_ABORTED)
         else:
@@ -155,12 +173,43 @@ class Driver:
             stop_token_ids=[pick(VOCAB_SIZE)] if self.choices.chance(30) else [],
             ignore_eos=self.choices.chance(30),
         )
-        request_id = f"req-{self.next_id}"
-        self.next_id += 1
-        request = Request(request_id, prompt, params, eos_token_ids=[EOS_TOKEN_ID])
-        self.scheduler.add_request(request)
-        self.all_requests[request_id] = request
-        self.outputs[request_id] = []
+        # Sometimes several samples of one prompt (n > 1): the first is their parent.
+        num_samples = 1 + pick(4) if self.choices.chance(25) else 1
+        parent = None
+        for k in range(num_samples):
+            request_id = f"req-{self.next_id}"
+            self.next_id += 1
+            request = Request(
+                request_id, prompt, params.clone(seed=k), eos_token_ids=[EOS_TOKEN_ID]
+            )
+            self.scheduler.add_request(request, fork_parent=parent)
+            parent = parent or request
+            self.all_requests[request_id] = request
+            self.outputs[request_id] = []
+
+    def rewind_random_request(self) -> None:
+        scheduler = self.scheduler
+        live = sorted(
+            rid for rid, request in scheduler.requests.items() if request.output_token_ids
+        )
+        if not live:
+            return
+        request_id = live[self.choices.below(len(live))]
+        request = scheduler.requests[request_id]
+        in_flight = self.in_flight is not None and any(
+            item.request_id == request_id for item in self.in_flight.scheduled
+        )
+        num_tokens = 1 + self.choices.below(len(request.output_token_ids))
+        left = scheduler.rewind(request_id, num_tokens)
+        del self.outputs[request_id][-num_tokens:]
+        assert left == len(request.output_token_ids) == len(self.outputs[request_id])
+        assert request.output_token_ids == self.outputs[request_id]
+        assert request.num_output_placeholders == 0
+        self.written[request_id] = min(self.written.get(request_id, 0), request.num_computed_tokens)
+        self.rewound.add(request_id)
+        if in_flight:
+            self.rewound_in_flight.add(request_id)
+        self.num_rewinds += 1
 
     def end_random_request(self, status: RequestStatus) -> None:
         live = sorted(self.scheduler.requests)
@@ -181,21 +230,34 @@ class Driver:
         of their context is known, as a device filling in placeholders would."""
         scheduler = self.scheduler
         waiting_before = {request.request_id for request in scheduler.waiting}
+        # Forked since the last step (by update_from_output), not yet sent to the runner.
+        forked_before = {
+            request.request_id
+            for request in scheduler.running
+            if request.send_in_full and not request.output_token_ids
+        }
+        attached_before = [
+            child for parent in scheduler.requests.values() for child in parent.fork_children
+        ]
         output = scheduler.schedule()
         self.num_steps += 1
         self.check_output(output, waiting_before)
+        self.rewound.clear()
         # Until its step runs, a (re)admitted request reads nothing (its prefix-cache hit may
         # be written by a step still in flight).
-        for request_id in (*output.preempted_request_ids, *waiting_before):
+        for request_id in (*output.preempted_request_ids, *waiting_before, *forked_before):
             self.written[request_id] = 0
+            self.run_tables.pop(request_id, None)
+        dropped: set[str] = set()
         if self.schedule_ahead:
             output, self.in_flight = self.in_flight, output if output.scheduled else None
+            dropped, self.rewound_in_flight = self.rewound_in_flight, set()
             if output is None:
                 return
-        self.run_model(output)
+        self.run_model(output, dropped)
 
         sampled = {
-            item.request_id: model_token(self.all_requests[item.request_id].all_token_ids)
+            item.request_id: next_token(self.all_requests[item.request_id])
             for item in output.scheduled
             if item.sample
         }
@@ -209,10 +271,12 @@ class Driver:
             item.request_id
             for item in output.scheduled
             if item.sample and item.request_id in scheduler.requests
-        ]
+            and item.request_id not in dropped
+        ]  # fmt: skip
 
         deltas = scheduler.update_from_output(output, sampled)
         assert [delta.request_id for delta in deltas] == expected_ids
+        self.num_forked += sum(child.fork_parent is None for child in attached_before)
         for delta in deltas:
             request = self.all_requests[delta.request_id]
             assert delta.new_token_ids == (sampled[delta.request_id],)
@@ -233,7 +297,7 @@ class Driver:
 
     # ---------------------------------------------------------------------- the runner
 
-    def run_model(self, output: ExpandedOutput) -> None:
+    def run_model(self, output: ExpandedOutput, dropped: set[str] = frozenset()) -> None:
         """Write every scheduled token's KV, then check every scheduled request's reads.
 
         All writes come before any read, like a runner that writes the whole batch's KV
@@ -241,6 +305,10 @@ class Driver:
         step is computing.
         """
         block_size = self.config.block_size
+        for _, _, source, copy in output.output.block_copies:  # copy-on-write, before the step
+            for offset in range(block_size):
+                value = self.kv_slots.get(source * block_size + offset)
+                self.kv_slots[copy * block_size + offset] = value
         for item in output.scheduled:
             request = self.all_requests[item.request_id]
             fingerprints = prefix_fingerprints(request.all_token_ids)
@@ -251,10 +319,14 @@ class Driver:
                 # there (nobody may read it).
                 value = fingerprints[position] if position < len(fingerprints) else "garbage"
                 self.kv_slots[block_id * block_size + position % block_size] = value
-            self.written[item.request_id] = item.start_position + len(item.token_ids)
+            if item.request_id not in dropped:
+                self.written[item.request_id] = item.start_position + len(item.token_ids)
+                self.run_tables[item.request_id] = item.block_table
         for item in output.scheduled:
-            if item.request_id in self.scheduler.requests:
-                end = item.start_position + len(item.token_ids)
+            request = self.scheduler.requests.get(item.request_id)
+            if request is not None:
+                # A request rewound since the step was planned keeps only a shorter prefix.
+                end = min(item.start_position + len(item.token_ids), request.num_computed_tokens)
                 self.check_kv(item.request_id, item.block_table, end)
 
     def check_kv(self, request_id: str, block_table: Sequence[int], num_tokens: int) -> None:
@@ -278,7 +350,8 @@ class Driver:
         # Running requests come first, newly admitted ones after them.
         is_new = [request_id in waiting_before for request_id in scheduled_ids]
         assert is_new == sorted(is_new)
-        if output.preempted_request_ids:
+        preempted = [rid for rid in output.preempted_request_ids if rid not in self.rewound]
+        if preempted:
             assert not any(is_new)
         for item in output.scheduled:
             request = self.scheduler.requests[item.request_id]
@@ -299,11 +372,15 @@ class Driver:
             assert len(item.block_table) == math.ceil(end / config.block_size)
             assert list(item.block_table) == kv.get_block_ids(item.request_id)
             assert item.sampling_params is request.sampling_params
-        for request_id in output.preempted_request_ids:
+        for request_id in preempted:
             request = self.scheduler.requests[request_id]
             assert request.status is RequestStatus.PREEMPTED
             assert request.num_computed_tokens == 0
             assert request_id not in scheduled_ids
+        copied = [copy for _, _, _, copy in output.output.block_copies]
+        assert len(set(copied)) == len(copied)
+        for request_id, index, source, copy in output.output.block_copies:
+            assert kv.get_block_ids(request_id)[index] == copy != source
 
     def check_state(self) -> None:
         scheduler = self.scheduler
@@ -313,27 +390,31 @@ class Driver:
         assert len(scheduler.running) <= config.max_num_seqs
         running_ids = [request.request_id for request in scheduler.running]
         waiting_ids = [request.request_id for request in scheduler.waiting]
-        assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
+        attached = [
+            child for parent in scheduler.requests.values() for child in parent.fork_children
+        ]
+        attached_ids = [child.request_id for child in attached]
+        assert sorted(running_ids + waiting_ids + attached_ids) == sorted(scheduler.requests)
+        assert scheduler.num_waiting == len(waiting_ids) + len(attached_ids)
         assert scheduler.has_unfinished_requests() == bool(scheduler.requests)
+        for child in attached:
+            assert child in child.fork_parent.fork_children
+            # (The parent may have a token already: one that came back while it was preempted.)
+            assert child.fork_parent.request_id in scheduler.requests
+            assert kv.get_block_ids(child.request_id) == [] and child.num_computed_tokens == 0
 
         occurrences: Counter[int] = Counter()
         for request in scheduler.running:
             assert request.status is RequestStatus.RUNNING
-            table = kv.get_block_ids(request.request_id)
-            assert len(table) == len(set(table))
-            assert len(table) == math.ceil(request.num_computed_tokens / config.block_size)
+            # (A request rewound to its one-token prompt runs with nothing computed.)
             assert (
-                0
-                < request.num_computed_tokens
+                (0 if request.send_in_full else 1)
+                <= request.num_computed_tokens
                 <= request.num_tokens + request.num_output_placeholders
             )
             assert request.num_output_placeholders <= (1 if self.schedule_ahead else 0)
             assert request.num_tokens < config.max_model_len or request.is_finished
-            occurrences.update(table)
-            # Every live request, scheduled this step or not, still finds its own prefix (as
-            # far as the steps applied so far wrote it).
-            written = min(request.num_computed_tokens, self.written.get(request.request_id, 0))
-            self.check_kv(request.request_id, table, written)
+            occurrences.update(self.check_table(request))
         for request in scheduler.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0
@@ -341,9 +422,6 @@ class Driver:
 
         for block in pool.blocks:
             assert block.ref_cnt == occurrences[block.block_id]
-            if block.ref_cnt > 1:
-                # Only full prefix-cache blocks are ever shared.
-                assert block.block_hash is not None
             if block.block_hash is not None:
                 assert pool.get_cached_block(block.block_hash) is block
         free_ids = pool.free_block_ids()
@@ -352,6 +430,17 @@ class Driver:
         assert kv.num_used_blocks == len(occurrences)
         if not config.enable_prefix_caching:
             assert pool.num_cached_blocks == 0
+
+    def check_table(self, request: Request) -> list[int]:
+        """The request's table fits its progress, and its written prefix reads back right."""
+        table = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        assert len(table) == len(set(table))
+        assert len(table) == math.ceil(request.num_computed_tokens / self.config.block_size)
+        # Every live request, scheduled this step or not, still finds its own prefix (as far as
+        # the steps applied so far wrote it).
+        written = min(request.num_computed_tokens, self.written.get(request.request_id, 0))
+        self.check_kv(request.request_id, self.run_tables.get(request.request_id, table), written)
+        return table
 
     def check_final(self) -> None:
         kv = self.scheduler.kv_cache_manager
@@ -384,6 +473,11 @@ def test_random_operations_keep_invariants(
     assert len(driver.all_requests) > 100
     # Enough requests ran to their natural end to check their outputs exactly.
     assert len(driver.all_requests) - len(driver.truncated) > 30
+    # Samples forked their parent's blocks, some wrote into a shared one, requests rewound
+    # (one sequence slot leaves no room for a fork, one token a block makes none partial).
+    assert driver.num_forked > 5 and driver.num_rewinds > 5
+    if driver.config.block_size > 1 and driver.config.max_num_seqs > 1:
+        assert driver.scheduler.kv_cache_manager.num_block_copies > 0
 
 
 def test_random_run_exercises_preemption_and_prefix_hits() -> None:
