@@ -63,6 +63,38 @@ def test_n_samples_share_the_prompt(engine):
     assert len(tokens[0]) == 6 and {c.finish_reason for c in out.outputs} == {"length"}
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_shared_samples_equal_separate_requests(tiny_llama_dir, backend):
+    """n = 4 seeded samples of a prompt whose last shared block is partial: the samples fork the
+    first one's blocks and copy that block on their first write (on the runner: one copy_blocks
+    call). Each sample equals a request of its own with its seed, which computes the prompt
+    alone: tokens exactly, logprobs to float rounding."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4,
+            num_kv_blocks=64, max_model_len=128, attention_backend=backend,
+        )
+    )  # fmt: skip
+    kv = engine.scheduler.kv_cache_manager
+    prompt = list(range(30, 40))  # the samples share 9 tokens: 2 whole blocks and 1 of 4
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=9, logprobs=1)
+    engine.add_request("group", prompt, params)
+    engine.step()  # sample 0's prompt; with its token back, the others fork its blocks
+    assert kv.num_used_blocks == 3 and kv.ref_counts("1:group") == [4, 4, 4]
+    shared = _run(engine)["group"]
+    assert kv.num_block_copies == 3 and kv.num_used_blocks == 0
+    for k in range(4):
+        engine.add_request(f"alone{k}", prompt, params.clone(n=1, seed=11 + k))
+    alone = _run(engine)
+    assert kv.num_block_copies == 3  # separate requests share only through the prefix cache
+    tokens = [c.token_ids for c in shared.outputs]
+    assert tokens == [alone[f"alone{k}"].outputs[0].token_ids for k in range(4)]
+    assert len({tuple(t) for t in tokens}) == 4  # the samples differ: a missed copy would show
+    for k, sample in enumerate(shared.outputs):
+        ref = alone[f"alone{k}"].outputs[0]
+        assert sample.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+
+
 def test_stop_token_id_ends_the_sample(engine):
     prompt = [11, 12, 13, 14]
     engine.add_request(

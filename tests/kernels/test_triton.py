@@ -364,6 +364,42 @@ def test_reshape_and_cache_into_a_combined_cache_view():
     assert kv_cache.count_nonzero() == key.count_nonzero() + value.count_nonzero()
 
 
+# --------------------------------------------------------------------------------- copy_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks_equals_reference_in_every_cache(dtype):
+    # 3 layers x (K, V); blocks of 4 x 2 heads x 16 = 128 elements (two programs of 64 each when
+    # the block size in elements is not a power of two: 6 x 2 x 8 = 96).
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((7, 4, 2, 16), (7, 6, 2, 8)):
+        start = [torch.randn(shape, generator=gen).to(dtype) for _ in range(6)]
+        src, dst = torch.tensor([0, 5, 3]), torch.tensor([2, 1, 6])
+        want, got = [c.clone() for c in start], [c.clone() for c in start]
+        reference.copy_blocks(want, src, dst)
+        triton_attention.copy_blocks(got, src, dst)
+        for before, w, g in zip(start, want, got, strict=True):
+            assert torch.equal(g, w)
+            assert torch.equal(w[[2, 1, 6]], before[[0, 5, 3]])  # the copies
+            assert torch.equal(w[[0, 3, 4, 5]], before[[0, 3, 4, 5]])  # nothing else moved
+    empty = [torch.ones(2, 4, 1, 8)]
+    triton_attention.copy_blocks(
+        empty, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)
+    )
+    assert torch.equal(empty[0], torch.ones(2, 4, 1, 8))
+
+
+def test_copy_blocks_refuses_caches_that_differ():
+    caches = [torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 4)]
+    for op in (reference.copy_blocks, triton_attention.copy_blocks):
+        with pytest.raises(ValueError, match=r"caches\[1\] is \(4, 2, 1, 4\)"):
+            op(caches, torch.tensor([0]), torch.tensor([1]))
+        with pytest.raises(ValueError, match="src .* and dst .* differ in length"):
+            op(caches[:1], torch.tensor([0, 1]), torch.tensor([2]))
+        with pytest.raises(ValueError, match="must be contiguous"):
+            op([torch.zeros(4, 8, 1, 2).transpose(1, 3)], torch.tensor([0]), torch.tensor([1]))
+
+
 # ---------------------------------------------------------------------------------- dispatch
 
 
