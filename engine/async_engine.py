@@ -209,6 +209,14 @@ class EngineClient(ABC):
         """Abort a request from any thread; a no-op when it already finished."""
 
     @abstractmethod
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Queue a rewind of a request (`LLMEngine.rewind`) from any thread: it takes effect
+        when the engine next takes commands, counting back from the tokens it has then; the
+        request's next outputs show it. Raises ValueError at once for an unknown or finished
+        request; a rewind the engine cannot apply then (the request ended, or has fewer tokens
+        by then) is logged and dropped."""
+
+    @abstractmethod
     def start(self) -> None:
         """Start the engine; requests are accepted once this returns."""
 
@@ -304,6 +312,12 @@ class AsyncEngine(EngineClient):
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        with self._lock:
+            if request_id not in self._ids_in_use:
+                raise ValueError(f"request {request_id!r} is unknown or finished")
+        self._commands.put(("rewind", (request_id, num_tokens)))
+
     # ---- engine thread ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -325,6 +339,8 @@ class AsyncEngine(EngineClient):
                         return
                     if kind == "add":
                         self._add(*payload)
+                    elif kind == "rewind":
+                        self._rewind(*payload)
                     else:
                         self._abort(payload)
                 self.stats = engine.stats()  # aborts show in /metrics before the step
@@ -350,6 +366,12 @@ class AsyncEngine(EngineClient):
     ) -> None:
         self.engine.enqueue(request_id, prompt, params, arrival_time)
         self._streams[request_id] = stream
+
+    def _rewind(self, request_id: str, num_tokens: int) -> None:
+        try:
+            self._deliver(self.engine.rewind(request_id, num_tokens))
+        except ValueError as e:
+            logger.warning("rewind of request %s dropped: %s", request_id, e)
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)

@@ -241,6 +241,25 @@ class EngineCore:
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, status)
 
+    def rewind_samples(self, request_ids: list[str], num_tokens: int) -> list[SampleOutput]:
+        """Take back the last `num_tokens` output tokens of each of these samples
+        (`Scheduler.rewind`); returns an output per sample carrying its new length
+        (`rewound_to`). Samples that have ended since are skipped. Raises ValueError, changing
+        nothing, when a live sample has fewer output tokens."""
+        requests = [r for rid in request_ids if (r := self.scheduler.requests.get(rid))]
+        for request in requests:
+            if not 0 < num_tokens <= len(request.output_token_ids):
+                raise ValueError(
+                    f"cannot rewind by {num_tokens} tokens: sample {request.request_id!r} has "
+                    f"{len(request.output_token_ids)} output tokens"
+                )
+        return [
+            SampleOutput(
+                r.request_id, [], rewound_to=self.scheduler.rewind(r.request_id, num_tokens)
+            )
+            for r in requests
+        ]
+
     def has_work(self) -> bool:
         """Samples to schedule, or a launched step whose results are still to be read."""
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()

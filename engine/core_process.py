@@ -49,6 +49,7 @@ from engine.messages import (
     CoreMessage,
     CoreOutputs,
     CoreReady,
+    RewindSamples,
     Shutdown,
 )
 from engine.model_source import resolve_model
@@ -218,6 +219,12 @@ class ProcessEngine(EngineClient):
             self._streams[request_id] = stream
             self._input.send(message)
 
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        with self._state_lock:
+            sample_ids = self.output_processor.live_sample_ids(request_id)
+            if self.is_running and not self._stopping:
+                self._input.send(self._encoder.encode(RewindSamples(sample_ids, num_tokens)))
+
     def abort(self, request_id: str) -> None:
         with self._state_lock:
             output, sample_ids = self.output_processor.abort(request_id)
@@ -306,6 +313,7 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encoder, parent: int) 
             while not inputs.poll(_PARENT_CHECK_MS):
                 if os.getppid() != parent:
                     return
+        rewound = []  # outputs of rewinds, ahead of the step's
         while True:  # everything that arrived during the last step
             try:
                 frame = inputs.recv(zmq.NOBLOCK)
@@ -316,9 +324,14 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encoder, parent: int) 
                 core.add_samples(message.samples)
             elif isinstance(message, AbortSamples):
                 core.abort_samples(message.request_ids, stopped=message.stopped)
+            elif isinstance(message, RewindSamples):
+                try:
+                    rewound += core.rewind_samples(message.request_ids, message.num_tokens)
+                except ValueError as e:
+                    logger.warning("rewind of %s dropped: %s", message.request_ids, e)
             else:
                 return  # Shutdown
-        samples = core.step_samples() if core.has_work() else []
+        samples = rewound + (core.step_samples() if core.has_work() else [])
         outputs.send(encoder.encode(CoreOutputs(samples, core.stats())))
 
 

@@ -76,6 +76,16 @@ class LLMEngine(EngineCore):
         self.abort_samples(sample_ids)
         return output
 
+    def rewind(self, request_id: str, num_tokens: int) -> list[RequestOutput]:
+        """Take back the last `num_tokens` generated tokens of every unfinished sample of a
+        request, running or waiting: their blocks past the new end are freed, generation goes
+        on from there without computing the kept prefix again (`Scheduler.rewind`). Returns the
+        request's output in its output kind (none for "final"). Raises ValueError, changing
+        nothing, for an unknown or finished request or a sample with fewer tokens."""
+        samples = self.rewind_samples(self.output_processor.live_sample_ids(request_id), num_tokens)
+        outputs, _ = self.output_processor.process(samples)
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 

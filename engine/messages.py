@@ -37,6 +37,9 @@ class SampleOutput(msgspec.Struct, array_like=True, gc=False):
     # (prompt position of the first entry, one entry per position from there on)
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
     error: str | None = None  # with finish "error": what went wrong, for the client
+    # Set when the core rewound the sample (EngineCore.rewind_samples): its number of output
+    # tokens afterwards. The front end cuts its own state to it before adding new_token_ids.
+    rewound_to: int | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True):
@@ -72,11 +75,16 @@ class AbortSamples(msgspec.Struct, tag=True, array_like=True):
     stopped: bool = False  # True: a stop string ended them (finish "stop"), not the client
 
 
+class RewindSamples(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+    num_tokens: int  # output tokens each takes back, from where the core is when it applies it
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-CoreInput = AddRequest | AbortSamples | Shutdown
+CoreInput = AddRequest | AbortSamples | RewindSamples | Shutdown
 
 
 # ---- core process -> front end ------------------------------------------------------------------

@@ -198,6 +198,17 @@ class OutputProcessor:
                 sample.output.finish_reason = "abort"
         return parent.output(finished=True), child_ids
 
+    def live_sample_ids(self, request_id: str) -> list[str]:
+        """The ids of the request's unfinished samples (for a rewind); ValueError when it is
+        unknown or has none."""
+        parent = self._parents.get(request_id)
+        live = [] if parent is None else [
+            _child_id(request_id, s.output.index) for s in parent.samples if not s.output.finished
+        ]  # fmt: skip
+        if not live:
+            raise ValueError(f"request {request_id!r} is unknown or finished")
+        return live
+
     def process(self, outputs: list[SampleOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Apply a core step's outputs. Returns an output for every request with something new
         (in its output kind) and the ids of samples a stop string ended, for the core to stop.
@@ -211,6 +222,9 @@ class OutputProcessor:
             if sample is None or sample.output.finished:
                 continue
             parent = sample.parent
+            if out.rewound_to is not None:
+                self._rewind(sample, out.rewound_to)
+                touched[parent.request_id] = parent
             if out.prompt_logprobs is not None:
                 self._record_prompt_logprobs(parent, *out.prompt_logprobs)
             if out.new_token_ids and parent.first_token_time is None:
@@ -273,6 +287,30 @@ class OutputProcessor:
                 visible_end -= stop_holdback(sample.full_text, params.stop)
         out.text = sample.full_text[: max(visible_end, len(out.text))]
         return stopped_here
+
+    def _rewind(self, sample: _Sample, num_tokens: int) -> None:
+        """Cut a sample back to its first `num_tokens` output tokens, as the core did: tokens,
+        logprobs and text (detokenized again from the prompt; what could start a stop string is
+        held back as usual). A "delta" consumer is not told: its next deltas continue from
+        there."""
+        out = sample.output
+        parent = sample.parent
+        del out.token_ids[num_tokens:]
+        if out.logprobs is not None:
+            del out.logprobs[num_tokens:]
+            out.cumulative_logprob = sum(
+                entry[token].logprob
+                for token, entry in zip(out.token_ids, out.logprobs, strict=True)
+            )
+        sample.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, parent.prompt_token_ids, parent.params.skip_special_tokens
+        )
+        sample.full_text = sample.detokenizer.add_tokens(out.token_ids)
+        stop = parent.params.stop
+        held = stop_holdback(sample.full_text, stop) if stop else 0
+        out.text = sample.full_text[: len(sample.full_text) - held]
+        sample.sent_tokens = min(sample.sent_tokens, num_tokens)
+        sample.sent_text = min(sample.sent_text, len(out.text))
 
     def _fail(self, parent: _Parent, sample: _Sample, error: str) -> list[str]:
         """End a request because one of its samples failed: that sample finishes with "error",

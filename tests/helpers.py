@@ -94,3 +94,16 @@ def child_pids(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
     return children
+
+
+async def stream_with_rewind(client, request_id: str, prompt, params, at: int, num_tokens: int):
+    """Stream a request from an engine client (AsyncEngine or ProcessEngine) with cumulative
+    outputs, rewinding it by `num_tokens` once an output has `at` tokens; returns the lengths
+    of the outputs seen and the last one."""
+    lengths, last, rewound = [], None, False
+    async for last in client.add_request(request_id, prompt, params):
+        lengths.append(len(last.outputs[0].token_ids))
+        if lengths[-1] >= at and not rewound:
+            client.rewind(request_id, num_tokens)
+            rewound = True
+    return lengths, last

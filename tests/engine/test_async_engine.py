@@ -10,6 +10,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tests.helpers import stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(8)]
 
@@ -27,14 +28,18 @@ def _engine(tiny_llama_dir, **kwargs) -> LLMEngine:
 
 
 def _sync_tokens(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
-    for i, p in enumerate(PROMPTS):
+    return _sync_tokens_of(engine, PROMPTS, params)
+
+
+def _sync_tokens_of(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
+    for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
-    return [finished[str(i)] for i in range(len(PROMPTS))]
+    return [finished[str(i)] for i in range(len(prompts))]
 
 
 def _run(async_engine: AsyncEngine, main):
@@ -189,3 +194,23 @@ def test_shutdown_ends_streams_in_flight(tiny_llama_dir):
 
     asyncio.run(main())
     assert not async_engine.is_running
+
+
+def test_rewind_is_applied_between_steps(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    (expected,) = _sync_tokens_of(_engine(tiny_llama_dir), [PROMPTS[3]], params)
+    async_engine = AsyncEngine(_engine(tiny_llama_dir))
+    async_engine.start()
+
+    async def main():
+        with pytest.raises(ValueError, match="request 'nope' is unknown or finished"):
+            async_engine.rewind("nope", 1)
+        return await stream_with_rewind(async_engine, "r", PROMPTS[3], params, at=12, num_tokens=5)
+
+    lengths, last = _run(async_engine, main)
+    # The output after the rewind is 5 tokens shorter than the one before it; greedy decoding
+    # then makes the same tokens again, up to max_tokens.
+    drop = next(i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1])
+    assert lengths[drop] == lengths[drop - 1] - 5 >= 7
+    assert last.outputs[0].token_ids == expected and len(expected) == 30
+    assert async_engine.stats.kv_blocks_used == 0

@@ -14,7 +14,7 @@ from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.core_process import ProcessEngine
 from engine.messages import AddRequest
-from tests.helpers import process_alive
+from tests.helpers import process_alive, stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(6)]
 
@@ -153,6 +153,23 @@ def test_leaving_a_stream_early_aborts_the_request_in_the_core(process_engine):
     assert received == 3
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 400
     assert process_engine.stats.num_running == 0
+
+
+def test_rewind_reaches_the_core_and_comes_back_in_order(process_engine, tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = _reference(tiny_llama_dir, {"r": (PROMPTS[4], params)})["r"].outputs[0].token_ids
+    lengths, last = asyncio.run(
+        stream_with_rewind(process_engine, "r", PROMPTS[4], params, at=12, num_tokens=5)
+    )
+    # The core rewinds 5 of the tokens it has when the message arrives (it may be ahead of
+    # what the front end had shown: those tokens come first), and its next step's token comes
+    # with the rewind's output: the front end's output is 4 shorter. Greedy decoding makes the
+    # 5 tokens again.
+    drop = next(i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1])
+    assert lengths[drop] == lengths[drop - 1] - 5 + 1 >= 8
+    assert last.outputs[0].token_ids == want and len(want) == 30
+    with pytest.raises(ValueError, match="request 'r' is unknown or finished"):
+        process_engine.rewind("r", 1)
 
 
 def test_bad_requests_raise_in_the_front_end(process_engine):

@@ -225,3 +225,60 @@ def test_output_kinds_describe_the_same_generation(engine):
             )
             assert [list(e) for e in c.logprobs] == [list(e) for e in ref.logprobs]
             assert c.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_rewind_continues_like_a_fresh_request_with_the_kept_tokens(
+    tiny_llama_dir, async_scheduling
+):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4,
+            num_kv_blocks=64, max_model_len=128, async_scheduling=async_scheduling,
+        )
+    )  # fmt: skip
+    kv = engine.scheduler.kv_cache_manager
+    prompt = list(range(40, 47))
+    params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=0)
+    engine.add_request("r", prompt, params)
+    out = None
+    while out is None or len(out.outputs[0].token_ids) < 20:
+        outputs = engine.step()  # (nothing from the first, with a step in flight)
+        out = outputs[-1] if outputs else out
+    first = list(out.outputs[0].token_ids)
+    assert len(first) == 20
+    # 7 + 20 tokens, 26 computed (27 with a step in flight): 7 blocks.
+    assert kv.num_used_blocks == 7
+    (rewound,) = engine.rewind("r", 8)
+    sample = rewound.outputs[0]
+    assert sample.token_ids == first[:12] and len(sample.logprobs) == 12
+    assert sample.text == engine.tokenizer.decode(first[:12])
+    taken_back = zip(first[12:], out.outputs[0].logprobs[12:], strict=True)
+    dropped = sum(entry[token].logprob for token, entry in taken_back)
+    assert sample.cumulative_logprob == pytest.approx(out.outputs[0].cumulative_logprob - dropped)
+    # 19 tokens left, 18 of them kept in the cache (the 19th is computed again): 5 blocks.
+    assert kv.num_used_blocks == 5
+    steps_before = engine.num_steps
+    done = _run(engine)["r"].outputs[0]
+    # One step per token (the kept 18 were not computed again); greedy: the same tokens again.
+    assert engine.num_steps - steps_before == 16 + async_scheduling
+    assert done.token_ids == first + _continue(engine, prompt + first, 8)
+    # A fresh request of the kept tokens continues the same way.
+    assert done.token_ids[12:] == _continue(engine, prompt + first[:12], 16)
+    assert kv.num_used_blocks == 0
+
+    with pytest.raises(ValueError, match="request 'r' is unknown or finished"):
+        engine.rewind("r", 1)
+    engine.add_request("s", prompt, params.clone(max_tokens=3))
+    engine.step()
+    engine.step()
+    have = 2 - async_scheduling  # (a token in flight is not the sample's yet)
+    with pytest.raises(ValueError, match=f"cannot rewind by 3 tokens: sample '0:s' has {have} "):
+        engine.rewind("s", 3)
+
+
+def _continue(engine: LLMEngine, prompt: list[int], num_tokens: int) -> list[int]:
+    engine.add_request(
+        "fresh", prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    )
+    return _run(engine)["fresh"].outputs[0].token_ids
