@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sampler import needs_history
 from scheduler import SamplingParams, SchedulerOutput
 from scheduler.outputs import NewRequestData
 
@@ -127,7 +126,7 @@ class InputBatch:
         self.serial[row] = self._next_serial
         self.last_sample_index[row] = -1
         params = self.params[row] = new.sampling_params
-        if any(needs_history(params)):
+        if any(params.needs_history):
             self.history_rows.add(row)
         if params.prompt_logprobs is not None:
             self.prompt_logprob_rows.add(row)

@@ -23,7 +23,6 @@ from engine.sampler import (
     Sampler,
     SamplingRow,
     TokenLogprobs,
-    needs_history,
     to_device,
 )
 from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
@@ -344,19 +343,11 @@ class ModelRunner:
         num_outputs = (first_positions - state.num_prompt[batch.rows[sample_idx]]).tolist()
         params = state.params
         sampling = [SamplingRow(params[row], n) for row, n in zip(rows, num_outputs, strict=True)]
-        if num_drafts.any():
-            # Drafts only go to greedy requests without penalties (Scheduler._propose): their
-            # extra rows need no history.
-            return [
-                SamplingRow(params[row], n + j)
-                for row, n, d in zip(rows, num_outputs, num_drafts.tolist(), strict=True)
-                for j in range(d + 1)
-            ]
         if state.history_rows:
             for i, row in enumerate(rows):
                 if row not in state.history_rows:
                     continue
-                want_prompt, want_output = needs_history(params[row])
+                want_prompt, want_output = params[row].needs_history
                 prompt_ids, output_ids = state.history(row, int(batch.ends[sample_idx[i]]))
                 sampling[i] = SamplingRow(
                     params[row],
@@ -364,6 +355,15 @@ class ModelRunner:
                     prompt_token_ids=prompt_ids if want_prompt else None,
                     output_token_ids=output_ids if want_output else None,
                 )
+        if num_drafts.any():
+            # A sequence with d drafts samples its positions n .. n + d (the k-th output token
+            # draws the k-th number of a seed). Requests with penalties get no drafts
+            # (Scheduler._propose), so these rows need no history.
+            sampling = [
+                row if d == 0 else SamplingRow(row.params, row.num_output_tokens + j)
+                for row, d in zip(sampling, num_drafts.tolist(), strict=True)
+                for j in range(d + 1)
+            ]
         return sampling
 
 

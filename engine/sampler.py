@@ -53,12 +53,6 @@ class SamplerOutput:
     nonfinite_rows: list[int] = field(default_factory=list)
 
 
-def needs_history(params: SamplingParams) -> tuple[bool, bool]:
-    """(needs prompt ids, needs output ids) for the penalties of these params."""
-    rep = params.repetition_penalty != 1.0
-    return rep, rep or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-
-
 class Sampler:
     """Samples one token per row of logits [num_rows, vocab], on the logits' device.
 

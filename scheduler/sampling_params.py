@@ -177,6 +177,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
+    def needs_history(self) -> tuple[bool, bool]:
+        """(needs the prompt's ids, needs the output's ids): what the penalties read."""
+        repetition = self.repetition_penalty != 1.0
+        return repetition, repetition or bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0, or below GREEDY_TEMPERATURE, or
         top_k 1)."""

@@ -259,28 +259,35 @@ class Scheduler:
 
     def _propose(self, request: Request, max_drafts: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request by prompt lookup, at most `max_drafts` and never
-        past its max_tokens or max_model_len. Only greedy requests without logprobs or
-        penalties get drafts: their verification is an argmax per position."""
-        params = request.sampling_params
-        if (
-            not params.greedy
-            or params.logprobs is not None
-            or params.repetition_penalty != 1.0
-            or params.presence_penalty
-            or params.frequency_penalty
-        ):
+        past its max_tokens or max_model_len.
+
+        The runner samples every verified position from the request's own distribution and the
+        drafts are accepted while they equal what it sampled; for a draft that is a single
+        token (not a distribution) that is exactly rejection sampling: a draft d is kept with
+        probability p(d), and a rejected one is replaced by a draw from p without d. So greedy
+        and sampled requests keep their outputs' distribution, and a seeded request, whose k-th
+        token always uses the k-th number of its seed, its very tokens. Requests with logprobs
+        or penalties get no drafts: an output carries one token's logprobs, and penalties read
+        a history the drafts would have to be part of.
+        """
+        index = request.ngram_index
+        if index is None:
+            params = request.sampling_params
+            drafts = params.logprobs is None and not any(params.needs_history)
+            index = request.ngram_index = (
+                NgramIndex(self.config.ngram_min, self.config.ngram_max) if drafts else False
+            )
+        if index is False:
             return ()
         num_tokens = len(request.all_token_ids)
         room = min(
-            params.max_tokens - len(request.output_token_ids),
+            request.sampling_params.max_tokens - len(request.output_token_ids),
             self.config.max_model_len - num_tokens,
         )
         max_drafts = min(max_drafts, room - 1)  # the step's own sampled token comes on top
         if max_drafts < 1:
             return ()
-        if request.ngram_index is None:
-            request.ngram_index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        return tuple(request.ngram_index.propose(request.all_token_ids, max_drafts))
+        return tuple(index.propose(request.all_token_ids, max_drafts))
 
     @staticmethod
     def _advance(
@@ -304,6 +311,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.send_in_full = False  # it will be, when readmitted
+        request.spec_token_ids = ()  # a step undone: its drafts never come back
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

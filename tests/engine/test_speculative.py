@@ -120,8 +120,12 @@ def _engine(model_dir, **changes) -> LLMEngine:
 
 
 def _generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+    return _generate_each(engine, prompts, [params] * len(prompts))
+
+
+def _generate_each(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), prompt, p)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -147,12 +151,27 @@ def test_greedy_tokens_equal_those_without_drafts(tiny_llama_dir):
         assert _generate(spec, REPETITIVE, params2) == _generate(plain, REPETITIVE, params2)
 
 
-def test_requests_that_cannot_be_verified_by_argmax_get_no_drafts(tiny_llama_dir):
+def test_seeded_sampled_tokens_equal_those_without_drafts(tiny_llama_dir):
+    """Each verified position draws from the request's own distribution with the number its
+    seed gives that output position, so a seeded request's tokens do not depend on drafts; a
+    request with penalties in the same batch gets none and is unchanged too."""
+    sampled = SamplingParams(temperature=0.25, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)
+    penalized = sampled.clone(seed=4, repetition_penalty=1.3)
+    prompts = REPETITIVE + REPETITIVE[:1]
+    params = [sampled] * len(REPETITIVE) + [penalized]
+    plain = _generate_each(_engine(tiny_llama_dir), prompts, params)
+    spec = _engine(tiny_llama_dir, speculative_ngram=4)
+    assert _generate_each(spec, prompts, params) == plain
+    stats = spec.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
+def test_requests_with_logprobs_or_penalties_get_no_drafts(tiny_llama_dir):
     spec = _engine(tiny_llama_dir, speculative_ngram=5)
     for params in (
-        SamplingParams(temperature=0.8, seed=1, max_tokens=20),
         SamplingParams(temperature=0, logprobs=1, max_tokens=20),
         SamplingParams(temperature=0, repetition_penalty=1.2, max_tokens=20),
+        SamplingParams(temperature=0.8, seed=1, frequency_penalty=0.5, max_tokens=20),
     ):
         _generate(spec, REPETITIVE, params)
     assert spec.stats().spec_draft_tokens == 0
