@@ -8,12 +8,14 @@ are the scheduler's; a stop string found by the front end comes back as `finish_
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 import torch
 
 import kernels
+from engine.beam_search import BeamSearch, start_beam_search
 from engine.cpu_linear import can_pack
 from engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from engine.engine_config import EngineConfig
@@ -120,6 +122,11 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
+        # Beam searches, by the ids of their live beams and by their samples' ids.
+        self._beam_of: dict[str, BeamSearch] = {}
+        self._search_of_sample: dict[str, BeamSearch] = {}
+        beam_ids = itertools.count()
+        self._new_beam_id = lambda: f"beam-{next(beam_ids)}"
 
     def _build_model(self) -> LlamaForCausalLM:
         previous = torch.get_default_dtype()
@@ -220,7 +227,16 @@ class EngineCore:
 
     def add_samples(self, samples: list[CoreRequest]) -> None:
         """Queue the samples of one request. They share its prompt: the first computes it, the
-        others fork its blocks once it has (`Scheduler.add_request`'s fork_parent)."""
+        others fork its blocks once it has (`Scheduler.add_request`'s fork_parent). With
+        `use_beam_search` they are the slots of one beam search's results instead."""
+        if samples[0].params.use_beam_search:
+            search, first = start_beam_search(samples, self.eos_token_ids, self._new_beam_id)
+            self.scheduler.add_request(first)
+            self._beam_of[first.request_id] = search
+            for sample in samples:
+                self._search_of_sample[sample.request_id] = search
+            self.num_requests_added += 1
+            return
         parent = None
         for sample in samples:
             request = Request(
@@ -239,7 +255,11 @@ class EngineCore:
         ids are ignored. `stopped`: the front end matched a stop string (else the client left)."""
         status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
         for request_id in request_ids:
-            self.scheduler.finish_request(request_id, status)
+            search = self._search_of_sample.get(request_id)
+            if search is not None:
+                self._drop_search(search)
+            else:
+                self.scheduler.finish_request(request_id, status)
 
     def rewind_samples(self, request_ids: list[str], num_tokens: int) -> list[SampleOutput]:
         """Take back the last `num_tokens` output tokens of each of these samples
@@ -272,6 +292,47 @@ class EngineCore:
 
         With asynchronous scheduling a call launches step N + 1 and then returns the outputs of
         step N, whose device work ran (and whose ids came back) meanwhile."""
+        outputs = self._step()
+        return self._route_beams(outputs) if self._beam_of else outputs
+
+    def _route_beams(self, outputs: list[SampleOutput]) -> list[SampleOutput]:
+        """Beams' outputs go to their searches, which move on once every beam of theirs has
+        its token; what comes out is a finished search's results (or a failed one's error)."""
+        routed: list[SampleOutput] = []
+        touched: dict[int, BeamSearch] = {}
+        for out in outputs:
+            search = self._beam_of.get(out.request_id)
+            if search is None:
+                routed.append(out)
+            elif out.finish_reason == "error":  # the beam's step failed: so does the search
+                routed.append(SampleOutput(search.sample_ids[0], [], "error", error=out.error))
+                self._drop_search(search)
+            elif out.new_token_ids:
+                search.report(out)
+                touched[id(search)] = search
+        for search in touched.values():
+            if search.sample_ids[0] not in self._search_of_sample or not search.round_done:
+                continue  # dropped above, or still waiting for a beam
+            before = list(search.beams)
+            results = search.advance(self.scheduler)
+            for beam_id in before:
+                del self._beam_of[beam_id]
+            if results:
+                self._drop_search(search)
+                routed += results
+            else:
+                self._beam_of.update(dict.fromkeys(search.beams, search))
+        return routed
+
+    def _drop_search(self, search: BeamSearch) -> None:
+        """End a beam search: its beams' blocks are freed, its ids forgotten."""
+        search.abort(self.scheduler)
+        for beam_id in [b for b, s in self._beam_of.items() if s is search]:
+            del self._beam_of[beam_id]
+        for sample_id in search.sample_ids:
+            self._search_of_sample.pop(sample_id, None)
+
+    def _step(self) -> list[SampleOutput]:
         start = time.perf_counter()
         try:
             sched_out = self.scheduler.schedule()

@@ -8,9 +8,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from engine.beam_search import BeamSearchParams, beam_score
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from engine.tokenizer import apply_chat_template
 from scheduler import SamplingParams
 
@@ -70,6 +71,35 @@ class LLM:
             for conv in conversations
         ]
         return self._run(prompt_list, self._params_for(len(prompt_list), sampling_params), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (strings or token-id lists): the `beam_width` best
+        sequences of each, best first (engine/beam_search.py says how they are found)."""
+        prompt_list = _as_prompt_list(prompts)
+        sampling = params.sampling_params()
+        outputs = self._run(prompt_list, [sampling] * len(prompt_list), use_tqdm)
+        return [
+            BeamSearchOutput(
+                out.prompt_token_ids,
+                [
+                    BeamSearchSequence(
+                        c.token_ids,
+                        c.text,
+                        c.cumulative_logprob,
+                        beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty),
+                        c.finish_reason,
+                    )
+                    for c in out.outputs
+                    if c.token_ids
+                ],
+            )
+            for out in outputs
+        ]
 
     def _params_for(
         self, count: int, params: SamplingParams | Sequence[SamplingParams] | None

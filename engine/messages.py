@@ -40,6 +40,8 @@ class SampleOutput(msgspec.Struct, array_like=True, gc=False):
     # Set when the core rewound the sample (EngineCore.rewind_samples): its number of output
     # tokens afterwards. The front end cuts its own state to it before adding new_token_ids.
     rewound_to: int | None = None
+    # Beam search: a finished beam comes whole, with the sum of its tokens' logprobs.
+    cumulative_logprob: float | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True):

@@ -9,6 +9,7 @@ process with LLMEngine, in the API server's with the core in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -76,10 +77,15 @@ class _Parent:
     error: str | None = None  # why the request failed (a sample ended with finish "error")
 
     def output(self, finished: bool) -> RequestOutput | None:
-        """This step's output in the request's `output_kind`, or None when it has none."""
+        """This step's output in the request's `output_kind`, or None when it has none. A
+        request that picks its n outputs among more sequences (best_of, beam search) has one
+        output, when it finishes."""
         kind = self.params.output_kind
-        if kind == "final" and not finished:
+        picks = self.params.num_samples > self.params.n
+        if (kind == "final" or picks) and not finished:
             return None
+        if picks:
+            return self._request_output(self._best(), finished)
         prompt_logprobs = (
             self.prompt_logprobs
             if self.num_prompt_logprobs == len(self.prompt_token_ids) - 1
@@ -106,6 +112,31 @@ class _Parent:
                 )
                 for s in self.samples
             ]
+        return self._request_output(outputs, finished, prompt_logprobs)
+
+    def _best(self) -> list[CompletionOutput]:
+        """best_of: the n samples with the highest cumulative logprob, renumbered 0..n-1 (the
+        logprobs each sample computed for this are dropped unless the request asked for them)."""
+        ranked = sorted(
+            (s.output for s in self.samples), key=lambda c: -(c.cumulative_logprob or 0.0)
+        )
+        keep_logprobs = self.params.logprobs is not None
+        return [
+            dataclasses.replace(
+                c,
+                index=i,
+                logprobs=c.logprobs if keep_logprobs else None,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+            for i, c in enumerate(ranked[: self.params.n])
+        ]
+
+    def _request_output(
+        self,
+        outputs: list[CompletionOutput],
+        finished: bool,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -154,17 +185,21 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         samples = []
-        for k in range(params.n):
+        num_samples = params.num_samples
+        for k in range(num_samples):
             # Sample k of a seeded request gets seed + k, so the n samples differ but reproduce.
             child_params = (
                 params if params.seed is None or k == 0 else params.clone(seed=params.seed + k)
             )
-            if params.n > 1:
-                # The samples share the prompt: sample 0 alone scores it (and skips the prefix
-                # cache for it); the others may reuse its cached blocks.
+            if num_samples > 1:
+                # The samples share the prompt: sample 0 alone scores it; the others fork its
+                # blocks (EngineCore.add_samples).
                 child_params = child_params.clone(
-                    n=1, prompt_logprobs=params.prompt_logprobs if k == 0 else None
+                    n=1, best_of=None, prompt_logprobs=params.prompt_logprobs if k == 0 else None
                 )
+            if num_samples > params.n and child_params.logprobs is None:
+                # best_of ranks by cumulative logprob: each sample must report its tokens'.
+                child_params = child_params.clone(logprobs=0)
             child_id = _child_id(request_id, k)
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens
@@ -258,9 +293,12 @@ class OutputProcessor:
         params = sample.parent.params
         out.token_ids.extend(delta.new_token_ids)
         logprobs = delta.logprobs
-        if logprobs is not None and out.logprobs is not None:
-            out.logprobs.append(self._logprob_entry(delta.new_token_ids[-1], logprobs))
+        if logprobs is not None:
+            if out.logprobs is not None:
+                out.logprobs.append(self._logprob_entry(delta.new_token_ids[-1], logprobs))
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs[0]
+        elif delta.cumulative_logprob is not None:  # a beam, whole at the end
+            out.cumulative_logprob = delta.cumulative_logprob
 
         finished = delta.finish_reason is not None
         if finished:

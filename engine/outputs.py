@@ -77,3 +77,22 @@ class RequestOutput:
         self.error = delta.error
         self.first_token_time = delta.first_token_time
         self.finished_time = delta.finished_time
+
+
+@dataclass
+class BeamSearchSequence:
+    """One result of `LLM.beam_search`: the generated tokens (the prompt not included)."""
+
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty: what ranks them
+    finish_reason: str  # "stop" (it ended in EOS) | "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beam_width best sequences of one prompt, best first."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]

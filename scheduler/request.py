@@ -75,6 +75,7 @@ class Request:
         "fork_parent",
         "fork_children",
         "send_in_full",
+        "pause_after_sample",
     )
 
     def __init__(
@@ -116,6 +117,9 @@ class Request:
         # Running, but the runner has no current state for it (forked, or rewound): its next
         # schedule() sends it as a NewRequestData.
         self.send_in_full = False
+        # Not scheduled again while a token of it is being sampled (a beam waits for the beam
+        # search's choice, which may replace that token).
+        self.pause_after_sample = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,13 +18,14 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5
 
 # Float fields: (name, low, low bound excluded, high, wording of the allowed range).
-_FLOAT_FIELDS: tuple[tuple[str, float, bool, float | None, str], ...] = (
+_FLOAT_FIELDS: tuple[tuple[str, float | None, bool, float | None, str], ...] = (
     ("temperature", 0.0, False, None, ">= 0"),
     ("top_p", 0.0, True, 1.0, "in (0, 1]"),
     ("min_p", 0.0, False, 1.0, "in [0, 1]"),
     ("presence_penalty", -2.0, False, 2.0, "in [-2, 2]"),
     ("frequency_penalty", -2.0, False, 2.0, "in [-2, 2]"),
     ("repetition_penalty", 0.0, True, None, "> 0"),
+    ("length_penalty", None, False, None, "finite"),
 )
 
 
@@ -104,9 +105,15 @@ class SamplingParams:
 
     `n` is carried for the engine, which fans a request out into `n` sequences; the
     scheduler treats every `Request` as exactly one sequence.
+
+    `best_of` samples that many sequences and returns the `n` with the highest cumulative
+    logprob. `use_beam_search` returns the `n` best beams of a beam search of width `n` instead
+    of sampling, ranked by cumulative logprob / (generated length ** length_penalty); the
+    sampling knobs (temperature, top_p, top_k, min_p, seed) do not apply to it.
     """
 
     n: int = 1
+    best_of: int | None = None  # None = n
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off, else keep the k most likely tokens
@@ -124,6 +131,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search: scores are divided by length ** length_penalty
     # What each engine output carries (vLLM's RequestOutputKind): "cumulative" = everything so
     # far, every step; "delta" = only what is new since the previous output (streaming, the
     # server); "final" = one output, when the request finishes (the offline LLM API).
@@ -172,9 +181,46 @@ class SamplingParams:
             raise ValueError(
                 f"output_kind must be one of {list(OUTPUT_KINDS)}, got {self.output_kind!r}"
             )
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search"
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(
+                f"best_of must be None or an int >= n ({self.n}), got {self.best_of!r}"
+            )
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.num_samples > 1 and self.best_of is not None and self.greedy:
+            raise ValueError(
+                f"best_of={self.best_of} needs sampling: with temperature 0 every sample is the "
+                "same; raise the temperature or drop best_of"
+            )
+
+    def _check_beam_search(self) -> None:
+        """What beam search cannot honour is refused rather than ignored."""
+        refused = {
+            "best_of": self.best_of not in (None, self.n),
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "stop": bool(self.stop),
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+        }
+        for name, set_ in refused.items():
+            if set_:
+                raise ValueError(
+                    f"{name} is not supported with use_beam_search (the beam width is n, "
+                    f"{self.n}); drop {name} or use_beam_search"
+                )
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine generates for the request: best_of, else n (beam search: the
+        n beams it returns)."""
+        return self.best_of or self.n
 
     @property
     def needs_history(self) -> tuple[bool, bool]:

@@ -148,9 +148,11 @@ class Scheduler:
             if pending and (
                 len(request.output_token_ids) + pending >= request.sampling_params.max_tokens
                 or target >= max_model_len
+                or request.pause_after_sample
             ):
                 # The token in flight is its last (max_tokens or the context is reached): the
                 # step that brings it back finishes the request, so nothing more to compute.
+                # (Or the request waits for that token on purpose: a beam.)
                 index += 1
                 continue
             num_new_tokens = min(target - request.num_computed_tokens, token_budget)
@@ -442,6 +444,28 @@ class Scheduler:
             return self._delta(request, new_token_ids)
         self._release(request, finished, remove_from_queues=request.status != RequestStatus.RUNNING)
         return self._delta(request, new_token_ids)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add `child`, whose tokens are the parent's up to its computed ones and then its own
+        (a beam continued by another token than the one the parent sampled). A running parent's
+        blocks of its computed tokens are shared (`KVCacheManager.fork`) and the child runs at
+        once, to be sent to the runner in full; a parent without blocks (preempted) shares
+        nothing and the child queues first, to compute its tokens alone."""
+        request_id = child.request_id
+        assert request_id not in self.requests, f"request id {request_id!r} is already in use"
+        num_shared = parent.num_computed_tokens
+        assert child.all_token_ids[:num_shared] == parent.all_token_ids[:num_shared], (
+            f"request {request_id!r} does not continue {parent.request_id!r}'s computed tokens"
+        )
+        self.requests[request_id] = child
+        if parent.status == RequestStatus.RUNNING and num_shared:
+            self.kv_cache_manager.fork(parent, child, num_shared)
+            child.num_computed_tokens = num_shared
+            child.status = RequestStatus.RUNNING
+            child.send_in_full = True
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)
 
     # ------------------------------------------------------------------- rewind
 

@@ -44,6 +44,8 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    use_beam_search: bool = False  # as vLLM: the beam width is n
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingFields):

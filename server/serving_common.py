@@ -94,6 +94,7 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    best_of: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request fields; an invalid value is a 400 naming the field."""
     if req.stream_options is not None and not req.stream:
@@ -101,9 +102,21 @@ def sampling_params(
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
-    if isinstance(req.n, int) and req.n > state.max_n:
+    for name, value in (("n", req.n), ("best_of", best_of)):
+        if isinstance(value, int) and value > state.max_n:
+            raise APIError(
+                400,
+                f"{name} must be at most {state.max_n} on this server (--max-n), got {value}",
+                param=name,
+            )
+    if req.stream and req.use_beam_search:
         raise APIError(
-            400, f"n must be at most {state.max_n} on this server (--max-n), got {req.n}", param="n"
+            400, "use_beam_search cannot be streamed: set stream to false", param="stream"
+        )
+    if req.stream and isinstance(best_of, int) and best_of != req.n:
+        # The n best are known only when every sample has finished.
+        raise APIError(
+            400, f"best_of ({best_of}) other than n ({req.n}) cannot be streamed", param="stream"
         )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
@@ -115,6 +128,9 @@ def sampling_params(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "seed": req.seed,
         "logprobs": logprobs,
+        "best_of": best_of,
+        "use_beam_search": req.use_beam_search,
+        "length_penalty": req.length_penalty,
         # Handlers consume what is new each step; `final_outputs` folds it into whole outputs.
         "output_kind": "delta",
     }

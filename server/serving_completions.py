@@ -45,12 +45,6 @@ async def create_completion(
     warn_unknown_fields(req, "/v1/completions")
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported by this server", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise APIError(
-            400,
-            f"best_of={req.best_of} is not supported: omit it or set it equal to n ({req.n})",
-            param="best_of",
-        )
     prompts = _prompts(state, req.prompt)
     # max_tokens=0 with echo returns the prompt (and its logprobs) only, the way evaluation
     # harnesses score a text: the engine generates one token that is then left out.
@@ -68,6 +62,7 @@ async def create_completion(
                 max_tokens,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                best_of=req.best_of,
             )
         )
     arrival = time.monotonic()
