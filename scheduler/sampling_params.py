@@ -194,8 +194,8 @@ class SamplingParams:
             self._check_beam_search()
         elif self.num_samples > 1 and self.best_of is not None and self.greedy:
             raise ValueError(
-                f"best_of={self.best_of} needs sampling: with temperature 0 every sample is the "
-                "same; raise the temperature or drop best_of"
+                f"best_of ({self.best_of}) needs sampling: with temperature 0 every sample is "
+                "the same; raise the temperature or drop best_of"
             )
 
     def _check_beam_search(self) -> None:

@@ -282,3 +282,22 @@ def _continue(engine: LLMEngine, prompt: list[int], num_tokens: int) -> list[int
         "fresh", prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     )
     return _run(engine)["fresh"].outputs[0].token_ids
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(engine):
+    prompt = list(range(50, 58))
+    params = SamplingParams(temperature=1.0, seed=21, n=2, best_of=5, max_tokens=6)
+    engine.add_request("best", prompt, params)
+    # The same 5 samples (sample k draws with seed + k), all returned, with their logprobs.
+    engine.add_request("all", prompt, params.clone(n=5, best_of=None, logprobs=0))
+    done = _run(engine)
+    every = sorted(done["all"].outputs, key=lambda c: -c.cumulative_logprob)
+    assert len({tuple(c.token_ids) for c in every}) == 5
+    best = done["best"].outputs
+    assert [c.index for c in best] == [0, 1]
+    assert [c.token_ids for c in best] == [c.token_ids for c in every[:2]]
+    assert [c.cumulative_logprob for c in best] == pytest.approx(
+        [c.cumulative_logprob for c in every[:2]]
+    )
+    assert all(c.logprobs is None for c in best)  # computed for the ranking, not asked for
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0

@@ -13,6 +13,7 @@ def test_defaults() -> None:
     params = SamplingParams()
     assert dataclasses.astuple(params) == (
         1,  # n
+        None,  # best_of (= n)
         1.0,  # temperature
         1.0,  # top_p
         -1,  # top_k
@@ -29,9 +30,11 @@ def test_defaults() -> None:
         None,  # prompt_logprobs
         True,  # skip_special_tokens
         False,  # include_stop_str_in_output
+        False,  # use_beam_search
+        1.0,  # length_penalty
         "cumulative",  # output_kind
     )
-    assert not params.greedy
+    assert not params.greedy and params.num_samples == 1
 
 
 SEED_RANGE = (

@@ -155,3 +155,18 @@ def test_chat_logprobs(server):
         for t in ch.choices[0].logprobs.content
     ]
     assert tokens == [t.token for t in content]
+
+
+def test_chat_beam_search(server, real_llm):
+    from engine import BeamSearchParams
+    from engine.tokenizer import apply_chat_template
+
+    c = client(server)
+    r = c.chat.completions.create(
+        model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=8, n=2,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    prompt = apply_chat_template(real_llm.get_tokenizer(), MESSAGES)
+    (offline,) = real_llm.beam_search([prompt], BeamSearchParams(2, 8))
+    assert [ch.message.content for ch in r.choices] == [s.text for s in offline.sequences]
+    assert "Paris" in r.choices[0].message.content

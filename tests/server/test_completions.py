@@ -239,3 +239,31 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert r["token_strs"][1] == "Ġcapital"
     back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": r["tokens"]}).json()
     assert back == {"prompt": PROMPT}
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(server):
+    c = client(server)
+    base = dict(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=9)
+    best = c.completions.create(**base, n=1, best_of=3)
+    # The same three samples (sample k draws with seed + k), with their logprobs.
+    every = c.completions.create(**base, n=3, logprobs=0).choices
+    totals = [sum(ch.logprobs.token_logprobs) for ch in every]
+    assert len({ch.text for ch in every}) == 3
+    (choice,) = best.choices
+    assert choice.text == every[totals.index(max(totals))].text and choice.logprobs is None
+    assert best.usage.completion_tokens == token_count(server, prompt=PROMPT + choice.text) - 5
+
+
+def test_beam_search_equals_the_offline_engine(server, real_llm):
+    from engine import BeamSearchParams
+
+    c = client(server)
+    r = c.completions.create(
+        model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=8, n=3,
+        extra_body={"use_beam_search": True, "length_penalty": 0.8},
+    )  # fmt: skip
+    (offline,) = real_llm.beam_search(PROMPT, BeamSearchParams(3, 8, length_penalty=0.8))
+    assert [ch.text for ch in r.choices] == [s.text for s in offline.sequences]
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert len({ch.text for ch in r.choices}) == 3
+    assert r.choices[0].text.startswith(" Paris")

@@ -92,7 +92,16 @@ BAD_COMPLETIONS = [
         "stop_token_ids must contain only ints in [0, 9223372036854775807]",
         id="stop-token-id-too-big",
     ),
-]
+    pytest.param({**GOOD, "n": 2, "best_of": 1}, 400, "best_of", ">= n (2)", id="best-of-below-n"),
+    pytest.param({**GOOD, "best_of": 3, "temperature": 0}, 400, "best_of", "needs sampling",
+                 id="best-of-greedy"),
+    pytest.param({**GOOD, "best_of": 2, "stream": True}, 400, "stream", "cannot be streamed",
+                 id="best-of-streamed"),
+    pytest.param({**GOOD, "use_beam_search": True, "stream": True}, 400, "stream",
+                 "use_beam_search cannot be streamed", id="beam-search-streamed"),
+    pytest.param({**GOOD, "use_beam_search": True, "n": 2, "logprobs": 1}, 400, "logprobs",
+                 "not supported with use_beam_search", id="beam-search-logprobs"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("body", "status", "param", "fragment"), BAD_COMPLETIONS)
