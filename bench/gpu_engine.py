@@ -1,6 +1,6 @@
 """The engine on an H200 (issue 5): correctness, decode step time, profile, offline and online
-throughput, as steps of one script. `bench/gpu_engine.sh` runs them in order, each under its
-own time limit:
+throughput, speculative decoding and shared blocks, as steps of one script.
+`bench/gpu_engine.sh` runs them in order, each under its own time limit:
 
     python -m bench.gpu_engine env          versions, GPU, commit
     python -m bench.gpu_engine correctness  greedy tokens against transformers' (fp32 exact, bf16
@@ -14,6 +14,9 @@ own time limit:
     python -m bench.gpu_engine online       `pagedserve serve` + `pagedserve bench serve` at
                                             concurrency 1, 64 and 256, and offline on the same
                                             requests
+    python -m bench.gpu_engine spec         speculative decoding by prompt lookup against plain
+                                            decoding (speed, acceptance, equal greedy tokens);
+                                            n = 4 samples on shared blocks against 4 requests
     python -m bench.gpu_engine summary      a table of everything under --out
 
 Each step appends JSON lines to OUT/<step>.jsonl (and prints them); OUT is --out, else $OUT,
@@ -49,7 +52,7 @@ from typing import Any
 from scheduler.utils import cdiv
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("env", "correctness", "decode", "offline", "nano", "online", "summary")
+STEPS = ("env", "correctness", "decode", "offline", "nano", "online", "spec", "summary")
 
 # H200: ~4.3 TB/s measured copy bandwidth (GPU.md); the roofline of a decode step is the bytes it
 # must read (weights and the KV cache) at this rate.
@@ -121,6 +124,13 @@ class Sizes:
     # KV cache of the single-engine steps (nano, online) in GiB; None: the engine sizes it
     # (--gpu-memory-utilization on a GPU; on a CPU 4 GiB, too much for a tiny smoke model).
     kv_cache_gib: float | None
+    # spec: prompts that repeat a random pattern of spec_pattern_len ids up to spec_prompt_len,
+    # spec_output_len greedy tokens each; spec_batch_sizes: how many prompts per generate call.
+    spec_prompts: int
+    spec_pattern_len: int
+    spec_prompt_len: int
+    spec_output_len: int
+    spec_batch_sizes: tuple[int, ...]
 
 
 GPU_SIZES = Sizes(
@@ -148,6 +158,13 @@ GPU_SIZES = Sizes(
     online_output_len=128,
     online_runs=((1, 16), (64, 256), (256, 512)),
     kv_cache_gib=None,
+    spec_prompts=16,
+    spec_pattern_len=32,
+    spec_prompt_len=256,
+    # At batch 1 the 16 prompts run one after the other, 1024 tokens each way: ~2-5 s per
+    # engine on an H200, which the step's 45 s limit affords beside start-up.
+    spec_output_len=64,
+    spec_batch_sizes=(1, 16),
 )
 SMOKE_SIZES = Sizes(
     device="cpu",
@@ -174,6 +191,11 @@ SMOKE_SIZES = Sizes(
     online_output_len=6,
     online_runs=((1, 2), (4, 6)),
     kv_cache_gib=0.0625,
+    spec_prompts=4,
+    spec_pattern_len=6,
+    spec_prompt_len=20,
+    spec_output_len=16,
+    spec_batch_sizes=(1, 2),
 )
 
 
@@ -1177,6 +1199,186 @@ def step_online(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# spec: speculative decoding by prompt lookup, and n > 1 samples on shared blocks
+# ---------------------------------------------------------------------------------------------
+
+SPEC_NGRAM = 4  # speculative_ngram of the speculative engine: up to 4 drafts per step
+
+
+def repeated_pattern_prompts(
+    num: int, pattern_len: int, length: int, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """Prompts that repeat a random pattern of pattern_len ids up to length ids, one pattern
+    each: prompt lookup has n-grams to draft from at once."""
+    patterns = random_ids(num, pattern_len, vocab_size, seed)
+    return [(p * cdiv(length, pattern_len))[:length] for p in patterns]
+
+
+def _generate_ids(
+    llm, prompts: list[list[int]], params, batch_size: int
+) -> tuple[list[list[int]], float]:
+    """Every prompt's token ids, batch_size prompts per generate call, and the wall time."""
+    device = str(llm.engine.device)
+    tokens: list[list[int]] = []
+    sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outputs = llm.generate(prompts[i : i + batch_size], params)
+        tokens += [list(o.outputs[0].token_ids) for o in outputs]
+    sync(device)
+    return tokens, time.perf_counter() - start
+
+
+def step_spec(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
+    """Plain and speculative engines on the same greedy requests at each batch size, then one
+    n = 4 request against 4 seeded requests of its samples on the plain engine."""
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.model_source import resolve_model
+
+    model = model_path(args.model, args.scratch)
+    vocab = resolve_model(model).config.vocab_size
+    block_size = EngineConfig().block_size
+    # The samples share the prompt's KV but the last prompt token's: prompt_len - 1 tokens, 2
+    # whole blocks and a partial one, which each sample must copy before its first write.
+    shared_prompt_len = 2 * block_size + block_size // 2
+    shared_samples, shared_max_tokens = 4, 16
+    max_batch = max(sizes.spec_batch_sizes)
+    spec_len = sizes.spec_prompt_len + sizes.spec_output_len
+    max_model_len = cdiv(max(spec_len, shared_prompt_len + shared_max_tokens), 256) * 256
+    seq_lens = [spec_len] * max_batch + [shared_prompt_len + shared_max_tokens] * shared_samples
+    engines: dict[int, Any] = {}
+
+    def engine_with(ngram: int):
+        """One engine per speculative_ngram, built when first asked for. Both synchronous:
+        drafts need it, and the plain engine must not get async scheduling's overlap that the
+        speculative one cannot have, or the ratio would not be the drafts' alone."""
+        if ngram not in engines:
+            free_memory()
+            engines[ngram] = LLM(
+                model,
+                device=sizes.device,
+                dtype=sizes.dtype,
+                load_format="dummy",
+                async_scheduling=False,
+                speculative_ngram=ngram,
+                max_num_seqs=max(max_batch, shared_samples),
+                max_model_len=max_model_len,
+                num_kv_blocks=kv_blocks_for(seq_lens, max_model_len),
+            )
+        return engines[ngram]
+
+    prompts = repeated_pattern_prompts(
+        sizes.spec_prompts, sizes.spec_pattern_len, sizes.spec_prompt_len, vocab, seed=7
+    )
+    warm = repeated_pattern_prompts(
+        max_batch, sizes.spec_pattern_len, sizes.spec_prompt_len, vocab, seed=8
+    )
+    params = SamplingParams(temperature=0, max_tokens=sizes.spec_output_len, ignore_eos=True)
+    base = {
+        "model": args.model,
+        "dtype": sizes.dtype,
+        "num_prompts": sizes.spec_prompts,
+        "pattern_len": sizes.spec_pattern_len,
+        "prompt_len": sizes.spec_prompt_len,
+        "output_len": sizes.spec_output_len,
+        "speculative_ngram": SPEC_NGRAM,
+    }
+    with reuse_dummy_weights() as weight_stats:
+        for batch_size in sizes.spec_batch_sizes:
+            with rec.part(**base, kind="speculative", batch_size=batch_size):
+                runs: dict[int, dict[str, Any]] = {}
+                for ngram in (0, SPEC_NGRAM):
+                    llm = engine_with(ngram)
+                    # Warm-up at this batch size: first-call costs and the Triton compiles of
+                    # its shapes must not be timed.
+                    llm.generate(warm[:batch_size], params.clone(max_tokens=8))
+                    before = llm.engine.stats()
+                    tokens, elapsed = _generate_ids(llm, prompts, params, batch_size)
+                    after = llm.engine.stats()
+                    runs[ngram] = {
+                        "tokens": tokens,
+                        "num_output_tokens": sum(map(len, tokens)),
+                        "elapsed_s": elapsed,
+                        "steps": after.num_steps - before.num_steps,
+                        "drafted": after.spec_draft_tokens - before.spec_draft_tokens,
+                        "accepted": after.spec_accepted_tokens - before.spec_accepted_tokens,
+                        "used_blocks": after.kv_blocks_used,
+                        "info": engine_info(llm),
+                    }
+                plain, spec = runs[0], runs[SPEC_NGRAM]
+                plain_rate = plain["num_output_tokens"] / plain["elapsed_s"]
+                spec_rate = spec["num_output_tokens"] / spec["elapsed_s"]
+                drafted, accepted = spec["drafted"], spec["accepted"]
+                same = compare_tokens(plain["tokens"], spec["tokens"])
+                rec.write(
+                    {
+                        **base,
+                        "kind": "speculative",
+                        "batch_size": batch_size,
+                        "num_output_tokens": plain["num_output_tokens"],
+                        "spec_num_output_tokens": spec["num_output_tokens"],
+                        "plain_elapsed_s": round(plain["elapsed_s"], 4),
+                        "spec_elapsed_s": round(spec["elapsed_s"], 4),
+                        "plain_tok_s": round(plain_rate, 1),
+                        "spec_tok_s": round(spec_rate, 1),
+                        "speedup": round(spec_rate / plain_rate, 3),
+                        "plain_steps": plain["steps"],
+                        "spec_steps": spec["steps"],
+                        "draft_tokens": drafted,
+                        "accepted_tokens": accepted,
+                        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                        # Greedy tokens are the same with and without drafts; bf16 rounding of
+                        # a verify pass may tip a near-tie, which the first differences show.
+                        "same_tokens": same["equal"],
+                        "num_equal_prompts": same["num_equal_prompts"],
+                        "mismatches": same["mismatches"][:4],
+                        "used_blocks_after": [plain["used_blocks"], spec["used_blocks"]],
+                        "plain_engine": plain["info"],
+                        "spec_engine": spec["info"],
+                    }
+                )
+
+        shared_base = {"model": args.model, "dtype": sizes.dtype, "kind": "shared_blocks"}
+        with rec.part(**shared_base):
+            llm = engine_with(0)
+            kv = llm.engine.scheduler.kv_cache_manager
+            (prompt,) = random_ids(1, shared_prompt_len, vocab, seed=11)
+            group_params = SamplingParams(
+                n=shared_samples, temperature=1.0, seed=11, max_tokens=shared_max_tokens
+            )
+            copies_before = kv.num_block_copies
+            (group,) = llm.generate([prompt], group_params)
+            copies = kv.num_block_copies - copies_before
+            shared = [list(c.token_ids) for c in sorted(group.outputs, key=lambda c: c.index)]
+            # Sample k of a seeded request draws with seed + k: a request of its own with that
+            # seed, which computes the prompt alone, must give the same tokens.
+            alone_params = [group_params.clone(n=1, seed=11 + k) for k in range(shared_samples)]
+            alone = llm.generate([prompt] * shared_samples, alone_params)
+            separate = [list(o.outputs[0].token_ids) for o in alone]
+            rec.write(
+                {
+                    **shared_base,
+                    "prompt_len": shared_prompt_len,
+                    "block_size": block_size,
+                    "n": shared_samples,
+                    "seed": 11,
+                    "max_tokens": shared_max_tokens,
+                    "same_tokens": shared == separate,
+                    "samples_equal": [a == b for a, b in zip(shared, separate, strict=True)],
+                    # Equal samples would hide a missed copy: they must differ.
+                    "num_distinct_samples": len({tuple(t) for t in shared}),
+                    "sample_lens": [len(t) for t in shared],
+                    "num_block_copies": copies,
+                    "num_used_blocks_end": kv.num_used_blocks,
+                    **engine_info(llm),
+                }
+            )
+        engines.clear()
+        free_memory()
+    rec.write({"kind": "dummy_weights", **weight_stats})
+
+
+# ---------------------------------------------------------------------------------------------
 # summary
 # ---------------------------------------------------------------------------------------------
 
@@ -1273,6 +1475,22 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
             f"{r['exact_output_tokens']}, preemptions {r['num_preemptions']}"
             + (f", vs vLLM A800 {r['ratio_vs_vllm_a800']}x" if "ratio_vs_vllm_a800" in r else "")
         )
+    if step == "spec":
+        if r.get("kind") == "dummy_weights":
+            return f"dummy weights drawn {r.get('draws')}x for {r.get('calls')} loads"
+        if r.get("kind") == "shared_blocks":
+            return (
+                f"n={r['n']} on shared blocks = {r['n']} seeded requests {r['same_tokens']} "
+                f"({r['num_distinct_samples']} distinct samples), block copies "
+                f"{r['num_block_copies']}, blocks used at the end {r['num_used_blocks_end']}"
+            )
+        return (
+            f"B={r['batch_size']} plain {r['plain_tok_s']} tok/s, ngram {r['spec_tok_s']} tok/s "
+            f"({r['speedup']}x, steps {r['plain_steps']} -> {r['spec_steps']}), accepted "
+            f"{r['accepted_tokens']}/{r['draft_tokens']} drafts, same tokens {r['same_tokens']} "
+            f"({r['num_equal_prompts']}/{r['num_prompts']} prompts, {r['num_output_tokens']} "
+            "tokens)"
+        )
     if step == "online":
         if r.get("kind") == "offline":
             return f"offline {r['num_prompts']} requests {r['output_throughput']} tok/s"
@@ -1347,6 +1565,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline": step_offline,
         "nano": step_nano,
         "online": step_online,
+        "spec": step_spec,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

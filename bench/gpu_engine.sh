@@ -25,8 +25,13 @@
 #   online        95 s / ~65 s   offline worker (512 x 512 in / 128 out, ~20 s), then a server
 #                                (~25 s to healthy) and bench serve at concurrency 1 (16 requests),
 #                                64 (256) and 256 (512).
+#   spec          45 s / ~30 s   1B bf16, 2 engine builds (plain and n-gram drafts, both
+#                                synchronous), weights drawn once: 16 greedy requests of 256
+#                                repeating tokens in / 64 out, at batch 1 and 16, each way; then
+#                                n = 4 seeded samples on shared blocks against 4 requests.
 #   summary        -   / ~2 s
-#   total        520 s of limits + ~15 s wheel install, nvidia-smi and summary; ~350 s expected.
+#   total        565 s of limits + ~15 s wheel install, nvidia-smi and summary: within the run's
+#                timeout_s=590 above; ~380 s expected.
 #
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
@@ -76,5 +81,6 @@ step offline 110 offline
 step nano_qwen 50 nano --model qwen2.5-0.5b
 step nano_llama 55 nano --model llama-3.2-1b
 step online 95 online
+step spec 45 spec
 "$PY" -m bench.gpu_engine summary --out "$OUT"
 exit $failed

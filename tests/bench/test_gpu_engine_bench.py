@@ -20,7 +20,9 @@ from bench.gpu_engine import SMOKE_SIZES, TINY_LLAMA, compare_tokens, summarize
 from bench.throughput import random_length_workload, random_token_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-STEP_NAMES = ("env", "correctness", "decode", "offline", "nano_qwen", "nano_llama", "online")
+STEP_NAMES = (
+    "env", "correctness", "decode", "offline", "nano_qwen", "nano_llama", "online", "spec"
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_every_step_runs_and_the_summary_is_written(smoke):
     summary = (out / "summary.txt").read_text()
     assert "ERROR" not in summary and "no records" not in summary
     assert summary == summarize(out) + "\n"
-    for step in ("correctness", "decode", "offline", "nano", "online"):
+    for step in ("correctness", "decode", "offline", "nano", "online", "spec"):
         assert f"\n{step}: " in summary
     assert (out / "commit.txt").read_text().strip()
     assert (out / "online_server.log").is_file()
@@ -221,6 +223,52 @@ def test_online_records(smoke):
         last["output_throughput"] / offline["output_throughput"], 3
     )
     assert "ratio_online_to_offline" not in serves[0]
+
+
+def test_spec_records(smoke):
+    out, _ = smoke
+    records = _records(out, "spec")
+    _no_errors(records)
+    s = SMOKE_SIZES
+    *specs, shared, weights = records
+    assert [(r["kind"], r["batch_size"]) for r in specs] == [
+        ("speculative", b) for b in s.spec_batch_sizes
+    ]
+    expected_tokens = s.spec_prompts * s.spec_output_len
+    for r in specs:
+        assert (r["prompt_len"], r["pattern_len"]) == (s.spec_prompt_len, s.spec_pattern_len)
+        assert r["num_output_tokens"] == r["spec_num_output_tokens"] == expected_tokens
+        assert r["same_tokens"] is True and r["num_equal_prompts"] == s.spec_prompts
+        assert r["mismatches"] == [] and r["used_blocks_after"] == [0, 0]
+        # The tiny model may or may not fall into loops the drafts can follow.
+        assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+        drafted = r["draft_tokens"]
+        assert r["acceptance_rate"] == (
+            round(r["accepted_tokens"] / drafted, 4) if drafted else None
+        )
+        # The rates are rounded to 0.1 tok/s, the ratio is of the unrounded ones.
+        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"], rel=0.01)
+        # Without drafts one step per output token of each generate call (its first is the
+        # prefill's); drafts can only save steps.
+        assert r["plain_steps"] == -(-s.spec_prompts // r["batch_size"]) * s.spec_output_len
+        assert r["spec_steps"] <= r["plain_steps"]
+        for engine in (r["plain_engine"], r["spec_engine"]):
+            assert engine["async_scheduling"] is False and engine["attention_backend"] == "torch"
+    assert shared["kind"] == "shared_blocks" and shared["n"] == 4
+    assert shared["prompt_len"] % shared["block_size"] != 1  # the shared last block is partial
+    assert shared["same_tokens"] is True and shared["samples_equal"] == [True] * 4
+    # Equal samples would hide a missed copy; no ignore_eos, so a sample may end early.
+    assert shared["num_distinct_samples"] == 4
+    assert all(1 <= n <= shared["max_tokens"] for n in shared["sample_lens"])
+    assert shared["num_block_copies"] > 0 and shared["num_used_blocks_end"] == 0
+    # Drawn once; loaded by the plain and the speculative engine.
+    assert weights == {
+        "step": "spec",
+        "smoke": True,
+        "kind": "dummy_weights",
+        "calls": 2,
+        "draws": 1,
+    }
 
 
 # --- pure parts ------------------------------------------------------------------------------

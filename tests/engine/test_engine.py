@@ -7,18 +7,14 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 
+def _engine(tiny_llama_dir, **changes) -> LLMEngine:
+    fields = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), **{**fields, **changes}))
+
+
 @pytest.fixture
 def engine(tiny_llama_dir) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            device="cpu",
-            dtype="float32",
-            block_size=4,
-            num_kv_blocks=64,
-            max_model_len=128,
-        )
-    )
+    return _engine(tiny_llama_dir)
 
 
 def _run(engine: LLMEngine) -> dict:
@@ -69,12 +65,7 @@ def test_shared_samples_equal_separate_requests(tiny_llama_dir, backend):
     first one's blocks and copy that block on their first write (on the runner: one copy_blocks
     call). Each sample equals a request of its own with its seed, which computes the prompt
     alone: tokens exactly, logprobs to float rounding."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4,
-            num_kv_blocks=64, max_model_len=128, attention_backend=backend,
-        )
-    )  # fmt: skip
+    engine = _engine(tiny_llama_dir, attention_backend=backend)
     kv = engine.scheduler.kv_cache_manager
     prompt = list(range(30, 40))  # the samples share 9 tokens: 2 whole blocks and 1 of 4
     params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=9, logprobs=1)
@@ -231,12 +222,7 @@ def test_output_kinds_describe_the_same_generation(engine):
 def test_rewind_continues_like_a_fresh_request_with_the_kept_tokens(
     tiny_llama_dir, async_scheduling
 ):
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4,
-            num_kv_blocks=64, max_model_len=128, async_scheduling=async_scheduling,
-        )
-    )  # fmt: skip
+    engine = _engine(tiny_llama_dir, async_scheduling=async_scheduling)
     kv = engine.scheduler.kv_cache_manager
     prompt = list(range(40, 47))
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=0)

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.ngram import NgramIndex
+from server.metrics import Metrics
 
 
 def _latest_match(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -144,6 +146,13 @@ def test_greedy_tokens_equal_those_without_drafts(tiny_llama_dir):
     stats = spec.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert spec.num_steps < plain.num_steps
+    # /metrics shows both counters.
+    exposition = generate_latest(Metrics(spec.stats).registry).decode()
+    assert f"pagedserve_spec_decode_draft_tokens_total {stats.spec_draft_tokens:.1f}" in exposition
+    assert (
+        f"pagedserve_spec_decode_accepted_tokens_total {stats.spec_accepted_tokens:.1f}"
+        in exposition
+    )
     # A stop token and max_tokens that fall inside a run of accepted drafts end it there.
     stop = expected[0][17]
     for changes in ({"stop_token_ids": [stop]}, {"max_tokens": 13}):
