@@ -4,6 +4,7 @@ against torch's own kernels, both measured side by side in one run.
     python -m bench.gpu_kernels                                 # every case on a CUDA device
     python -m bench.gpu_kernels --only decode,cache --out $OUT/kernels.jsonl
     python -m bench.gpu_kernels --only fused                    # the fused layer ops alone
+    python -m bench.gpu_kernels --only copy                     # copy_blocks alone
     python -m bench.gpu_kernels --sweep                         # launch configurations instead
     TRITON_INTERPRET=1 python -m bench.gpu_kernels --smoke      # tiny shapes, also on CPU
 
@@ -18,6 +19,11 @@ permutation (the scatter a long-running server's block pool ends up with):
            lets through, against SDPA on contiguous tensors with the same causal mask.
   cache    reshape_and_cache of 65536 tokens to a random permutation of slots: GB/s of K and V
            written, against the torch reference (index_copy_).
+  copy     copy_blocks, the copy-on-write of shared blocks, of 1, 64 and 256 blocks in each of
+           32 layers' K and V caches (Llama-3.1-8B heads) at once, between random blocks of a
+           1024-block pool: GB/s of the bytes moved (each block read once and written once),
+           against the torch reference (index_select + index_copy_ per cache). Eager, as the
+           Triton wrapper copies the caches' addresses from the host on every call.
   fused    the decoder's non-attention ops (`kernels.triton_fused`: rms_norm, fused_add_rms_norm,
            silu_and_mul, rotary_and_cache) at Llama-3.2-1B's layer shape for 1, 256 and 4096
            tokens. Memory-bound: GB/s of the bytes each op must move (its inputs read once, its
@@ -29,8 +35,9 @@ permutation (the scatter a long-running server's block pool ends up with):
 
 Before it is timed, each case's Triton output is compared with `kernels.reference` in the same
 dtype on the same device (attention: |triton - ref| <= ATOL + RTOL * |ref|; the cache write must
-match exactly). A failed check, or a case that raises, is reported and the run goes on. Timing is
-do_bench's median on CUDA; on CPU (--smoke) a wall-clock median that only proves the path runs.
+match exactly, and so must every cache after copy_blocks). A failed check, or a case that raises,
+is reported and the run goes on. Timing is do_bench's median on CUDA; on CPU (--smoke) a
+wall-clock median that only proves the path runs.
 
 stdout carries one JSON line per record (the environment, each check, each measurement; `--out`
 writes the same lines to a file) and the summary table goes to stderr, so stdout stays parseable.
@@ -65,7 +72,7 @@ from kernels import reference
 from kernels.triton_attention import KernelConfig
 
 KERNELS_MODULE = "kernels.triton_attention"
-SCENARIOS = ("decode", "prefill", "cache", "fused")
+SCENARIOS = ("decode", "prefill", "cache", "copy", "fused")
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
 FUSED_KERNELS_MODULE = "kernels.triton_fused"
 SWEEP_SCENARIOS = ("decode", "prefill")
@@ -143,6 +150,12 @@ class Plan:
     prefill_cases: tuple[PrefillCase, ...]
     cache_shape: HeadShape
     cache_tokens: int
+    # copy_blocks: each of copy_counts blocks per call, in each of copy_layers x (K, V) caches of
+    # copy_pool_blocks blocks (at least twice the most copies: sources and destinations differ)
+    copy_shape: HeadShape
+    copy_layers: int
+    copy_pool_blocks: int
+    copy_counts: tuple[int, ...]
     fused_layer: LayerShape
     fused_tokens: tuple[int, ...]
     # --sweep: launch configurations timed on these cases (see run_sweep)
@@ -167,6 +180,10 @@ FULL = Plan(
     prefill_cases=(PrefillCase(8, 2048, 0, 0.60), PrefillCase(8, 512, 2048, 0.60)),
     cache_shape=LLAMA_8B,
     cache_tokens=65536,
+    copy_shape=LLAMA_8B,
+    copy_layers=32,
+    copy_pool_blocks=1024,  # 64 caches x 1024 blocks x 32 KiB: 2 GiB, twice (Triton, reference)
+    copy_counts=(1, 64, 256),
     fused_layer=LLAMA_1B_LAYER,
     fused_tokens=(1, 256, 4096),
     sweep_decode=(
@@ -220,6 +237,10 @@ SMOKE = Plan(
     prefill_cases=(PrefillCase(2, 32, 0, None), PrefillCase(2, 32, 32, None)),
     cache_shape=TINY,
     cache_tokens=256,
+    copy_shape=TINY,
+    copy_layers=2,
+    copy_pool_blocks=8,
+    copy_counts=(1, 3),
     fused_layer=TINY_LAYER,
     fused_tokens=(1, 5),
     sweep_decode=((TINY, DecodeCase(2, 64, None)),),
@@ -592,6 +613,53 @@ def run_cache(report: Report, setup: Setup, shape: HeadShape, num_tokens: int) -
     )
 
 
+def copy_label(shape: HeadShape, num_layers: int, pool_blocks: int, num_copies: int) -> Record:
+    return _label(
+        "copy", f"{shape.name} {num_layers} layers copy{num_copies}", shape,
+        num_layers=num_layers, num_caches=2 * num_layers, num_blocks=pool_blocks,
+        num_copies=num_copies,
+    )  # fmt: skip
+
+
+def run_copy(
+    report: Report, setup: Setup, shape: HeadShape, num_layers: int, pool_blocks: int, n: int
+) -> None:
+    """Check (exact, every cache), then time, copying `n` random blocks of the pool to `n` other
+    random blocks in each of the layers' K and V caches."""
+    label = copy_label(shape, num_layers, pool_blocks, n)
+    kernels, device, dtype = setup.kernels, setup.device, setup.dtype
+    gen = torch.Generator(device=device).manual_seed(n)
+    blocks = torch.randperm(pool_blocks, generator=gen, device=device)
+    src, dst = blocks[:n], blocks[n : 2 * n]
+    cache_shape = (pool_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
+    caches = [
+        torch.randn(cache_shape, generator=gen, device=device, dtype=dtype)
+        for _ in range(2 * num_layers)
+    ]
+    ref_caches = [cache.clone() for cache in caches]
+
+    # The copies are idempotent (no block is both a source and a destination), so every timed
+    # call does the same work.
+    def call() -> None:
+        kernels.copy_blocks(caches, src, dst)
+
+    def ref() -> None:
+        reference.copy_blocks(ref_caches, src, dst)
+
+    call()
+    ref()
+    check(report, label, zip(caches, ref_caches, strict=True), atol=0.0, rtol=0.0)
+    t, t_ref = time_us(call, device), time_us(ref, device)
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    moved = 2 * n * len(caches) * block_bytes  # each block read once, written once
+    report.emit(
+        {"kind": "copy", **label, "block_bytes": block_bytes, "bytes": moved}
+        | {"time_us": round(t, 2), "gbps": _sig(moved / t / 1e3)}
+        | {"ref_time_us": round(t_ref, 2), "ref_gbps": _sig(moved / t_ref / 1e3)}
+        | _speed_fields(t, t_ref, None)
+    )
+
+
 def fused_label(layer: LayerShape, op: str, num_tokens: int) -> Record:
     """Fields that name a fused-op case in every record about it."""
     return _label(
@@ -904,6 +972,7 @@ def format_table(records: list[Record]) -> str:
         "decode": ("gbps", "sdpa_gbps", "GB/s"),
         "prefill": ("tflops", "sdpa_tflops", "TF/s"),
         "cache": ("gbps", "ref_gbps", "GB/s"),
+        "copy": ("gbps", "ref_gbps", "GB/s"),
         "fused": ("gbps", "ref_gbps", "GB/s"),
     }
     for r in records:
@@ -932,12 +1001,12 @@ def format_table(records: list[Record]) -> str:
     worst = "non-finite" if None in errors else f"{max(errors, default=0.0):.4g}"
     lines.append(
         f"checks: {len(checks) - len(bad)}/{len(checks)} ok, max abs err {worst} "
-        f"(atol {ATOL}, rtol {RTOL}; cache exact; fused 2 ulps)"
+        f"(atol {ATOL}, rtol {RTOL}; cache, copy exact; fused 2 ulps)"
         + (f"; FAILED: {', '.join(bad)}" if bad else "")
     )
     lines += [f"error: {r['case']}: {r['error']}" for r in records if r["kind"] == "error"]
     lines.append(
-        "baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache, fused; "
+        "baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache, copy, fused; "
         '"vs model": the model\'s unfused torch code)'
     )
     return "\n".join(lines)
@@ -973,6 +1042,11 @@ def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> N
         shape, num_tokens = plan.cache_shape, plan.cache_tokens
         run = functools.partial(run_cache, report, setup, shape, num_tokens)
         run_case(report, device, cache_label(shape, num_tokens), run)
+    if "copy" in scenarios:
+        shape, layers, pool = plan.copy_shape, plan.copy_layers, plan.copy_pool_blocks
+        for n in plan.copy_counts:
+            run = functools.partial(run_copy, report, setup, shape, layers, pool, n)
+            run_case(report, device, copy_label(shape, layers, pool, n), run)
     if "fused" in scenarios:
         for num_tokens in plan.fused_tokens:
             for op in FUSED_OPS:

@@ -5,8 +5,9 @@
 #
 # Needs only torch + triton (both on the GPU machine). Writes the JSON lines and tables under
 # $OUT (the device tool's folder that comes back; bench/results/gpu when run by hand):
-#   kernels.jsonl / .txt        checks against the reference, then decode / prefill / cache times
-#                               against SDPA (do_bench median, L2 flushed before each call)
+#   kernels.jsonl / .txt        checks against the reference, then decode / prefill times against
+#                               SDPA, cache / copy_blocks / fused-op times against the torch
+#                               reference (do_bench median, L2 flushed before each call)
 #   kernels_graph.jsonl / .txt  decode again as CUDA-graph replays (no host launch cost)
 #   kernels_sweep.jsonl / .txt  launch configurations (tile, warps, stages, rows, splits)
 # Each step has its own time limit, so one that hangs cannot take the others' time.

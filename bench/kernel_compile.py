@@ -5,7 +5,7 @@
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile:
 a construct the interpreter accepts may still be rejected by Triton's compiler, and the compiled
 code may spill registers or need more shared memory than an SM has. This tool drives the real
-wrappers in `kernels.triton_attention` (paged attention, KV-cache write) and
+wrappers in `kernels.triton_attention` (paged attention, KV-cache write, KV-block copy) and
 `kernels.triton_fused` (norms, SwiGLU, rotary + cache write) with small CPU tensors, swaps
 Triton's GPU driver for one
 that only names the target, and turns each launch into a compile (`JITFunction.run` with
@@ -41,8 +41,8 @@ class Variant:
     """One launch configuration: which wrapper, and the shapes and dtype that pick constexprs."""
 
     name: str
-    # attention: "decode" | "extend" | "cache"; fused: "rms_norm" | "add_rms_norm" |
-    # "silu_and_mul" | "rotary_cache"
+    # attention: "decode" | "extend" | "cache" | "copy_blocks"; fused: "rms_norm" |
+    # "add_rms_norm" | "silu_and_mul" | "rotary_cache"
     kind: str
     dtype: torch.dtype
     num_heads: int = 0
@@ -72,6 +72,11 @@ VARIANTS = [
     Variant("extend-gqa8-fp32", "extend", torch.float32, 16, 2, 64),
     Variant("cache-8b", "cache", torch.bfloat16, 32, 8, 128),
     Variant("cache-smollm2-fp32", "cache", torch.float32, 9, 3, 64),
+    # Copy-on-write of shared blocks in every dtype the engine runs: a Llama-3 8B block of
+    # 16 x 8 x 128 elements, four programs of BLOCK 4096 each per block and cache.
+    Variant("copy-blocks-8b", "copy_blocks", torch.bfloat16, 32, 8, 128),
+    Variant("copy-blocks-8b-fp16", "copy_blocks", torch.float16, 32, 8, 128),
+    Variant("copy-blocks-8b-fp32", "copy_blocks", torch.float32, 32, 8, 128),
     # The fused layer ops at Llama-3 1B / 8B / 70B, SmolLM2 and Qwen2-0.5B sizes: rows of 576 to
     # 8192 (1 to 16 warps), masked rows (576, 896, 1536) and GQA 1-8 head layouts.
     Variant("rms-norm-1b", "rms_norm", torch.bfloat16, hidden_size=2048),
@@ -138,6 +143,11 @@ def _launch(variant: Variant) -> None:
     if variant.kind == "cache":
         kv = torch.zeros(8, hkv, d, dtype=dtype)
         triton_attention.reshape_and_cache(kv, kv, k_cache, v_cache, torch.arange(8))
+        return
+    if variant.kind == "copy_blocks":
+        # Two layers' K and V caches; the block ids are runtime values, not constexprs.
+        caches = [k_cache, v_cache, torch.zeros_like(k_cache), torch.zeros_like(k_cache)]
+        triton_attention.copy_blocks(caches, torch.tensor([0, 2]), torch.tensor([1, 3]))
         return
     q_len = 1 if variant.kind == "decode" else 5
     q = torch.zeros(num_seqs * q_len, hq, d, dtype=dtype)

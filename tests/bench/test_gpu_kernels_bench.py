@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+# The smoke plan's copy_blocks cases: 1 and 3 blocks in 2 layers' K and V caches.
+COPY_CASES = ["tiny 2 layers copy1", "tiny 2 layers copy3"]
 # The smoke plan's fused cases: every op for 1 token, then for 5.
 FUSED_CASES = [
     f"{op} n{n}"
@@ -46,7 +48,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = _records(out.read_text())
     assert _records(done.stdout) == records  # stdout is JSON lines only; the table is on stderr
-    assert "checks: 13/13 ok" in done.stderr
+    assert "checks: 15/15 ok" in done.stderr
 
     env = records[0]
     assert env["kind"] == "env"
@@ -55,10 +57,11 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert env["fused_kernels"] == "kernels.triton_fused"
     assert Counter(r["kind"] for r in records) == {
         "env": 1,
-        "check": 13,
+        "check": 15,
         "decode": 1,
         "prefill": 2,
         "cache": 1,
+        "copy": 2,
         "fused": 8,
     }
 
@@ -70,11 +73,13 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
         ("prefill", "tiny 2x32 +32"),
         ("cache", "tiny 256 tokens"),
     ]
-    assert [r["case"] for r in checks[5:]] == FUSED_CASES
+    assert [(r["scenario"], r["case"]) for r in checks[5:7]] == [("copy", c) for c in COPY_CASES]
+    assert [r["case"] for r in checks[7:]] == FUSED_CASES
     assert all(r["ok"] is True for r in checks), checks
     assert [r["sliding_window"] for r in checks[:2]] == [None, 32]
     assert all(r["max_abs_err"] <= r["atol"] for r in checks[:4])
-    assert checks[4]["max_abs_err"] == 0.0  # the cache write is a copy: exact
+    # The cache write and the block copies are copies: exact, in every cache.
+    assert all(r["max_abs_err"] == 0.0 and r["atol"] == r["rtol"] == 0.0 for r in checks[4:7])
 
     # 2 seqs x 64 tokens x 2 kv heads x 64 dims x (K, V) x 2 bytes
     (decode,) = [r for r in records if r["kind"] == "decode"]
@@ -86,12 +91,18 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert [r["sdpa_mask"] for r in prefill] == ["is_causal", "causal_lower_right"]
     (cache,) = [r for r in records if r["kind"] == "cache"]
     assert cache["bytes_written"] == 2 * 256 * 2 * 64 * 2
+    # n blocks of 16 tokens x 2 kv heads x 64 dims x 2 bytes, read and written, in 2 x (K, V)
+    copy = [r for r in records if r["kind"] == "copy"]
+    assert [r["case"] for r in copy] == COPY_CASES
+    assert [(r["num_layers"], r["num_caches"], r["num_blocks"]) for r in copy] == [(2, 4, 8)] * 2
+    assert [r["block_bytes"] for r in copy] == [16 * 2 * 64 * 2] * 2
+    assert [r["bytes"] for r in copy] == [2 * n * 4 * 16 * 2 * 64 * 2 for n in (1, 3)]
 
     fused = [r for r in records if r["kind"] == "fused"]
     assert [r["case"] for r in fused] == FUSED_CASES
     # float16 within 2 ulps (rtol 2 * 2^-10) of the reference; the model's own code is the
     # reference's math exactly.
-    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[5:])
+    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[7:])
     assert all(r["model_max_abs_err"] == 0.0 and r["model_ratio"] > 0 for r in fused)
     # Bytes each op moves, per token of the tiny layer (hidden 96, intermediate 160, 4 q and 2 kv
     # heads of 64): x and out (+ the weight once); x, residual in, residual out and out;
@@ -106,7 +117,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     for r in fused:
         assert r["bytes"] == r["num_tokens"] * per_token[r["op"]] + weight.get(r["op"], 0), r
 
-    for r in [decode, *prefill, cache, *fused]:
+    for r in [decode, *prefill, cache, *copy, *fused]:
         assert r["time_us"] > 0 and r["ratio"] > 0
         assert r["target"] is None and r["ok"] is None  # no speed claims on CPU
     for r in [decode, *prefill]:
@@ -116,10 +127,15 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
 
 def test_only_selects_scenarios_in_run_order():
     # The torch reference as the module under test: this checks the harness alone, quickly.
-    done = _run("--smoke", "--kernels", "kernels.reference", "--only", "cache", "--only", "decode")
+    done = _run(
+        "--smoke", "--kernels", "kernels.reference", "--only", "copy,cache", "--only", "decode"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
-    assert [r["kind"] for r in records] == ["env", "check", "check", "decode", "check", "cache"]
+    assert [r["kind"] for r in records] == (
+        ["env", "check", "check", "decode", "check", "cache"] + ["check", "copy"] * 2
+    )
+    assert [r["case"] for r in records[6::2]] == COPY_CASES
     assert records[0]["fused_kernels"] is None  # not imported without the fused scenario
 
 

@@ -49,6 +49,7 @@ def test_every_variant_compiles_for_sm90_without_spills():
         "decode": ["_decode_kernel"],
         "extend": ["_extend_kernel"],
         "cache": ["_reshape_and_cache_kernel"],
+        "copy_blocks": ["_copy_blocks_kernel"],
         "rms_norm": ["_rms_norm_kernel"],
         "add_rms_norm": ["_rms_norm_kernel"],
         "silu_and_mul": ["_silu_and_mul_kernel"],
@@ -59,3 +60,7 @@ def test_every_variant_compiles_for_sm90_without_spills():
         if v.kind == "decode" and v.num_splits > 1:
             want.append("_merge_splits_kernel")
         assert kernels_by_variant[v.name] == want
+    # Every variant compiled, and copy_blocks in each dtype the engine's caches take.
+    assert list(kernels_by_variant) == [v.name for v in VARIANTS]
+    copy_dtypes = {r["dtype"] for r in records if r["kernel"] == "_copy_blocks_kernel"}
+    assert copy_dtypes == {"bfloat16", "float16", "float32"}
