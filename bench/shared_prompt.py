@@ -54,14 +54,18 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-samples", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=32)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]

@@ -122,12 +122,7 @@ class _Parent:
         )
         keep_logprobs = self.params.logprobs is not None
         return [
-            dataclasses.replace(
-                c,
-                index=i,
-                logprobs=c.logprobs if keep_logprobs else None,
-                cumulative_logprob=c.cumulative_logprob,
-            )
+            dataclasses.replace(c, index=i, logprobs=c.logprobs if keep_logprobs else None)
             for i, c in enumerate(ranked[: self.params.n])
         ]
 

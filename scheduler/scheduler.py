@@ -545,9 +545,8 @@ class Scheduler:
         num_shared = parent.num_prompt_tokens - 1
         if share and num_shared:
             kv = self.kv_cache_manager
-            num_forked = min(
-                len(parent.fork_children), self.config.max_num_seqs - len(self.running)
-            )
+            free_slots = max(0, self.config.max_num_seqs - len(self.running))
+            num_forked = min(len(parent.fork_children), free_slots)
             for child in parent.fork_children[:num_forked]:
                 kv.fork(parent, child, num_shared)
                 child.num_computed_tokens = num_shared

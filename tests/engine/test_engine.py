@@ -68,7 +68,7 @@ def test_shared_samples_equal_separate_requests(tiny_llama_dir, backend):
     engine = _engine(tiny_llama_dir, attention_backend=backend)
     kv = engine.scheduler.kv_cache_manager
     prompt = list(range(30, 40))  # the samples share 9 tokens: 2 whole blocks and 1 of 4
-    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=9, logprobs=1)
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=6, logprobs=1)
     engine.add_request("group", prompt, params)
     engine.step()  # sample 0's prompt; with its token back, the others fork its blocks
     assert kv.num_used_blocks == 3 and kv.ref_counts("1:group") == [4, 4, 4]
