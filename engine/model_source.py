@@ -5,8 +5,10 @@ file). Never touches the network.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -47,6 +49,19 @@ class GGUFFile(gguf.GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:  # GGUFReader.__init__ assigns its np.memmap
         self._data = value.view(np.ndarray)
+
+
+@contextlib.contextmanager
+def gguf_files_for_everyone() -> Iterator[None]:
+    """Make code that opens GGUF files itself (transformers' GGUF tokenizer and model loaders
+    import `gguf.GGUFReader` when they run) parse them with GGUFFile meanwhile: the same
+    fields and tensors, a few times faster."""
+    original = gguf.GGUFReader
+    gguf.GGUFReader = GGUFFile
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 # Files that make a folder a Hugging Face tokenizer folder (any one of them).

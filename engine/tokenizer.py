@@ -24,6 +24,7 @@ from engine.model_source import (
     TOKENIZER_FILES,
     ModelSource,
     embedded_model_path,
+    gguf_files_for_everyone,
     resolve_model,
 )
 
@@ -102,7 +103,7 @@ def _gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerB
     """
     root = cache_dir()
     if root is None:
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
+        return _convert_gguf_tokenizer(path, options)
     stat = path.stat()
     key = "\0".join(
         (str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns),
@@ -117,7 +118,7 @@ def _gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerB
                 "converting again: the cached tokenizer in %s is unreadable: %s", folder, e
             )
             shutil.rmtree(folder, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
+    tokenizer = _convert_gguf_tokenizer(path, options)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         # Written aside and renamed into place: a reader never sees half a folder, and of two
@@ -134,6 +135,11 @@ def _gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerB
     except OSError as e:
         logger.warning("could not cache the tokenizer of %s in %s: %s", path, folder, e)
     return tokenizer
+
+
+def _convert_gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerBase:
+    with gguf_files_for_everyone():
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **options)
 
 
 def _has_tokenizer(source: ModelSource) -> bool:

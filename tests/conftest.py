@@ -168,13 +168,17 @@ def hf_smollm2():
     """transformers' own model and tokenizer loaded from the same GGUF file (the reference)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.model_source import gguf_files_for_everyone
     from tests.helpers import smollm2_gguf_path
 
     path = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    # transformers reads the file with its own code; only the metadata parser is swapped for
+    # pagedserve's faster one (the same fields, tensors and values).
+    with gguf_files_for_everyone():
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     return model.eval(), tok
 
 

@@ -168,7 +168,7 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tok, monkey
     def from_pretrained(path, **kwargs):
         calls.append("convert" if "gguf_file" in kwargs else "cached")
         if calls.count("convert") > 1 and "gguf_file" in kwargs:
-            return tok  # converted once for real below: later conversions cost ~7 s each
+            return tok  # converted once for real below; the others need not be
         return real_from_pretrained(path, **kwargs)
 
     monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", from_pretrained)
