@@ -170,15 +170,14 @@ class InputBatch:
         if num_tokens == num_seqs:  # decode: one token per sequence
             positions = starts
             token_rows = rows
-            seq_idx = np.arange(num_seqs)
-            pos_blocks = block_tables[seq_idx, positions // block_size]
+            pos_blocks = block_tables[np.arange(num_seqs), positions // block_size]
         else:
             seq_idx = np.repeat(np.arange(num_seqs), q_lens)
             positions = starts[seq_idx] + (np.arange(num_tokens) - query_start_loc[seq_idx])
             token_rows = rows[seq_idx]
             pos_blocks = block_tables[seq_idx, positions // block_size]
         num_drafts = np.zeros(num_seqs, dtype=np.int64)
-        if out.spec_token_ids:
+        if out.spec_token_ids:  # (never a decode step: a sequence with drafts has > 1 token)
             # The drafts go after the known tokens; `accept` overwrites them with what the
             # model picked.
             index_of = {request_id: i for i, request_id in enumerate(out.num_scheduled_tokens)}

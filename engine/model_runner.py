@@ -284,10 +284,11 @@ class ModelRunner:
 
     @staticmethod
     def _verify(handle: StepHandle, result) -> tuple[list, list, list[str], dict[str, list[int]]]:
-        """Speculative decoding, greedy: a sequence with drafts d_1..d_k sampled t_0..t_k at its
-        last k + 1 positions (t_j predicts the token after d_j, t_0 the one after its last
-        token). The drafts are accepted while t_{j-1} == d_j; the first disagreeing t (or t_k
-        when all agree) is the model's own next token. Returns each sequence's first token and
+        """Speculative decoding: a sequence with drafts d_1..d_k sampled t_0..t_k at its last
+        k + 1 positions, each from its own distribution (t_j follows d_j, t_0 its last token).
+        The drafts are accepted while t_{j-1} == d_j; the first disagreeing t (or t_k when all
+        agree) is the model's own next token (Scheduler._propose says why that keeps the
+        distribution). Returns each sequence's first token and
         logprobs, the owner of every sampled row, and the accepted tokens of those with drafts."""
         firsts, first_logprobs, owners = [], [], []
         accepted: dict[str, list[int]] = {}

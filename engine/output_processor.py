@@ -78,8 +78,8 @@ class _Parent:
 
     def output(self, finished: bool) -> RequestOutput | None:
         """This step's output in the request's `output_kind`, or None when it has none. A
-        request that picks its n outputs among more sequences (best_of, beam search) has one
-        output, when it finishes."""
+        request that picks its n outputs among more samples (best_of > n) has one output, when it
+        finishes."""
         kind = self.params.output_kind
         picks = self.params.num_samples > self.params.n
         if (kind == "final" or picks) and not finished:

@@ -223,20 +223,18 @@ class KVCacheManager:
             self._num_cached_blocks.get(parent.request_id, 0), num_full
         )
 
-    def truncate(self, request: Request, num_tokens: int) -> list[int]:
+    def truncate(self, request: Request, num_tokens: int) -> None:
         """Keep the blocks holding the request's first `num_tokens` tokens and free the rest
         (rewind). A kept block that is now partly past the end and held by this request alone
-        leaves the prefix cache, since the request will write its tail again. Returns the ids
-        of the freed blocks."""
+        leaves the prefix cache, since the request will write its tail again."""
         request_id = request.request_id
         table = self._tables.get(request_id)
         if not table:
-            return []
+            return
         num_kept = cdiv(num_tokens, self.block_size)
         if num_kept == 0:
-            freed = [block.block_id for block in table]
             self.free(request)
-            return freed
+            return
         dropped = table[num_kept:]
         del table[num_kept:]
         del self._table_ids[request_id][num_kept:]
@@ -248,7 +246,6 @@ class KVCacheManager:
             self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id], num_full)
         if num_kept > num_full and table[-1].ref_cnt == 1:
             self.block_pool.uncache(table[-1])
-        return [block.block_id for block in dropped]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget its table; a no-op if it holds none.

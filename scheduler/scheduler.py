@@ -459,13 +459,18 @@ class Scheduler:
         )
         self.requests[request_id] = child
         if parent.status == RequestStatus.RUNNING and num_shared:
-            self.kv_cache_manager.fork(parent, child, num_shared)
-            child.num_computed_tokens = num_shared
-            child.status = RequestStatus.RUNNING
-            child.send_in_full = True
-            self.running.append(child)
+            self._run_forked(parent, child, num_shared)
         else:
             self.waiting.appendleft(child)
+
+    def _run_forked(self, parent: Request, child: Request, num_shared: int) -> None:
+        """The child shares the parent's blocks of its first `num_shared` tokens, has computed
+        them, and runs; the runner gets it in full at the next schedule()."""
+        self.kv_cache_manager.fork(parent, child, num_shared)
+        child.num_computed_tokens = num_shared
+        child.status = RequestStatus.RUNNING
+        child.send_in_full = True
+        self.running.append(child)
 
     # ------------------------------------------------------------------- rewind
 
@@ -544,16 +549,11 @@ class Scheduler:
         it they go to the head of the queue, in their order, to compute their prompts alone."""
         num_shared = parent.num_prompt_tokens - 1
         if share and num_shared:
-            kv = self.kv_cache_manager
             free_slots = max(0, self.config.max_num_seqs - len(self.running))
             num_forked = min(len(parent.fork_children), free_slots)
             for child in parent.fork_children[:num_forked]:
-                kv.fork(parent, child, num_shared)
-                child.num_computed_tokens = num_shared
-                child.status = RequestStatus.RUNNING
-                child.send_in_full = True
                 child.fork_parent = None
-                self.running.append(child)
+                self._run_forked(parent, child, num_shared)
             del parent.fork_children[:num_forked]
             self._num_attached -= num_forked
             return
@@ -565,7 +565,7 @@ class Scheduler:
 
     def _release(self, request: Request, status: RequestStatus, remove_from_queues: bool) -> None:
         """Mark finished, free blocks, forget the request and tell the runner next step."""
-        if request.fork_children:  # ended before its prompt was computed: they go on alone
+        if request.fork_children:  # ended before all of them forked: the rest go on alone
             self._fork_children(request, share=False)
         if request.fork_parent is not None:  # attached to its parent, in no queue
             request.fork_parent.fork_children.remove(request)
