@@ -52,7 +52,10 @@ from typing import Any
 from scheduler.utils import cdiv
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("env", "correctness", "decode", "offline", "nano", "online", "spec", "summary")
+STEPS = ("env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "summary")
+# Steps the default run of bench/gpu_engine.sh leaves out (its limits fill one device command):
+# `ONLY=moe bash bench/gpu_engine.sh` runs them; the summary lists them when they have records.
+OPTIONAL_STEPS = ("moe",)
 
 # H200: ~4.3 TB/s measured copy bandwidth (GPU.md); the roofline of a decode step is the bytes it
 # must read (weights and the KV cache) at this rate.
@@ -81,6 +84,21 @@ TINY_LLAMA: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 TINY = "tiny"
+
+# A tiny Qwen3-MoE (8 experts, 2 per token) for the MoE correctness check and its smoke run.
+TINY_QWEN3_MOE: dict[str, Any] = {
+    **TINY_LLAMA,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "norm_topk_prob": True,
+}
+# The throughput model: Qwen3-30B-A3B's layer (128 experts of 768, 8 per token, hidden 2048)
+# with fewer layers, so that its dummy weights are drawn in seconds (the per-layer cost is the
+# model's own; the whole model has 48 layers).
+MOE_THROUGHPUT_LAYERS = 4
 
 # Output tok/s of nano-vllm's bench.py workload (256 requests, 100-1024 tokens in and out, seed 0:
 # 133,966 output tokens) on one A800-SXM4-80GB, real weights, from
@@ -964,6 +982,81 @@ def step_offline(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# mixture of experts
+# ---------------------------------------------------------------------------------------------
+
+
+def step_moe(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
+    """A tiny Qwen3-MoE's fp32 greedy tokens against transformers' (the fused MoE kernel
+    compiled, graphs and eager), then offline throughput of a Qwen3-30B-A3B-shaped model."""
+    from engine.model_config import BUILTIN_SHAPES, ModelConfig
+    from server import cli
+
+    tiny = args.scratch / "tiny-qwen3-moe"
+    tiny.mkdir()
+    (tiny / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
+    config = ModelConfig.from_hf_dict(TINY_QWEN3_MOE)
+    prompts = [
+        random_ids(1, n, config.vocab_size, i)[0]
+        for i, n in enumerate(sizes.correctness_prompt_lens)
+    ]
+    n = sizes.correctness_tokens
+    with rec.part(model="tiny-qwen3-moe", check="fp32_greedy"):
+        expected, scores = transformers_greedy(config, prompts, n, "float32", sizes.device)
+        for eager in (False, True):
+            got, info = engine_greedy(str(tiny), prompts, n, "float32", sizes.device, eager)
+            rec.write(
+                {
+                    "model": "tiny-qwen3-moe",
+                    "check": "fp32_greedy",
+                    "engine": "eager" if eager else "default",
+                    **compare_tokens(expected, got, scores),
+                    **info,
+                    "num_tokens": n,
+                }
+            )
+
+    shape = TINY_QWEN3_MOE if args.smoke else BUILTIN_SHAPES["qwen3-30b-a3b"]
+    shape = {**shape, "num_hidden_layers": min(shape["num_hidden_layers"], MOE_THROUGHPUT_LAYERS)}
+    folder = args.scratch / "qwen3-moe-shaped"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(shape))
+    moe_config = ModelConfig.from_hf_dict(shape)
+    out = args.scratch / "moe.json"
+    argv = [
+        "bench", "throughput",
+        "--model", str(folder),
+        "--load-format", "dummy",
+        "--device", sizes.device,
+        "--dtype", sizes.dtype,
+        "--num-prompts", str(sizes.offline_prompts),
+        "--input-len", str(sizes.offline_input_len),
+        "--output-len", str(sizes.offline_output_len),
+        "--max-model-len", str(sizes.offline_input_len + sizes.offline_output_len + 256),
+    ]  # fmt: skip
+    if sizes.kv_cache_gib is not None:
+        argv += ["--kv-cache-memory", str(sizes.kv_cache_gib)]
+    base = {
+        "model": "qwen3-30b-a3b-shaped",
+        "num_hidden_layers": moe_config.num_hidden_layers,
+        "num_params": moe_config.num_params(),
+        "num_active_params": moe_config.num_active_params(),
+    }
+    with rec.part(**base, kind="throughput"):
+        rc = cli.main([*argv, "--json", str(out)])
+        if rc != 0:
+            raise RuntimeError(f"pagedserve bench throughput exited with {rc}")
+        rec.write(
+            {
+                **json.loads(out.read_text()),
+                **base,
+                "kind": "throughput",
+                "command": "pagedserve " + " ".join(argv),
+            }
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # nano-vllm's workload
 # ---------------------------------------------------------------------------------------------
 
@@ -1406,6 +1499,8 @@ def summarize(out: Path) -> str:
         )
     for step in STEPS[1:-1]:
         records = _read(out, step)
+        if not records and step in OPTIONAL_STEPS:
+            continue
         if not records:
             lines.append(f"{step}: no records")
             continue
@@ -1456,6 +1551,16 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
                 f"{head} profile wall {r['wall_ms_per_step']} ms/step, GPU busy "
                 f"{r.get('gpu_busy_ms_per_step')} ms, gap {r.get('cpu_gap_ms_per_step')} ms; {top}"
             )
+    if step == "moe":
+        if r.get("check"):
+            return (
+                f"{r['model']} {r['check']} {r['engine']} equal={r['equal']} prompts "
+                f"{r['num_equal_prompts']}/{r['num_prompts']}"
+            )
+        return (
+            f"{r['model']} ({r['num_hidden_layers']} layers, {r['num_active_params']} of "
+            f"{r['num_params']} parameters per token) {r.get('output_tokens_per_s')} output tok/s"
+        )
     if step == "offline":
         if r.get("kind") == "engine":
             return (
@@ -1566,6 +1671,7 @@ def main(argv: list[str] | None = None) -> int:
         "nano": step_nano,
         "online": step_online,
         "spec": step_spec,
+        "moe": step_moe,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

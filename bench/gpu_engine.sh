@@ -33,6 +33,16 @@
 #   total        565 s of limits + ~15 s wheel install, nvidia-smi and summary: within the run's
 #                timeout_s=590 above; ~380 s expected.
 #
+# ONLY="step ..." runs just those steps (and the summary). The mixture-of-experts step is left
+# out of the default run, whose limits fill one command; run it as its own command:
+#
+#     run(command="ONLY=moe bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=150)
+#
+#   moe          120 s / ~70 s   tiny Qwen3-MoE fp32 greedy = transformers' generate, graphs and
+#                                eager (the fused MoE kernel compiled); then offline throughput
+#                                (256 x 512 in / 256 out, bf16) of a Qwen3-30B-A3B-shaped model
+#                                with 4 of its 48 layers (dummy weights drawn on the CPU, ~15 s).
+#
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
 # summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
@@ -62,6 +72,9 @@ failed=0
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return
+    fi
     local start=$SECONDS
     # timeout signals the whole process group: the server and workers a step started go too.
     timeout -k 10 "$limit" "$PY" -m bench.gpu_engine "$@" $SMOKE_FLAG --out "$OUT" \
@@ -82,5 +95,8 @@ step nano_qwen 50 nano --model qwen2.5-0.5b
 step nano_llama 55 nano --model llama-3.2-1b
 step online 95 online
 step spec 45 spec
+if [ -n "${ONLY:-}" ]; then
+    step moe 120 moe
+fi
 "$PY" -m bench.gpu_engine summary --out "$OUT"
 exit $failed

@@ -5,6 +5,7 @@ against torch's own kernels, both measured side by side in one run.
     python -m bench.gpu_kernels --only decode,cache --out $OUT/kernels.jsonl
     python -m bench.gpu_kernels --only fused                    # the fused layer ops alone
     python -m bench.gpu_kernels --only copy                     # copy_blocks alone
+    python -m bench.gpu_kernels --only moe                      # the fused MoE alone
     python -m bench.gpu_kernels --sweep                         # launch configurations instead
     TRITON_INTERPRET=1 python -m bench.gpu_kernels --smoke      # tiny shapes, also on CPU
 
@@ -32,6 +33,15 @@ permutation (the scatter a long-running server's block pool ends up with):
            residual add before the norm; rotary on the stacked q/k view, then the attention
            backend's reshape_and_cache), timed eagerly. Checked to 2 ulps of the dtype, see
            FUSED_RTOL.
+  moe      the experts of a mixture-of-experts layer (`kernels.triton_moe.fused_moe`) at
+           Qwen3-30B-A3B's (hidden 2048, experts of 768, 128 experts, top 8) and Mixtral-8x7B's
+           (4096, 14336, 8, top 2) shapes for 1, 16 and 256 tokens routed by `moe_route` on
+           random logits. TFLOP/s over the active parameters (2 x 3 x I x hidden per token and
+           expert), against the torch reference (a loop over the experts that received tokens)
+           and against the dense layer of the same active size and FLOPs (one [T, hidden] x
+           [hidden, 2 x I x top_k] matmul, SiLU-and-multiply, one [T, I x top_k] x
+           [I x top_k, hidden] matmul); GB/s of the distinct experts' weights read in the JSON.
+           Eager (the reference syncs with the host).
 
 Before it is timed, each case's Triton output is compared with `kernels.reference` in the same
 dtype on the same device (attention: |triton - ref| <= ATOL + RTOL * |ref|; the cache write must
@@ -72,9 +82,10 @@ from kernels import reference
 from kernels.triton_attention import KernelConfig
 
 KERNELS_MODULE = "kernels.triton_attention"
-SCENARIOS = ("decode", "prefill", "cache", "copy", "fused")
+SCENARIOS = ("decode", "prefill", "cache", "copy", "fused", "moe")
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
 FUSED_KERNELS_MODULE = "kernels.triton_fused"
+MOE_KERNELS_MODULE = "kernels.triton_moe"
 SWEEP_SCENARIOS = ("decode", "prefill")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK_SIZE = 16
@@ -123,6 +134,23 @@ TINY_LAYER = LayerShape(TINY, 96, 160, 256)  # rows that are not powers of two
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """The experts of one mixture-of-experts layer."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int  # one expert's
+    num_experts: int
+    top_k: int
+    renormalize: bool  # the top-k weights, as the model's router does
+
+
+QWEN3_30B_A3B_MOE = MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, True)
+MIXTRAL_8X7B_MOE = MoeShape("mixtral-8x7b", 4096, 14336, 8, 2, True)
+TINY_MOE = MoeShape("tiny-moe", 96, 80, 8, 2, True)  # not multiples of the tiles
+
+
+@dataclass(frozen=True)
 class DecodeCase:
     batch: int
     context: int
@@ -158,6 +186,8 @@ class Plan:
     copy_counts: tuple[int, ...]
     fused_layer: LayerShape
     fused_tokens: tuple[int, ...]
+    moe_shapes: tuple[MoeShape, ...]
+    moe_tokens: tuple[int, ...]
     # --sweep: launch configurations timed on these cases (see run_sweep)
     sweep_decode: tuple[tuple[HeadShape, DecodeCase], ...] = ()
     sweep_prefill: tuple[tuple[HeadShape, PrefillCase], ...] = ()
@@ -186,6 +216,8 @@ FULL = Plan(
     copy_counts=(1, 64, 256),
     fused_layer=LLAMA_1B_LAYER,
     fused_tokens=(1, 256, 4096),
+    moe_shapes=(QWEN3_30B_A3B_MOE, MIXTRAL_8X7B_MOE),
+    moe_tokens=(1, 16, 256),
     sweep_decode=(
         (LLAMA_8B, DecodeCase(1, 8192, 0.70)),
         (LLAMA_8B, DecodeCase(64, 2048, 0.90)),
@@ -243,6 +275,8 @@ SMOKE = Plan(
     copy_counts=(1, 3),
     fused_layer=TINY_LAYER,
     fused_tokens=(1, 5),
+    moe_shapes=(TINY_MOE,),
+    moe_tokens=(1, 12),  # 16-row tiles, then 64 (more tokens than experts)
     sweep_decode=((TINY, DecodeCase(2, 64, None)),),
     sweep_prefill=((TINY, PrefillCase(2, 32, 32, None)),),
     sweep_splits=(2,),
@@ -260,6 +294,7 @@ class Setup:
     dtype: torch.dtype
     cuda_graph: bool = False  # time attention (not the cache write) as CUDA-graph replays
     fused_kernels: ModuleType | None = None  # the fused ops under test (the "fused" scenario)
+    moe_kernels: ModuleType | None = None  # the fused MoE under test (the "moe" scenario)
 
 
 class Report:
@@ -793,6 +828,67 @@ def run_fused(report: Report, setup: Setup, layer: LayerShape, op: str, num_toke
     )
 
 
+def moe_label(shape: MoeShape, num_tokens: int) -> Record:
+    """Fields that name a fused-MoE case in every record about it."""
+    return {
+        "scenario": "moe",
+        "case": f"{shape.name} n{num_tokens}",
+        "shape": shape.name,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_experts": shape.num_experts,
+        "top_k": shape.top_k,
+        "num_tokens": num_tokens,
+    }
+
+
+def run_moe(report: Report, setup: Setup, shape: MoeShape, num_tokens: int) -> None:
+    """Check (to ATOL / RTOL), then time, the experts of one MoE layer for `num_tokens` tokens
+    against the torch reference and the FLOP-equivalent dense layer."""
+    label = moe_label(shape, num_tokens)
+    moe, device, dtype = setup.moe_kernels, setup.device, setup.dtype
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    h, i, e, k = shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        # Weights at 1 / sqrt(fan_in): activations stay O(1), as in a trained layer.
+        return (torch.randn(size, generator=gen, device=device) * scale).to(dtype)
+
+    x = randn(num_tokens, h)
+    gate_up, down = randn(e, 2 * i, h, scale=h**-0.5), randn(e, h, i, scale=i**-0.5)
+    logits = torch.randn(num_tokens, e, generator=gen, device=device)
+    weights, ids = reference.moe_route(logits, k, shape.renormalize)
+    dense_gate_up, dense_down = randn(2 * i * k, h, scale=h**-0.5), randn(h, i * k, scale=i**-0.5)
+
+    def call() -> torch.Tensor:
+        return moe.fused_moe(x, gate_up, down, weights, ids)
+
+    def ref() -> torch.Tensor:
+        return reference.fused_moe(x, gate_up, down, weights, ids)
+
+    def dense() -> torch.Tensor:
+        return F.linear(reference.silu_and_mul(F.linear(x, dense_gate_up)), dense_down)
+
+    got, want = call(), ref()
+    check(report, label, [(got, want)])
+    identical = float((got == want).float().mean())
+    del got, want
+    t, t_ref, t_dense = (time_us(fn, device) for fn in (call, ref, dense))
+    flops = 2 * num_tokens * k * 3 * i * h
+    experts_hit = int(ids.unique().numel())
+    expert_bytes = experts_hit * 3 * i * h * x.element_size()
+    report.emit(
+        {"kind": "moe", **label, "flops": flops, "experts_hit": experts_hit}
+        | {"expert_bytes": expert_bytes, "ref_identical": round(identical, 4)}
+        | {"time_us": round(t, 2), "tflops": _sig(flops / t / 1e6)}
+        | {"gbps": _sig(expert_bytes / t / 1e3)}
+        | {"ref_time_us": round(t_ref, 2), "ref_tflops": _sig(flops / t_ref / 1e6)}
+        | {"dense_time_us": round(t_dense, 2), "dense_tflops": _sig(flops / t_dense / 1e6)}
+        | {"dense_ratio": _sig(t_dense / t)}
+        | _speed_fields(t, t_ref, None)
+    )
+
+
 def run_sweep(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> None:
     """Time each launch configuration in `plan` on its cases, against SDPA in the same run.
 
@@ -935,6 +1031,7 @@ def environment(setup: Setup, smoke: bool) -> Record:
         "dirty": None if (status := _git("status", "--porcelain")) is None else bool(status),
         "kernels": setup.kernels.__name__,
         "fused_kernels": None if setup.fused_kernels is None else setup.fused_kernels.__name__,
+        "moe_kernels": None if setup.moe_kernels is None else setup.moe_kernels.__name__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "smoke": smoke,
         "dtype": str(setup.dtype).removeprefix("torch."),
@@ -974,6 +1071,7 @@ def format_table(records: list[Record]) -> str:
         "cache": ("gbps", "ref_gbps", "GB/s"),
         "copy": ("gbps", "ref_gbps", "GB/s"),
         "fused": ("gbps", "ref_gbps", "GB/s"),
+        "moe": ("tflops", "ref_tflops", "TF/s"),
     }
     for r in records:
         if r["kind"] not in units:
@@ -995,19 +1093,24 @@ def format_table(records: list[Record]) -> str:
             baseline = f"{r['model_gbps']:.4g} GB/s"
             model_ratio = f"{r['model_ratio']:.3g}"
             lines.append(row.format("", "  vs model", "", "", baseline, model_ratio, "", ""))
+        if r["kind"] == "moe":
+            baseline = f"{r['dense_tflops']:.4g} TF/s"
+            dense_ratio = f"{r['dense_ratio']:.3g}"
+            lines.append(row.format("", "  vs dense", "", "", baseline, dense_ratio, "", ""))
     checks = [r for r in records if r["kind"] == "check"]
     bad = [r["case"] for r in checks if not r["ok"]]
     errors = [r["max_abs_err"] for r in checks]
     worst = "non-finite" if None in errors else f"{max(errors, default=0.0):.4g}"
     lines.append(
         f"checks: {len(checks) - len(bad)}/{len(checks)} ok, max abs err {worst} "
-        f"(atol {ATOL}, rtol {RTOL}; cache, copy exact; fused 2 ulps)"
+        f"(atol {ATOL}, rtol {RTOL}; cache, copy exact; fused 2 ulps; moe atol, rtol)"
         + (f"; FAILED: {', '.join(bad)}" if bad else "")
     )
     lines += [f"error: {r['case']}: {r['error']}" for r in records if r["kind"] == "error"]
     lines.append(
-        "baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache, copy, fused; "
-        '"vs model": the model\'s unfused torch code)'
+        "baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache, copy, fused, "
+        'moe; "vs model": the model\'s unfused torch code; "vs dense": the dense layer of the same '
+        "active size)"
     )
     return "\n".join(lines)
 
@@ -1052,6 +1155,11 @@ def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> N
             for op in FUSED_OPS:
                 run = functools.partial(run_fused, report, setup, plan.fused_layer, op, num_tokens)
                 run_case(report, device, fused_label(plan.fused_layer, op, num_tokens), run)
+    if "moe" in scenarios:
+        for shape in plan.moe_shapes:
+            for num_tokens in plan.moe_tokens:
+                run = functools.partial(run_moe, report, setup, shape, num_tokens)
+                run_case(report, device, moe_label(shape, num_tokens), run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1080,6 +1188,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--fused-kernels",
         default=FUSED_KERNELS_MODULE,
         help=f"module of the fused ops under test (default {FUSED_KERNELS_MODULE})",
+    )
+    parser.add_argument(
+        "--moe-kernels",
+        default=MOE_KERNELS_MODULE,
+        help=f"module of the fused MoE under test (default {MOE_KERNELS_MODULE})",
     )
     parser.add_argument(
         "--sweep",
@@ -1111,15 +1224,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    modules = [args.kernels] + ([args.fused_kernels] if "fused" in scenarios else [])
+    modules = {"kernels": args.kernels}
+    if "fused" in scenarios:
+        modules["fused"] = args.fused_kernels
+    if "moe" in scenarios:
+        modules["moe"] = args.moe_kernels
     try:
-        kernels, *fused = [importlib.import_module(name) for name in modules]
+        loaded = {role: importlib.import_module(name) for role, name in modules.items()}
     except ImportError as exc:
         print(f"bench.gpu_kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("fp16" if device.type == "cpu" else "bf16")
     graph = args.cuda_graph and device.type == "cuda"
-    setup = Setup(kernels, device, DTYPES[dtype_name], graph, fused[0] if fused else None)
+    setup = Setup(
+        loaded["kernels"], device, DTYPES[dtype_name], graph, loaded.get("fused"), loaded.get("moe")
+    )
 
     plan = SMOKE if args.smoke else FULL
     sink = args.out.open("w") if args.out else None

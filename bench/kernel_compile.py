@@ -5,10 +5,10 @@
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile:
 a construct the interpreter accepts may still be rejected by Triton's compiler, and the compiled
 code may spill registers or need more shared memory than an SM has. This tool drives the real
-wrappers in `kernels.triton_attention` (paged attention, KV-cache write, KV-block copy) and
-`kernels.triton_fused` (norms, SwiGLU, rotary + cache write) with small CPU tensors, swaps
-Triton's GPU driver for one
-that only names the target, and turns each launch into a compile (`JITFunction.run` with
+wrappers in `kernels.triton_attention` (paged attention, KV-cache write, KV-block copy),
+`kernels.triton_fused` (norms, SwiGLU, rotary + cache write) and `kernels.triton_moe` (fused
+mixture of experts) with CPU tensors, swaps Triton's GPU driver for one that only names the
+target, and turns each launch into a compile (`JITFunction.run` with
 warmup=True). Triton's bundled ptxas produces the cubin, and its cuobjdump reports the resources:
 registers per thread, local memory (spills) and shared memory.
 
@@ -42,7 +42,7 @@ class Variant:
 
     name: str
     # attention: "decode" | "extend" | "cache" | "copy_blocks"; fused: "rms_norm" |
-    # "add_rms_norm" | "silu_and_mul" | "rotary_cache"
+    # "add_rms_norm" | "silu_and_mul" | "gelu_tanh_and_mul" | "rotary_cache"; "moe"
     kind: str
     dtype: torch.dtype
     num_heads: int = 0
@@ -50,10 +50,37 @@ class Variant:
     head_dim: int = 0
     num_splits: int = 1
     sliding_window: int | None = None
+    softcap: float | None = None  # attention-logit soft-capping (Gemma 2)
+    unit_offset: bool = False  # the norms: Gemma's (1 + weight)
     num_seqs: int = 3
     hidden_size: int = 0  # the norms' row
-    intermediate_size: int = 0  # silu_and_mul's output row
+    intermediate_size: int = 0  # silu/gelu_tanh_and_mul's output row; an expert's (moe)
+    num_experts: int = 0  # moe: experts, experts per token, tokens (which pick the tile config)
+    top_k: int = 0
+    num_tokens: int = 0
+    activation: str = "silu"
 
+
+# Fused-MoE layer shapes: (hidden, expert intermediate, experts, experts per token).
+QWEN3_30B_A3B_MOE = (2048, 768, 128, 8)
+MIXTRAL_8X7B_MOE = (4096, 14336, 8, 2)
+
+
+def _moe_variant(
+    name: str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    num_tokens: int,
+    activation: str = "silu",
+) -> Variant:
+    hidden, inter, experts, top_k = shape
+    return Variant(
+        name, "moe", dtype, hidden_size=hidden, intermediate_size=inter, num_experts=experts,
+        top_k=top_k, num_tokens=num_tokens, activation=activation,
+    )  # fmt: skip
+
+
+GEMMA2_ATTENTION: dict[str, Any] = dict(sliding_window=4096, softcap=50.0)
 
 # What the engine and the benchmark launch: Llama-3 8B/1B heads (32/8, D 128/64), SmolLM2 (9/3),
 # MHA and GQA 8, every dtype, split and unsplit decode, sliding windows, and a single sequence
@@ -70,6 +97,9 @@ VARIANTS = [
     Variant("extend-smollm2-window", "extend", torch.bfloat16, 9, 3, 64, sliding_window=64),
     Variant("extend-mha-fp16-one-seq", "extend", torch.float16, 16, 16, 128, num_seqs=1),
     Variant("extend-gqa8-fp32", "extend", torch.float32, 16, 2, 64),
+    # Gemma-2-9B: head_dim 256, GQA 2, a 4096-key window on every other layer, logits capped at 50.
+    Variant("decode-gemma2-9b-softcap", "decode", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION),
+    Variant("extend-gemma2-9b-softcap", "extend", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION),
     Variant("cache-8b", "cache", torch.bfloat16, 32, 8, 128),
     Variant("cache-smollm2-fp32", "cache", torch.float32, 9, 3, 64),
     # Copy-on-write of shared blocks in every dtype the engine runs: a Llama-3 8B block of
@@ -89,14 +119,28 @@ VARIANTS = [
     Variant("silu-mul-1b", "silu_and_mul", torch.bfloat16, intermediate_size=8192),
     Variant("silu-mul-8b", "silu_and_mul", torch.bfloat16, intermediate_size=14336),
     Variant("silu-mul-smollm2-fp32", "silu_and_mul", torch.float32, intermediate_size=1536),
+    # Gemma-2-9B's norms ((1 + weight), a masked 3584-wide row) and GeGLU.
+    Variant("rms-norm-gemma2", "rms_norm", torch.bfloat16, hidden_size=3584, unit_offset=True),
+    Variant(
+        "add-rms-norm-gemma2", "add_rms_norm", torch.bfloat16, hidden_size=3584, unit_offset=True
+    ),
+    Variant("gelu-mul-gemma2", "gelu_tanh_and_mul", torch.bfloat16, intermediate_size=14336),
     Variant("rotary-cache-1b", "rotary_cache", torch.bfloat16, 32, 8, 64),
     Variant("rotary-cache-8b", "rotary_cache", torch.bfloat16, 32, 8, 128),
     Variant("rotary-cache-70b", "rotary_cache", torch.bfloat16, 64, 8, 128),
     Variant("rotary-cache-smollm2-fp32", "rotary_cache", torch.float32, 9, 3, 64),
     Variant("rotary-cache-qwen2-fp16", "rotary_cache", torch.float16, 14, 2, 64),
+    # Fused MoE at Qwen3-30B-A3B and Mixtral-8x7B sizes, for a decode batch (16-row tiles) and a
+    # prefill chunk (64-row tiles: more tokens than experts); GELU and top-1 (no top-k sum) once.
+    _moe_variant("moe-qwen3-30b-a3b-n1", torch.bfloat16, QWEN3_30B_A3B_MOE, 1),
+    _moe_variant("moe-qwen3-30b-a3b-n256", torch.bfloat16, QWEN3_30B_A3B_MOE, 256),
+    _moe_variant("moe-mixtral-8x7b-n1", torch.bfloat16, MIXTRAL_8X7B_MOE, 1),
+    _moe_variant("moe-mixtral-8x7b-n256", torch.bfloat16, MIXTRAL_8X7B_MOE, 256),
+    _moe_variant("moe-qwen3-30b-a3b-gelu-n16", torch.bfloat16, QWEN3_30B_A3B_MOE, 16, "gelu_tanh"),
+    _moe_variant("moe-top1-fp16-n64", torch.float16, (1024, 512, 16, 1), 64),
 ]
 
-FUSED_KINDS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_cache")
+FUSED_KINDS = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_cache")
 
 
 def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
@@ -135,6 +179,9 @@ def _launch(variant: Variant) -> None:
     if variant.kind in FUSED_KINDS:
         _launch_fused(variant)
         return
+    if variant.kind == "moe":
+        _launch_moe(variant)
+        return
     block_size, context = 16, 40
     dtype, hq, hkv, d = variant.dtype, variant.num_heads, variant.num_kv_heads, variant.head_dim
     num_seqs = variant.num_seqs
@@ -157,9 +204,13 @@ def _launch(variant: Variant) -> None:
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, d**-0.5)
     if variant.kind == "decode":
         out = torch.empty_like(q)
-        triton_attention.decode(*args, variant.sliding_window, out, variant.num_splits)
+        triton_attention.decode(
+            *args, variant.sliding_window, out, variant.num_splits, softcap=variant.softcap
+        )
     else:
-        triton_attention.paged_attention(*args, sliding_window=variant.sliding_window)
+        triton_attention.paged_attention(
+            *args, sliding_window=variant.sliding_window, softcap=variant.softcap
+        )
 
 
 def _launch_fused(variant: Variant) -> None:
@@ -170,13 +221,14 @@ def _launch_fused(variant: Variant) -> None:
         x = torch.zeros(num_tokens, variant.hidden_size, dtype=dtype)
         weight = torch.ones(variant.hidden_size, dtype=dtype)
         if variant.kind == "rms_norm":
-            triton_fused.rms_norm(x, weight, 1e-5)
+            triton_fused.rms_norm(x, weight, 1e-5, unit_offset=variant.unit_offset)
         else:
-            triton_fused.fused_add_rms_norm(x, torch.zeros_like(x), weight, 1e-5)
-    elif variant.kind == "silu_and_mul":
-        triton_fused.silu_and_mul(
-            torch.zeros(num_tokens, 2 * variant.intermediate_size, dtype=dtype)
-        )
+            triton_fused.fused_add_rms_norm(
+                x, torch.zeros_like(x), weight, 1e-5, unit_offset=variant.unit_offset
+            )
+    elif variant.kind in ("silu_and_mul", "gelu_tanh_and_mul"):
+        act_and_mul = getattr(triton_fused, variant.kind)
+        act_and_mul(torch.zeros(num_tokens, 2 * variant.intermediate_size, dtype=dtype))
     else:
         hq, hkv, d = variant.num_heads, variant.num_kv_heads, variant.head_dim
         qkv = torch.zeros(num_tokens, (hq + 2 * hkv) * d, dtype=dtype)
@@ -184,6 +236,20 @@ def _launch_fused(variant: Variant) -> None:
         caches = torch.zeros(4, 16, hkv, d, dtype=dtype), torch.zeros(4, 16, hkv, d, dtype=dtype)
         positions = torch.arange(num_tokens)
         triton_fused.rotary_and_cache(qkv, positions, *tables, *caches, positions, hq, hkv, d)
+
+
+def _launch_moe(variant: Variant) -> None:
+    from kernels import triton_moe
+
+    dtype, n, k = variant.dtype, variant.num_tokens, variant.top_k
+    h, i, e = variant.hidden_size, variant.intermediate_size, variant.num_experts
+    # Uninitialised weights: nothing is launched, and torch.empty does not touch the pages of
+    # Mixtral's 2.8 GB of experts.
+    gate_up = torch.empty(e, 2 * i, h, dtype=dtype)
+    down = torch.empty(e, h, i, dtype=dtype)
+    weights, ids = torch.rand(n, k).softmax(-1), torch.rand(n, e).topk(k, dim=-1).indices
+    x = torch.zeros(n, h, dtype=dtype)
+    triton_moe.fused_moe(x, gate_up, down, weights, ids, activation=variant.activation)
 
 
 def _resources(cubin: bytes, tool_dir: Path) -> dict[str, int]:

@@ -17,9 +17,12 @@ class AttentionMetadata:
         seq_lens        = [8, 10]       cached + new tokens per sequence
         slot_mapping    = [slot(s0, 5), slot(s0, 6), slot(s0, 7), slot(s1, 9)]
         slot(s, p)      = block_tables[s][p // block_size] * block_size + p % block_size
+
+    With several KV-cache groups (scheduler/kv_groups.py) each group has its own tables and
+    slots: a layer of group g reads slot_mapping[g] and block_tables[g].
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [num_groups, num_tokens] int64
+    block_tables: torch.Tensor  # [num_groups, num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32

@@ -19,9 +19,17 @@ from engine.beam_search import BeamSearch, start_beam_search
 from engine.cpu_linear import can_pack
 from engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from engine.engine_config import EngineConfig
-from engine.kv_cache import GiB, KVCachePlan, allocate_kv_caches, gpu_kv_cache_budget, plan_kv_cache
+from engine.kv_cache import (
+    GiB,
+    KVCachePlan,
+    allocate_kv_caches,
+    bytes_per_block,
+    gpu_kv_cache_budget,
+    kv_cache_groups,
+    plan_kv_cache,
+)
 from engine.messages import CoreRequest, EngineStats, SampleOutput
-from engine.model import LlamaForCausalLM
+from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
 from engine.model_source import ModelSource, resolve_model
@@ -83,6 +91,7 @@ class EngineCore:
             self.max_model_len,
             memory_bytes=kv_memory,
             num_blocks=config.num_kv_blocks,
+            max_chunk=self.max_num_batched_tokens,
         )
         logger.info(self.kv_plan.describe())
         kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
@@ -96,6 +105,7 @@ class EngineCore:
             config.seed,
             graphs=self._capture_decode_graphs(kv_caches),
             ops=self.attention_ops,
+            windows=self.kv_plan.windows,
         )
         # Off with speculative decoding: a step's drafts come from the tokens the previous
         # step accepted, so it cannot be scheduled before those are back.
@@ -117,6 +127,7 @@ class EngineCore:
                 num_speculative_tokens=config.speculative_ngram,
                 ngram_min=config.speculative_ngram_min,
                 ngram_max=config.speculative_ngram_max,
+                kv_group_windows=self.kv_plan.windows,
             )
         )
         self.num_steps = 0
@@ -128,12 +139,12 @@ class EngineCore:
         beam_ids = itertools.count()
         self._new_beam_id = lambda: f"beam-{next(beam_ids)}"
 
-    def _build_model(self) -> LlamaForCausalLM:
+    def _build_model(self) -> CausalLM:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(
+                model = CausalLM(
                     self.model_config,
                     self.max_model_len,
                     attention_ops=self.attention_ops,
@@ -151,16 +162,23 @@ class EngineCore:
         measure its activation peak, and give the KV cache what the --gpu-memory-utilization
         share leaves after that peak and everything already in use."""
         device, mc, block_size = self.device, self.model_config, self.config.block_size
+        groups = kv_cache_groups(mc)
         step = profile_step(
             self.max_num_batched_tokens,
             self.config.max_num_seqs,
             block_size,
             self.max_model_len,
             mc.vocab_size,
+            len(groups),
         )
-        num_blocks = sum(len(s.block_table) for s in step.scheduled)
+        num_blocks = sum(len(new.block_ids) for new in step.new_requests)
         scratch = KVCachePlan(
-            num_blocks, block_size, mc.kv_bytes_per_token(self.dtype.itemsize), self.max_model_len
+            num_blocks,
+            block_size,
+            bytes_per_block(mc, groups, self.dtype, block_size),
+            self.max_model_len,
+            groups,
+            self.max_num_batched_tokens,
         )
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
@@ -175,6 +193,7 @@ class EngineCore:
             len(step.new_requests),
             self.max_model_len,
             self.config.seed,
+            windows=scratch.windows,
         )
         runner.execute(step)
         torch.cuda.synchronize(device)
@@ -219,6 +238,7 @@ class EngineCore:
             max_batch,
             cdiv(self.max_model_len, self.config.block_size),
             self.device,
+            num_groups=len(kv_cache_groups(self.model_config)),
         )
         graphs.capture_all()
         return graphs
@@ -456,7 +476,8 @@ class EngineCore:
         plan = self.kv_plan
         return (
             f"device {self.device}, dtype {_dtype_name(self.dtype)}, {plan.num_blocks} KV blocks "
-            f"of {plan.block_size} tokens, {plan.bytes_per_token} bytes/token, max concurrency "
+            f"of {plan.block_size} tokens ({len(plan.groups)} layer groups), "
+            f"{plan.bytes_per_block} bytes/block, max concurrency "
             f"{plan.max_concurrency:.1f} at {plan.max_model_len} tokens"
         )
 

@@ -27,7 +27,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.engine_config import GiB
-from engine.model import KVCache, LlamaForCausalLM
+from engine.model import CausalLM, KVCache
 
 logger = logging.getLogger("pagedserve")
 
@@ -52,12 +52,13 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[KVCache],
         max_batch_size: int,
         max_blocks_per_seq: int,
         device: torch.device,
         capture: bool = True,
+        num_groups: int = 1,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
@@ -71,8 +72,11 @@ class DecodeGraphs:
         n = self.max_batch_size
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Per KV-cache group, as AttentionMetadata holds them.
+        self.slot_mapping = torch.full((num_groups, n), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(
+            num_groups, n, max_blocks_per_seq, dtype=torch.int32, device=device
+        )
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         # Sequence i is token i: fixed for every decode step.
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -130,15 +134,15 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of a decode step of n sequences (inputs on the device)."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
-        width = meta.block_tables.shape[1]
+        width = meta.block_tables.shape[2]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:size].fill_(-1)
+        self.slot_mapping[:, :n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[:, n:size].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[n:size].fill_(1)
         # Columns past `width` keep older ids: they are valid blocks and past every seq_len.
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self.block_tables[:, :n, :width].copy_(meta.block_tables, non_blocking=True)
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:n]
@@ -147,8 +151,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:, :size],
+            block_tables=self.block_tables[:, :size],
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
         )

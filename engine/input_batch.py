@@ -8,8 +8,13 @@ per-request copy of a block table or token list on the hot path.
 
     row r:  token_ids[r, :num_known[r]]   ids known on the host (prompt, then outputs)
             num_tokens[r]                 num_known[r] + tokens still being sampled (0 or 1)
-            block_table[r, :num_blocks[r]]
+            block_table[r, :num_blocks[r]]  interleaved by KV-cache group, as the scheduler's
+                                          tables are: entry i * G + g is block i of group g
             num_computed[r]               where the request's next chunk starts
+
+A step's block tables and slot mappings come out per group ([G, ...]); in a sliding-window
+group, the entries before the window (blocks the scheduler gave back) are pointed at the row's
+last block, so that no reader ever touches a block that now belongs to someone else.
 
 A token still being sampled (asynchronous scheduling runs the next step before the previous
 step's ids are back on the host) is a "placeholder": its id is copied on the device from the
@@ -34,8 +39,8 @@ class Batch:
     rows: np.ndarray  # [num_seqs] row of each sequence
     input_ids: np.ndarray  # [num_tokens] int64 (placeholders hold 0 until filled)
     positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_seqs, width] int32
+    slot_mapping: np.ndarray  # [num_groups, num_tokens] int64
+    block_tables: np.ndarray  # [num_groups, num_seqs, width] int32
     seq_lens: np.ndarray  # [num_seqs] int32
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     sample: np.ndarray  # [num_seqs] bool: the sequence samples a token this step
@@ -56,8 +61,17 @@ class Batch:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_seq: int,
+        windows: tuple[int | None, ...] = (None,),
+    ) -> None:
         self.max_num_reqs = max_num_reqs
+        # Each KV-cache group's window (None: full attention).
+        self.windows = windows
+        self.num_groups = len(windows)
         # One column past max_model_len: a request's last sampled token lands there. np.zeros
         # maps untouched pages lazily, so a long max_model_len costs only what is used.
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
@@ -65,7 +79,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_seq), dtype=np.int32)
+        self.block_table = np.zeros(
+            (max_num_reqs, max_blocks_per_seq * len(windows)), dtype=np.int32
+        )
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Bumped whenever a row is (re)assigned, so a late result never lands in a new owner.
         self.serial = np.zeros(max_num_reqs, dtype=np.int64)
@@ -165,17 +181,27 @@ class InputBatch:
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        width = int(self.num_blocks[rows].max())
-        block_tables = self.block_table[rows, :width]
+        groups = self.num_groups
+        width = int(self.num_blocks[rows].max()) // groups
+        # [num_groups, num_seqs, width]: each group's table, from the interleaved entries.
+        block_tables = self.block_table[rows, : width * groups].reshape(num_seqs, width, groups)
+        block_tables = np.ascontiguousarray(block_tables.transpose(2, 0, 1))
         if num_tokens == num_seqs:  # decode: one token per sequence
             positions = starts
             token_rows = rows
-            pos_blocks = block_tables[np.arange(num_seqs), positions // block_size]
+            seq_idx = np.arange(num_seqs)
         else:
             seq_idx = np.repeat(np.arange(num_seqs), q_lens)
             positions = starts[seq_idx] + (np.arange(num_tokens) - query_start_loc[seq_idx])
             token_rows = rows[seq_idx]
-            pos_blocks = block_tables[seq_idx, positions // block_size]
+        pos_blocks = block_tables[:, seq_idx, positions // block_size]  # [num_groups, num_tokens]
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                # The entries before the first one the chunk reads: blocks given back.
+                first_live = np.maximum(starts - window + 1, 0) // block_size
+                last = block_tables[g, np.arange(num_seqs), (ends - 1) // block_size]
+                dead = np.arange(width)[None, :] < first_live[:, None]
+                block_tables[g] = np.where(dead, last[:, None], block_tables[g])
         num_drafts = np.zeros(num_seqs, dtype=np.int64)
         if out.spec_token_ids:  # (never a decode step: a sequence with drafts has > 1 token)
             # The drafts go after the known tokens; `accept` overwrites them with what the

@@ -1,9 +1,15 @@
 """KV-cache sizing and allocation.
 
-bytes per token = 2 (K and V) x layers x kv_heads x head_dim x dtype bytes
-(`ModelConfig.kv_bytes_per_token`). The number of blocks is the memory budget divided by
-block_size x bytes per token; every layer gets one K and one V tensor of shape
-[num_blocks, block_size, num_kv_heads, head_dim].
+A model's layers form KV-cache groups (scheduler/kv_groups.py): one group of every layer for a
+model whose layers all attend alike, else groups of k layers of one kind (full attention, or
+one sliding window). One block id holds k layers' pages of block_size tokens:
+
+    bytes per block = 2 (K and V) x k x kv_heads x head_dim x dtype bytes x block_size
+
+and the number of blocks is the memory budget divided by that. A request holds, per group, every
+block of its tokens (full attention) or those of its window and the chunk being computed
+(sliding). There are k K tensors and k V tensors of shape [num_blocks, block_size, num_kv_heads,
+head_dim]; the layer at position j of its group uses pair j.
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ import torch
 
 from engine.engine_config import GiB
 from engine.model_config import ModelConfig
+from scheduler.kv_groups import KVCacheGroup, blocks_per_request, group_layers, layers_per_block
 from scheduler.utils import cdiv
+
+
+def kv_cache_groups(config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV-cache groups of a model's layers (by each layer's window)."""
+    return group_layers([config.layer_window(i) for i in range(config.num_hidden_layers)])
 
 
 def default_cpu_kv_memory() -> int:
@@ -28,21 +40,26 @@ def default_cpu_kv_memory() -> int:
 class KVCachePlan:
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_block: int  # every layer page a block id holds (K and V)
     max_model_len: int
+    groups: tuple[KVCacheGroup, ...]
+    # The most tokens one step computes for a request: a sliding group holds its window plus
+    # that many.
+    max_chunk: int
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    def windows(self) -> tuple[int | None, ...]:
+        """Each group's window (None: full attention), as the scheduler takes them."""
+        return tuple(group.window for group in self.groups)
 
     @property
     def total_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        return self.num_blocks * self.bytes_per_block
 
     @property
     def blocks_per_seq(self) -> int:
-        """Blocks one sequence of max_model_len tokens takes."""
-        return cdiv(self.max_model_len, self.block_size)
+        """Blocks one sequence of max_model_len tokens holds at most, across groups."""
+        return blocks_per_request(self.windows, self.max_model_len, self.block_size, self.max_chunk)
 
     @property
     def max_concurrency(self) -> float:
@@ -50,12 +67,25 @@ class KVCachePlan:
         return self.num_blocks / self.blocks_per_seq
 
     def describe(self) -> str:
+        layout = ""
+        if len(self.groups) > 1:
+            kinds = ", ".join(
+                f"{'full' if g.window is None else f'window {g.window}'} x {len(g.layers)}"
+                for g in self.groups
+            )
+            layout = f" in {len(self.groups)} layer groups ({kinds})"
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
-            f"{self.num_tokens} tokens, "
-            f"{self.bytes_per_token} bytes/token, {self.total_bytes / GiB:.2f} GiB; "
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens{layout}, "
+            f"{self.bytes_per_block} bytes/block, {self.total_bytes / GiB:.2f} GiB; "
             f"max concurrency at {self.max_model_len} tokens: {self.max_concurrency:.2f}x"
         )
+
+
+def bytes_per_block(
+    config: ModelConfig, groups: tuple[KVCacheGroup, ...], dtype: torch.dtype, block_size: int
+) -> int:
+    per_layer_token = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    return layers_per_block(groups) * per_layer_token * block_size
 
 
 def gpu_kv_cache_budget(total: int, utilization: float, in_use: int, peak_activation: int) -> int:
@@ -84,18 +114,25 @@ def plan_kv_cache(
     max_model_len: int,
     memory_bytes: int | None = None,
     num_blocks: int | None = None,
+    max_chunk: int | None = None,
 ) -> KVCachePlan:
     """Blocks for a memory budget (or an explicit block count). Raises ValueError when not even one
-    sequence of max_model_len tokens would fit, saying how much memory that needs."""
-    per_token = config.kv_bytes_per_token(dtype.itemsize)
+    sequence of max_model_len tokens would fit, saying how much memory that needs.
+
+    `max_chunk`: the most tokens one step computes for a request (the step's token budget;
+    max_model_len when None), which the sliding groups hold next to their window."""
+    groups = kv_cache_groups(config)
+    per_block = bytes_per_block(config, groups, dtype, block_size)
     if num_blocks is None:
         budget = default_cpu_kv_memory() if memory_bytes is None else memory_bytes
-        num_blocks = budget // (per_token * block_size)
-    plan = KVCachePlan(num_blocks, block_size, per_token, max_model_len)
+        num_blocks = budget // per_block
+    plan = KVCachePlan(
+        num_blocks, block_size, per_block, max_model_len, groups, max_chunk or max_model_len
+    )
     # The scheduler relies on this: a request of max_model_len tokens must fit on its own, or it
     # could preempt everyone, itself included, and never finish.
     if num_blocks < plan.blocks_per_seq:
-        need = plan.blocks_per_seq * block_size * per_token
+        need = plan.blocks_per_seq * per_block
         raise ValueError(
             f"KV cache of {num_blocks} blocks cannot hold one sequence of max_model_len="
             f"{max_model_len} tokens ({plan.blocks_per_seq} blocks, {need / 2**20:.1f} MiB); "
@@ -113,41 +150,71 @@ def kv_plan_report(
     block_size: int,
 ) -> str:
     """What `pagedserve kv-plan` prints: the bytes one token takes, worked out step by step, and
-    the memory and blocks that num_seqs sequences of max_model_len tokens need."""
+    the memory and blocks that num_seqs sequences of max_model_len tokens need; for a model with
+    sliding-window layers, also what they hold with their windows (decode steps: a window plus
+    one token), layer by layer and as the engine's groups allocate it."""
     L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     s = dtype.itemsize
     per_token = config.kv_bytes_per_token(s)
     per_layer = per_token // L
-    plan = KVCachePlan(
-        num_seqs * cdiv(max_model_len, block_size), block_size, per_token, max_model_len
-    )
-    # Every sequence's last block is partly empty; the formula counts tokens, not blocks.
-    total = num_seqs * max_model_len * per_token
     B, T = num_seqs, max_model_len
-    return "\n".join(
-        (
-            f"model: {name} ({config.architecture}), {L} layers, {H} KV heads, head_dim {D}, "
-            f"dtype {str(dtype).removeprefix('torch.')} ({s} bytes)",
-            f"per layer per token: 2 x {H} x {D} x {s} = {per_layer} bytes (K and V)",
-            f"per token: {L} layers x {per_layer} = {per_token} bytes ({per_token / 1024:.1f} KiB)",
-            f"total for {B} sequences x {T} tokens: M = 2*B*L*T*H_kv*D*s = "
-            f"2*{B}*{L}*{T}*{H}*{D}*{s} = {total} bytes ({total / GiB:.3f} GiB)",
-            f"blocks: {plan.blocks_per_seq} per sequence of block_size {block_size}, "
-            f"{plan.num_blocks} in all ({plan.total_bytes} bytes)",
+    blocks_per_seq = cdiv(T, block_size)
+    # Every sequence's last block is partly empty; the formula counts tokens, not blocks.
+    total = B * T * per_token
+    lines = [
+        f"model: {name} ({config.architecture}), {L} layers, {H} KV heads, head_dim {D}, "
+        f"dtype {str(dtype).removeprefix('torch.')} ({s} bytes)",
+        f"per layer per token: 2 x {H} x {D} x {s} = {per_layer} bytes (K and V)",
+        f"per token: {L} layers x {per_layer} = {per_token} bytes ({per_token / 1024:.1f} KiB)",
+        f"total for {B} sequences x {T} tokens: M = 2*B*L*T*H_kv*D*s = "
+        f"2*{B}*{L}*{T}*{H}*{D}*{s} = {total} bytes ({total / GiB:.3f} GiB)",
+        f"blocks: {blocks_per_seq} per sequence of block_size {block_size}, "
+        f"{B * blocks_per_seq} in all ({B * blocks_per_seq * block_size * per_token} bytes)",
+    ]
+    windows = [config.layer_window(i) for i in range(L)]
+    if any(w is not None for w in windows):
+        # Layer by layer: what each layer holds of one sequence, in blocks.
+        held = [blocks_per_request((w,), T, block_size, 1) for w in windows]
+        by_layer = B * sum(held) * block_size * per_layer
+        num_sliding = sum(w is not None for w in windows)
+        sliding_held = max(h for h, w in zip(held, windows, strict=True) if w is not None)
+        lines.append(
+            f"with windows: {num_sliding} of {L} layers slide over {config.sliding_window} "
+            f"tokens and hold {sliding_held} blocks per sequence, the other {L - num_sliding} "
+            f"hold {blocks_per_seq}: {by_layer} bytes ({by_layer / GiB:.3f} GiB, "
+            f"{total / by_layer:.2f}x less than without)"
         )
-    )
+        groups = kv_cache_groups(config)
+        group_blocks = blocks_per_request([g.window for g in groups], T, block_size, 1)
+        engine_bytes = B * group_blocks * bytes_per_block(config, groups, dtype, block_size)
+        kinds = ", ".join(
+            f"{'full' if g.window is None else 'sliding'} ({len(g.layers)} layers)" for g in groups
+        )
+        lines.append(
+            f"as the engine allocates it: {len(groups)} groups of {layers_per_block(groups)} "
+            f"layers [{kinds}], {group_blocks} blocks per sequence, {B * group_blocks} in all: "
+            f"{engine_bytes} bytes ({engine_bytes / GiB:.3f} GiB)"
+        )
+    return "\n".join(lines)
 
 
 def allocate_kv_caches(
     config: ModelConfig, plan: KVCachePlan, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer: the layer at position j of its group gets pair j, so the
+    layers of different groups at one position share their tensors (scheduler/kv_groups.py)."""
     # Zeroed, not empty: attention reads whole blocks and masks the tail, and masked garbage that
     # happens to be NaN or inf would still poison the weighted sum.
     shape = (plan.num_blocks, plan.block_size, config.num_key_value_heads, config.head_dim)
-    return [
+    pairs = [
         (
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )
-        for _ in range(config.num_hidden_layers)
+        for _ in range(layers_per_block(plan.groups))
     ]
+    caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * config.num_hidden_layers
+    for group in plan.groups:
+        for position, layer in enumerate(group.layers):
+            caches[layer] = pairs[position]
+    return caches  # type: ignore[return-value]

@@ -1,24 +1,35 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral) reading its KV cache in pages.
+"""The decoder of every family pagedserve runs (Llama 2/3, SmolLM2, Qwen2/2.5/3, Mistral, Gemma 2/3,
+Phi-3, and the mixtures of experts Mixtral and Qwen3-MoE), reading its KV cache in pages.
 
-Reads top to bottom: embedding -> N x (RMSNorm -> attention -> RMSNorm -> SwiGLU MLP) -> norm.
-q/k/v and gate/up projections are stored stacked (one matmul each); `load_weights` maps Hugging
-Face parameter names onto the stacked tensors.
+Reads top to bottom: embedding -> N x (RMSNorm -> attention -> RMSNorm -> MLP or experts) ->
+norm. q/k/v and gate/up projections are stored stacked (one matmul each), a mixture's experts as
+[E, 2 * I, hidden] and [E, hidden, I] tensors; `load_weights` maps Hugging Face parameter names
+(per-expert ones too) onto the stacked tensors. What a family adds is read from its ModelConfig:
+per-head q/k norms (Qwen3, Gemma 3), Gemma's (1 + weight) norms, extra norms after attention
+and the MLP, scaled embeddings, soft-capped scores and logits, and each layer's window and RoPE
+base.
 
 Everything between the matmuls is a call into the backend module `ops` (`kernels.reference` in
 torch, `kernels.triton_ops` in Triton): RMSNorm, residual add + RMSNorm, rotary embedding + the
-KV-cache write, paged attention, SiLU-and-multiply. As in vLLM, the residual stream travels next
-to the hidden states, so that each residual add is fused into the norm that follows it:
+KV-cache write, paged attention, the gated activations, the experts. As in vLLM, the residual
+stream travels next to the hidden states, so that each residual add is fused into the norm that
+follows it:
 
     h, r = x, x                       layer i:  h, r = add_rms_norm(h, r)   (r += h; h = norm(r))
     h = norm(h)                                 h = attention(h)
                                                 h, r = add_rms_norm(h, r)
                                                 h = mlp(h)
     after the last layer: h, _ = add_rms_norm(h, r)  (the final norm)
+
+Gemma's extra norms sit on the branch outputs before their adds: h = post_attention_norm(
+attention(h)), then h, r = add_rms_norm(h, r) with the pre-feedforward norm, and h =
+post_feedforward_norm(mlp(h)).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -28,10 +39,15 @@ from torch import nn
 import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import linear, pack
+from engine.kv_cache import kv_cache_groups
 from engine.model_config import ModelConfig
 from engine.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
+
+# ModelConfig.hidden_act -> the backend op of the gated MLP (and the experts' activation name).
+_ACT_AND_MUL = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+_EXPERT_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -40,28 +56,36 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32 and casts back before the weight, as transformers does. With a
-    residual, adds x to it first (in place) and returns (normalised, the updated residual)."""
+    """Normalises in float32 and casts back before the weight, as transformers does (Gemma's
+    `unit_offset` norm multiplies by 1 + weight in float32 instead). With a residual, adds x to
+    it first (in place) and returns (normalised, the updated residual)."""
 
-    def __init__(self, hidden_size: int, eps: float, ops: ModuleType = kernels) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, ops: ModuleType = kernels, unit_offset: bool = False
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.weight = _empty(hidden_size)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+        return self.ops.fused_add_rms_norm(
+            x, residual, self.weight, self.eps, unit_offset=self.unit_offset
+        )
 
 
 class Attention(nn.Module):
     """`ops` is the backend module (`kernels.reference`, `kernels.triton_ops`, or the `kernels`
     dispatcher itself): `rotary_and_cache` and `paged_attention` here."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, kv_group: int, ops: ModuleType = kernels
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
@@ -69,11 +93,17 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_window(layer)
+        self.kv_group = kv_group  # which of the step's block tables and slot mappings it reads
+        self.softcap = config.attn_logit_softcapping
         self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size)
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.o_proj = _empty(config.hidden_size, self.q_size)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, config.is_gemma)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, config.is_gemma)
 
     def forward(
         self,
@@ -85,45 +115,92 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         k_cache, v_cache = kv_cache
         # Rotate q and k and write this step's K/V first: the new tokens attend to themselves
         # through the cache.
         q = self.ops.rotary_and_cache(
-            qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
-            self.num_heads, self.num_kv_heads, self.head_dim,
+            qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache,
+            meta.slot_mapping[self.kv_group], self.num_heads, self.num_kv_heads, self.head_dim,
         )  # fmt: skip
         out = self.ops.paged_attention(
             q,
             k_cache,
             v_cache,
-            meta.block_tables,
+            meta.block_tables[self.kv_group],
             meta.seq_lens,
             meta.query_start_loc,
             self.scale,
             sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return linear(out.reshape(n, self.q_size), self.o_proj)
 
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's and Gemma 3's RMSNorm over each q and k head (before RoPE), v untouched."""
+        n, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=1)
+        q = self.q_norm(q.reshape(n * self.num_heads, d)).view(n, self.q_size)
+        k = self.k_norm(k.reshape(n * self.num_kv_heads, d)).view(n, self.kv_size)
+        return torch.cat((q, k, v), dim=1)
+
 
 class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU-tanh (Gemma's
+    GeGLU)."""
+
     def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
         super().__init__()
         self.ops = ops
-        self.intermediate_size = config.intermediate_size
+        self.act_and_mul = _ACT_AND_MUL[config.hidden_act]
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.ops.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        act_and_mul = getattr(self.ops, self.act_and_mul)
+        return linear(act_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class MoE(nn.Module):
+    """A mixture of experts: the router picks each token's top-k experts (`ops.moe_route`), and
+    `ops.fused_moe` runs them and sums their outputs by the routing weights."""
+
+    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
+        super().__init__()
+        self.ops = ops
+        e, inter, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.activation = _EXPERT_ACTIVATION[config.hidden_act]
+        # Qwen3-MoE rounds the routing weights to the model's dtype before they multiply (as
+        # transformers does); Mixtral keeps them in float32.
+        self.round_weights = config.architecture == "qwen3_moe"
+        self.router = _empty(e, h)
+        self.gate_up = _empty(e, 2 * inter, h)
+        self.down = _empty(e, h, inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.ops.moe_route(linear(x, self.router), self.top_k, self.renormalize)
+        if self.round_weights and x.dtype != torch.float32:
+            weights = weights.to(x.dtype).float()
+        return self.ops.fused_moe(
+            x, self.gate_up, self.down, weights, ids, activation=self.activation
+        )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, kv_group: int, ops: ModuleType = kernels
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        h, eps, gemma = config.hidden_size, config.rms_norm_eps, config.is_gemma
+        self.input_layernorm = RMSNorm(h, eps, ops, gemma)
+        self.self_attn = Attention(config, layer, kv_group, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops, gemma)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, ops, gemma) if gemma else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, ops, gemma) if gemma else None
+        self.mlp = MoE(config, ops) if config.is_moe_layer(layer) else MLP(config, ops)
 
     def forward(
         self,
@@ -142,11 +219,14 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, rotary, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """The whole model. forward() returns hidden states of every token; compute_logits() projects
     only the rows the sampler needs (one per sequence that samples this step) and, for requests
     that asked for prompt logprobs, the rows of the prompt positions they score.
@@ -161,14 +241,31 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling_dict()
         )
+        # Gemma 3's sliding layers rotate with a base of their own, unscaled.
+        self.local_rotary = None
+        if config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                config.head_dim, max_positions, config.local_rope_theta
+            )
         self.embed_tokens = _empty(config.vocab_size, config.hidden_size)
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype first.
+        self.embed_scale = math.sqrt(config.hidden_size) if config.is_gemma else None
+        group_of = {
+            layer: g for g, group in enumerate(kv_cache_groups(config)) for layer in group.layers
+        }
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention_ops) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, i, group_of[i], attention_ops)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_ops, config.is_gemma)
         self.lm_head = (
             None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)
         )
+
+    def _rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
+        if self.local_rotary is not None and layer.self_attn.sliding_window is not None:
+            return self.local_rotary
+        return self.rotary
 
     def forward(
         self,
@@ -178,26 +275,31 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, self.rotary, x, residual, kv_cache, meta)
+            x, residual = layer(positions, self._rotary_of(layer), x, residual, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, weight).float()
+        logits = linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2, in the model's dtype as transformers caps
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def pack_linear_weights(self) -> None:
-        """Pre-pack every matmul weight for oneDNN (bf16 on CPU; see engine/cpu_linear.py)."""
+        """Pre-pack every dense matmul weight for oneDNN (bf16 on CPU; see engine/cpu_linear.py).
+        The experts' stacked weights are not matmul weights of `linear`, and stay as they are."""
         for layer in self.layers:
-            for weight in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
+            weights = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            if isinstance(layer.mlp, MLP):
+                weights += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for weight in weights:
                 pack(weight)
         pack(self.embed_tokens if self.lm_head is None else self.lm_head)
 
@@ -207,7 +309,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (stacked) parameters; every parameter must be
         written exactly once or a ValueError names what is missing or unexpected."""
         targets = self._weight_targets()
-        loaded: set[str] = set()
+        shapes = self.config.weight_shapes()
+        filled = dict.fromkeys(shapes, 0)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding anyway
@@ -216,51 +319,97 @@ class LlamaForCausalLM(nn.Module):
             target = targets.get(name)
             if target is None:
                 raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__} "
+                    f"({self.config.architecture})"
                 )
-            param, offset = target
-            rows = tensor.shape[0] if tensor.dim() else 0
-            dest = param.data.narrow(0, offset, min(rows, param.shape[0] - offset))
+            key, dest = target
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
+            filled[key] += tensor.numel()
+        missing = [key for key, n in filled.items() if n < math.prod(shapes[key])]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
-    def _weight_targets(self) -> dict[str, tuple[nn.Parameter, int]]:
-        """HF name -> (parameter, row offset inside it)."""
+    def _weight_targets(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Checkpoint name -> (the `ModelConfig.weight_shapes` name it is (part of), the view of
+        the parameter it is copied into). Besides transformers' own names, a mixture of experts
+        takes each expert's tensors apart: Mixtral's `block_sparse_moe.experts.E.w1/w3/w2` and
+        Qwen3-MoE's `mlp.experts.E.gate_proj/up_proj/down_proj`, as their checkpoints store
+        them."""
         c = self.config
-        q, kv, inter = (
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-            c.intermediate_size,
-        )
-        targets: dict[str, tuple[nn.Parameter, int]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0),
-            "model.norm.weight": (self.norm.weight, 0),
-        }
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        targets: dict[str, tuple[str, torch.Tensor]] = {}
+
+        def add(name: str, param: torch.Tensor, offset: int = 0, rows: int | None = None) -> None:
+            view = param.data if rows is None else param.data.narrow(0, offset, rows)
+            targets[name] = (name, view)
+
+        def part(name: str, of: str, view: torch.Tensor) -> None:
+            targets[name] = (of, view)
+
+        add("model.embed_tokens.weight", self.embed_tokens)
+        add("model.norm.weight", self.norm.weight)
         if self.lm_head is not None:
-            targets["lm_head.weight"] = (self.lm_head, 0)
+            add("lm_head.weight", self.lm_head)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            targets[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0)
-            targets[p + "post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm.weight,
-                0,
-            )
-            for proj, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
-                targets[p + f"self_attn.{proj}.weight"] = (attn.qkv_proj, offset)
-                if attn.qkv_bias is not None:
-                    targets[p + f"self_attn.{proj}.bias"] = (attn.qkv_bias, offset)
-            targets[p + "self_attn.o_proj.weight"] = (attn.o_proj, 0)
-            targets[p + "mlp.gate_proj.weight"] = (mlp.gate_up_proj, 0)
-            targets[p + "mlp.up_proj.weight"] = (mlp.gate_up_proj, inter)
-            targets[p + "mlp.down_proj.weight"] = (mlp.down_proj, 0)
+            for norm in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ):
+                if getattr(layer, norm) is not None:
+                    add(p + f"{norm}.weight", getattr(layer, norm).weight)
+            if c.architecture == "phi3":
+                add(p + "self_attn.qkv_proj.weight", attn.qkv_proj)
+            else:
+                for proj, offset, rows in (
+                    ("q_proj", 0, q),
+                    ("k_proj", q, kv),
+                    ("v_proj", q + kv, kv),
+                ):
+                    add(p + f"self_attn.{proj}.weight", attn.qkv_proj, offset, rows)
+                    if attn.qkv_bias is not None:
+                        add(p + f"self_attn.{proj}.bias", attn.qkv_bias, offset, rows)
+            if attn.q_norm is not None:
+                add(p + "self_attn.q_norm.weight", attn.q_norm.weight)
+                add(p + "self_attn.k_norm.weight", attn.k_norm.weight)
+            add(p + "self_attn.o_proj.weight", attn.o_proj)
+            if isinstance(mlp, MoE):
+                self._expert_targets(p, mlp, add, part)
+            elif c.architecture == "phi3":
+                add(p + "mlp.gate_up_proj.weight", mlp.gate_up_proj)
+                add(p + "mlp.down_proj.weight", mlp.down_proj)
+            else:
+                inter = c.intermediate_size
+                add(p + "mlp.gate_proj.weight", mlp.gate_up_proj, 0, inter)
+                add(p + "mlp.up_proj.weight", mlp.gate_up_proj, inter, inter)
+                add(p + "mlp.down_proj.weight", mlp.down_proj)
         return targets
+
+    def _expert_targets(
+        self, p: str, moe: MoE, add: Callable[..., None], part: Callable[..., None]
+    ) -> None:
+        inter = self.config.moe_intermediate_size
+        gate_up, down = p + "mlp.experts.gate_up_proj", p + "mlp.experts.down_proj"
+        add(p + "mlp.gate.weight", moe.router)
+        add(gate_up, moe.gate_up)
+        add(down, moe.down)
+        part(p + "block_sparse_moe.gate.weight", p + "mlp.gate.weight", moe.router.data)
+        for e in range(self.config.num_experts):
+            gate = moe.gate_up.data[e].narrow(0, 0, inter)
+            up = moe.gate_up.data[e].narrow(0, inter, inter)
+            for prefix, names in (
+                (f"{p}block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+                (f"{p}mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+            ):
+                part(prefix + f"{names[0]}.weight", gate_up, gate)
+                part(prefix + f"{names[1]}.weight", gate_up, up)
+                part(prefix + f"{names[2]}.weight", down, moe.down.data[e])

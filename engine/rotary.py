@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) for Llama-family models, including Llama-3 frequency scaling.
+"""Rotary position embeddings (RoPE), with linear, Llama-3 and Phi-3 LongRoPE frequency scaling.
 
 The layout is the Hugging Face "rotate half" one: a head vector [x0 .. x(D/2-1) | x(D/2) .. x(D-1)]
 is rotated pairwise as (x_i, x_{i+D/2}). GGUF files store Q/K rows permuted for llama.cpp's
@@ -16,13 +16,34 @@ import torch
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # ModelConfig fills in `factor` (max_position_embeddings / original) when a config leaves it
+    # out, as transformers does.
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
 }
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with optional linear or Llama-3 scaling
-    (`scaling` is a config's rope_scaling dict, or None for plain RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict | None, max_positions: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with optional linear, Llama-3 or LongRoPE
+    scaling (`scaling` is a config's rope_scaling dict, or None for plain RoPE).
+
+    LongRoPE divides each frequency by its own factor: `long_factor` when the engine serves
+    contexts past `original_max_position_embeddings` (`max_positions`, the engine's longest
+    context, is larger), `short_factor` otherwise. transformers switches per forward pass, by
+    the longest sequence in it; one table for the engine's whole life is what a paged cache can
+    hold (every cached key was rotated by it), and it equals transformers for every sequence
+    when max_positions <= original_max_position_embeddings.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling and scaling["rope_type"] == "longrope":
+        long = (
+            max_positions is not None
+            and max_positions > scaling["original_max_position_embeddings"]
+        )
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"])
+        return 1.0 / (factors.float() * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if not scaling:
         return inv_freq
     rope_type = scaling["rope_type"]
@@ -30,6 +51,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     return _llama3_inv_freq(inv_freq, scaling)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by: LongRoPE's attention factor (given, or
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) as transformers computes it), 1
+    for every other kind."""
+    if not scaling or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -56,12 +91,13 @@ class RotaryEmbedding(torch.nn.Module):
         self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
         self.max_positions = max_positions
 
     def cos_sin(

@@ -27,6 +27,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -43,7 +45,7 @@ _GGUF_SKIPPED = {"rope_freqs.weight"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # llama.cpp's converter permutes q/k rows for these GGUF architectures (Mistral is converted as
-# "llama"); qwen2 is stored unpermuted.
+# "llama"); qwen2 and qwen3 are stored unpermuted.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
@@ -58,7 +60,7 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
         return None
     m = _GGUF_BLOCK_RE.match(gguf_name)
     if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r} for a Llama-family model")
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r} for a Llama-family or Qwen model")
     layer, module, kind = m.groups()
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
 

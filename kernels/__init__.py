@@ -1,8 +1,9 @@
 """The model's kernels behind one backend switch.
 
-`paged_attention`, `reshape_and_cache`, `copy_blocks` and the fused layer ops (`rms_norm`,
-`fused_add_rms_norm`, `silu_and_mul`, `rotary_and_cache`) route each call to a backend module
-with the same signatures:
+`paged_attention`, `reshape_and_cache`, `copy_blocks`, the fused layer ops (`rms_norm`,
+`fused_add_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul`, `rotary_and_cache`) and the
+mixture-of-experts ops (`moe_route`, `fused_moe`) route each call to a backend module with the
+same signatures:
 
     torch   `kernels.reference`, pure torch, any device; the default for CPU tensors
     triton  `kernels.triton_ops` (the kernels of `kernels.triton_attention` and
@@ -33,7 +34,10 @@ __all__ = [
     "BACKEND_ENV",
     "copy_blocks",
     "fused_add_rms_norm",
+    "fused_moe",
+    "gelu_tanh_and_mul",
     "get_backend",
+    "moe_route",
     "paged_attention",
     "reference",
     "reshape_and_cache",
@@ -102,4 +106,7 @@ copy_blocks = _dispatcher("copy_blocks")
 rms_norm = _dispatcher("rms_norm")
 fused_add_rms_norm = _dispatcher("fused_add_rms_norm")
 silu_and_mul = _dispatcher("silu_and_mul")
+gelu_tanh_and_mul = _dispatcher("gelu_tanh_and_mul")
+moe_route = _dispatcher("moe_route")
+fused_moe = _dispatcher("fused_moe")
 rotary_and_cache = _dispatcher("rotary_and_cache")

@@ -35,6 +35,7 @@ from kernels import validation
 from kernels.validation import (
     check_copy_blocks_args,
     check_fused_add_rms_norm_args,
+    check_fused_moe_args,
     check_paged_attention_args,
     check_reshape_and_cache_args,
     check_rms_norm_args,
@@ -45,6 +46,9 @@ from kernels.validation import (
 __all__ = [
     "copy_blocks",
     "fused_add_rms_norm",
+    "fused_moe",
+    "gelu_tanh_and_mul",
+    "moe_route",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -117,6 +121,7 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
@@ -131,6 +136,8 @@ def paged_attention(
     scale: multiplies q @ k^T (the model passes 1 / sqrt(head_dim))
     sliding_window: when set, a token at position p sees keys at positions p - sliding_window + 1
         .. p only
+    softcap: when set, each score s = scale * q . k is capped to softcap * tanh(s / softcap)
+        before the mask and the softmax (Gemma 2's attention-logit soft-capping)
     out: optional contiguous [num_tokens, num_heads, head_dim] tensor that receives the result
 
     Returns the attention output, [num_tokens, num_heads, head_dim] (`out` when given). Query head
@@ -144,8 +151,9 @@ def paged_attention(
     """
     if validation.CHECK_ARGS:
         check_paged_attention_args(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+            out, softcap,
+        )  # fmt: skip
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = block_tables.shape[0]
@@ -169,6 +177,7 @@ def paged_attention(
                 [q_lens[i] for i in seqs],
                 scale,
                 sliding_window,
+                softcap,
                 out,
             )
     return out
@@ -225,6 +234,18 @@ def _buckets(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
     return batches
 
 
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """SDPA with the scores capped to cap * tanh(scores / cap) first, in transformers' order
+    (scores in q's dtype, softmax in float32, probabilities rounded back before the product)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, H, D] cache, [B, nb] block ids -> [B, H, nb * block_size, D].
 
@@ -251,6 +272,7 @@ def _attend(
     group_q_lens: list[int],
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
     out: torch.Tensor,
 ) -> None:
     """Attend the new tokens of sequences `seqs` in one SDPA call, writing their rows of `out`.
@@ -322,7 +344,10 @@ def _attend(
             .expand(batch, 1, max_q, group, num_keys)
             .reshape(batch, 1, max_q * group, num_keys)
         )
-    o = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=mask, scale=float(scale))
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=mask, scale=float(scale))
+    else:
+        o = _softcapped_attention(q_folded, k, v, mask, float(scale), float(softcap))
     o = o.view(batch, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
 
     if rows is None:
@@ -341,9 +366,14 @@ def _attend(
 # transformers' tokens. `kernels.triton_fused` has the same signatures.
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
+) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)): normalised in float32 and rounded to x's dtype
-    before the weight multiplies (in x's dtype), as transformers does.
+    before the weight multiplies (in x's dtype), as transformers' Llama norm does.
+
+    unit_offset: Gemma's norm instead, which stores weight - 1: the normalised row is multiplied
+    by (1 + weight) in float32 and rounded once at the end, as transformers' Gemma norms do.
 
     x: [num_tokens, hidden_size], any float dtype; weight: [hidden_size] in x's dtype.
     Returns a new [num_tokens, hidden_size] tensor in x's dtype.
@@ -351,23 +381,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if validation.CHECK_ARGS:
         check_rms_norm_args(x, weight, eps)
     x32 = x.float()
-    inv_rms = torch.rsqrt((x32 * x32).mean(-1, keepdim=True).add_(eps))
-    return weight * (x32 * inv_rms).to(x.dtype)
+    normed = x32 * torch.rsqrt((x32 * x32).mean(-1, keepdim=True).add_(eps))
+    if unit_offset:
+        return normed.mul_(weight.float() + 1.0).to(x.dtype)
+    return weight * normed.to(x.dtype)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual connection and the next norm: residual += x, then rms_norm(residual).
 
     x, residual: [num_tokens, hidden_size], same dtype. `residual` is updated IN PLACE to
     x + residual (rounded to the dtype, as `x + residual` is) and returned as the second result;
-    the first is a new tensor, rms_norm(x + residual, weight, eps).
+    the first is a new tensor, rms_norm(x + residual, weight, eps, unit_offset=unit_offset).
     """
     if validation.CHECK_ARGS:
         check_fused_add_rms_norm_args(x, residual, weight, eps)
     residual.add_(x)
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, unit_offset=unit_offset), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -377,6 +414,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         check_silu_and_mul_args(gate_up)
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU activation: [num_tokens, 2 * I] (gate | up) -> gelu_tanh(gate) * up, with
+    GELU's tanh approximation (transformers' "gelu_pytorch_tanh"), rounded to the dtype before
+    the product as `silu_and_mul` rounds."""
+    if validation.CHECK_ARGS:
+        check_silu_and_mul_args(gate_up)
+    gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def rotary_and_cache(
@@ -427,3 +474,65 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     rotated.mul_(sin)
     return rotated.addcmul_(x, cos)
+
+
+# ----------------------------------------------------------------------- mixture of experts
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts and their weights from the router's logits [num_tokens, E]:
+    softmax in float32, the top_k probabilities (renormalised to sum to 1 when `renormalize`, as
+    Mixtral always and Qwen3-MoE with norm_topk_prob do). Returns (weights [num_tokens, top_k]
+    float32, expert ids [num_tokens, top_k] int64). Pure torch on any device, for every backend:
+    it is a few small ops next to the experts' matmuls."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The experts of a mixture-of-experts layer: for every token t and each of its k experts
+    e = topk_ids[t, k],
+
+        h = act(gate_up[e][:I] @ x[t]) * (gate_up[e][I:] @ x[t])
+        out[t] = sum over k of topk_weights[t, k] * (down[e] @ h)
+
+    x: [num_tokens, hidden]; gate_up: [E, 2 * I, hidden] (each expert's gate rows, then its up
+    rows); down: [E, hidden, I]; all one float dtype. topk_weights: [num_tokens, top_k] float32;
+    topk_ids: [num_tokens, top_k] int32 or int64 in [0, E). activation: "silu" or "gelu_tanh".
+    Returns a new [num_tokens, hidden] tensor in x's dtype.
+
+    Loops over the experts that received tokens, as transformers' MoE block does, with its
+    rounding: each expert's output is rounded to the dtype, multiplied by the float32 weight
+    (promoting to float32), rounded again and summed into the output in the dtype.
+    """
+    if validation.CHECK_ARGS:
+        check_fused_moe_args(x, gate_up, down, topk_weights, topk_ids, activation)
+    act_and_mul = silu_and_mul if activation == "silu" else gelu_tanh_and_mul
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start : start + count]
+        start += count
+        tokens = picks // topk_ids.shape[1]
+        h = act_and_mul(F.linear(x.index_select(0, tokens), gate_up[expert]))
+        y = F.linear(h, down[expert]) * topk_weights.flatten().index_select(0, picks)[:, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out

@@ -17,6 +17,12 @@ Same signatures and semantics as the reference; the differences are all about sp
   BLOCK_M = BLOCK_Q * G rows (plus padding), and walks the sequence's cached prefix and its own
   new tokens through the block table. Keys that every row of the tile may see are read without a
   mask; only the tiles on the causal diagonal (and, with a sliding window, all of them) are masked.
+* Soft-capping (Gemma 2): with `softcap`, each score s = scale * q.k becomes softcap *
+  tanh(s / softcap) before the mask and the softmax, as in the reference. The kernels work in the
+  log2 domain (exp2 instead of exp), so the natural-log score is capped first and then scaled by
+  log2(e). tanh is computed from exp2 (`_tanh`, within a few ulps in float32): Triton's own tanh
+  differs between versions and between the interpreter and the compiler. A constexpr
+  (HAS_SOFTCAP) switches it on, so the uncapped kernels compile to the same code as without it.
 
 Every program reads keys through the block table one token at a time (`block_tables[s, n //
 block_size] * block_size + n % block_size`), so tiles need not align with blocks and any block
@@ -62,6 +68,7 @@ LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Initial running max: finite, so a row whose first tiles are all masked computes exp2(-inf - m)
 # = 0 instead of exp2(-inf - -inf) = NaN.
 _NEG_BIG = tl.constexpr(-1.0e30)
+_MINUS_TWO_LOG2_E = tl.constexpr(-2 * LOG2_E)  # exp(-2x) = exp2(x * _MINUS_TWO_LOG2_E)
 # A context slice shorter than this is not worth a second (merge) kernel.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 32
@@ -234,6 +241,44 @@ def _online_softmax_step(s, v, m, row_sum, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) in float32 from exp2, within about 3 ulps everywhere (with numpy's exp2; the GPU's
+    ex2.approx adds a little). With e = exp(-2|x|) and r = 1 / (1 + e), |tanh(x)| is:
+
+        |x| < 0.25          an odd Taylor polynomial: (1 - e) would cancel x's low bits away
+        0.25 <= |x| < 0.55  (1 - e) * r
+        0.55 <= |x|         1 - 2e * r: the small tail 2e * r is accurate, so the result is
+                            rounded about as torch.tanh rounds it (e underflows to 0: +-1)
+
+    The last branch matters for GELU: 1 + tanh(inner) for a negative inner keeps only the tail,
+    and torch's F.gelu computes exactly that sum."""
+    ax = tl.abs(x)
+    e = tl.exp2(ax * _MINUS_TWO_LOG2_E)
+    r = 1.0 / (1.0 + e)
+    # x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835 - 1382x^11/155925 of the clamped |x| (the next
+    # term is < 1e-8 relative at 0.25; the clamp keeps the powers finite).
+    a = tl.minimum(ax, 0.25)
+    a2 = a * a
+    p = a2 * -0.008863235529902197 + 0.021869488536155203
+    p = p * a2 - 0.05396825396825397
+    p = p * a2 + 0.13333333333333333
+    p = p * a2 - 0.3333333333333333
+    t = tl.where(ax < 0.25, a + a * a2 * p, tl.where(ax < 0.55, (1.0 - e) * r, 1.0 - (e + e) * r))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """A tile's scores in the log2 domain, [rows, keys]: q @ k * qk_scale with qk_scale = scale *
+    log2(e); with HAS_SOFTCAP, softcap * tanh(scale * q.k / softcap) * log2(e), from qk_scale =
+    scale / softcap and softcap_log2 = softcap * log2(e) (see `_score_scales`)."""
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        s = _tanh(s) * softcap_log2
+    return s
+
+
+@triton.jit
 def _load_kv_tile(
     k_cache_ptr,
     v_cache_ptr,
@@ -292,7 +337,8 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     num_seqs,
-    scale_log2,
+    qk_scale,
+    softcap_log2,
     sliding_window,
     q_stride_t,
     q_stride_h,
@@ -312,6 +358,7 @@ def _decode_kernel(
     TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -362,7 +409,7 @@ def _decode_kernel(
             k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, valid, kv_head,
             k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, True,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE]
+        s = _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)  # [GROUP_PAD, TILE]
         s = tl.where(valid[None, :], s, float("-inf"))
         m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
 
@@ -433,7 +480,8 @@ def _extend_kernel(
     query_start_loc_ptr,
     out_ptr,
     num_seqs,
-    scale_log2,
+    qk_scale,
+    softcap_log2,
     sliding_window,
     q_stride_t,
     q_stride_h,
@@ -452,6 +500,7 @@ def _extend_kernel(
     BLOCK_Q: tl.constexpr,
     TILE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Row r of a tile is new token first + r // GROUP, query head kv_head * GROUP + r % GROUP.
@@ -507,7 +556,7 @@ def _extend_kernel(
             k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, n >= 0, kv_head,
             k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, False,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)
         m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
     for start in range(unmasked_end, kv_end, TILE):
         n = start + tl.arange(0, TILE)
@@ -516,7 +565,7 @@ def _extend_kernel(
             k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, in_range, kv_head,
             k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, True,
         )  # fmt: skip
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)
         visible = in_range[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible &= n[None, :] > pos[:, None] - sliding_window
@@ -547,6 +596,7 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V; see `kernels.reference`.
@@ -559,8 +609,9 @@ def paged_attention(
     """
     if validation.CHECK_ARGS:
         check_paged_attention_args(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+            out, softcap,
+        )  # fmt: skip
         check_runnable(q.device)
         _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
     if out is None:
@@ -586,11 +637,13 @@ def paged_attention(
             sliding_window,
             out,
             num_splits,
+            softcap=softcap,
         )
     else:
         extend(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, out
-        )
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+            out, softcap=softcap,
+        )  # fmt: skip
     return out
 
 
@@ -624,9 +677,12 @@ def decode(
     out: torch.Tensor,
     num_splits: int,
     config: KernelConfig | None = None,
+    *,
+    softcap: float | None = None,
 ) -> None:
     """The decode kernel with a given number of context slices (tests force several) and
-    optionally a launch configuration (the benchmark sweeps them).
+    optionally a launch configuration (the benchmark sweeps them); `softcap` as in
+    `paged_attention`.
 
     Correct for any batch layout (each program handles one token), but it reads each token's
     keys on its own, so `paged_attention` uses it only when every sequence has one new token."""
@@ -654,7 +710,7 @@ def decode(
         part_out,
         part_lse,
         block_tables.shape[0],
-        float(scale) * LOG2_E,
+        *_score_scales(scale, softcap),
         sliding_window or 0,
         *_strides(q, k_cache, v_cache, block_tables, out),
         NUM_HEADS=num_heads,
@@ -666,6 +722,7 @@ def decode(
         TILE=cfg.tile,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -697,9 +754,12 @@ def extend(
     sliding_window: int | None,
     out: torch.Tensor,
     config: KernelConfig | None = None,
+    *,
+    softcap: float | None = None,
 ) -> None:
     """The prefill/extend kernel over any batch (tests also run decode steps through it), with
-    optionally a launch configuration (the benchmark sweeps them)."""
+    optionally a launch configuration (the benchmark sweeps them); `softcap` as in
+    `paged_attention`."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -717,7 +777,7 @@ def extend(
         query_start_loc,
         out,
         num_seqs,
-        float(scale) * LOG2_E,
+        *_score_scales(scale, softcap),
         sliding_window or 0,
         *_strides(q, k_cache, v_cache, block_tables, out),
         GROUP=group,
@@ -728,6 +788,7 @@ def extend(
         BLOCK_Q=block_q,
         TILE=cfg.tile,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -779,6 +840,14 @@ def _strides(
         out.stride(0),
         out.stride(1),
     )
+
+
+def _score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """The kernels' (qk_scale, softcap_log2) arguments (see `_scores`): (scale * log2(e), unused)
+    without a cap, (scale / softcap, softcap * log2(e)) with one."""
+    if softcap is None:
+        return float(scale) * LOG2_E, 0.0
+    return float(scale) / float(softcap), float(softcap) * LOG2_E
 
 
 def _block_d(head_dim: int) -> int:

@@ -1,16 +1,18 @@
 """Fused Triton kernels for the Llama decoder's non-attention ops: the GPU twins of the
 `kernels.reference` functions of the same names and signatures.
 
-    rms_norm            weight * normalise(x)
+    rms_norm            weight * normalise(x), or Gemma's (1 + weight) * normalise(x)
     fused_add_rms_norm  residual += x (in place), then rms_norm(residual)
     silu_and_mul        silu(gate) * up, from the stacked gate/up projection
+    gelu_tanh_and_mul   gelu_tanh(gate) * up (Gemma's GeGLU), from the same kernel
     rotary_and_cache    RoPE on q and k straight from the stacked qkv projection; rotated k and
                         raw v written to the paged KV cache, rotated q returned
 
 Each op reads its inputs once and writes its outputs once, where the torch reference makes
 float32 copies, rotated copies and temporaries. The arithmetic is float32 and results are
 rounded to the input dtype exactly where the reference rounds (the normalised x before the
-weight, silu before the product, rot(x) * sin before the sum), so float32 outputs agree with the
+weight, or with Gemma's unit offset only the product; the activation before the product with up;
+rot(x) * sin before the sum), so float32 outputs agree with the
 reference to a few ulps and float16/bfloat16 outputs to within two ulps (an intermediate that
 lands one ulp off, e.g. from a differently rounded exp, scaled by the product after it); most
 are bit-identical.
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_attention, validation
+from kernels.triton_attention import _tanh
 from kernels.validation import (
     check_fused_add_rms_norm_args,
     check_rms_norm_args,
@@ -39,11 +42,20 @@ from kernels.validation import (
     check_silu_and_mul_args,
 )
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_and_cache", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
+    "rms_norm",
+    "rotary_and_cache",
+    "silu_and_mul",
+]
 
-# Columns per silu_and_mul program: rows are split across programs, so a decode step (a few
-# rows of 8-28k columns) still fills the GPU.
+# Columns per silu_and_mul / gelu_tanh_and_mul program: rows are split across programs, so a
+# decode step (a few rows of 8-28k columns) still fills the GPU.
 _SILU_BLOCK = 1024
+# GELU's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's constants.
+_GELU_BETA = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+_GELU_KAPPA = tl.constexpr(0.044715)
 
 
 # ------------------------------------------------------------------------------------ RMSNorm
@@ -62,11 +74,13 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     """One row: out = weight * (h * rsqrt(mean(h^2) + eps)) with h = x, or with ADD_RESIDUAL
     h = x + residual, also stored to residual. Rounded as the reference rounds: h to the dtype,
     the normalised row to the dtype, then the product with the weight (a float16/bfloat16
-    product is exact in float32, so one rounding of it equals torch's)."""
+    product is exact in float32, so one rounding of it equals torch's). With UNIT_OFFSET
+    (Gemma), out = (1 + weight) * normalised row, all in float32 and rounded once."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -81,34 +95,49 @@ def _rms_norm_kernel(
         tl.store(residual_row + cols, total, mask=mask)
         h = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, 0) / HIDDEN + eps)
-    normed = (h * inv_rms).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * out_stride_t + cols, (weight * normed).to(dtype), mask=mask)
+    if UNIT_OFFSET:
+        out = (h * inv_rms) * (1.0 + weight)
+    else:
+        out = weight * (h * inv_rms).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * out_stride_t + cols, out.to(dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)), rounded as the reference; see `kernels.reference`.
-    One program per token."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
+) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)), or with `unit_offset` Gemma's (1 + weight) * ...,
+    rounded as the reference; see `kernels.reference.rms_norm`. One program per token."""
     if validation.CHECK_ARGS:
         check_rms_norm_args(x, weight, eps)
         triton_attention.check_runnable(x.device)
-    return _launch_rms_norm(x, None, weight, eps)
+    return _launch_rms_norm(x, None, weight, eps, unit_offset)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual += x IN PLACE, then (rms_norm(residual, weight, eps), residual), as the reference
-    does; see `kernels.reference.fused_add_rms_norm`. One program per token: the row is read
-    once, the sum written back once and the norm computed from registers."""
+    """residual += x IN PLACE, then (rms_norm(residual, weight, eps, unit_offset=unit_offset),
+    residual), as the reference does; see `kernels.reference.fused_add_rms_norm`. One program
+    per token: the row is read once, the sum written back once and the norm computed from
+    registers."""
     if validation.CHECK_ARGS:
         check_fused_add_rms_norm_args(x, residual, weight, eps)
         triton_attention.check_runnable(x.device)
-    return _launch_rms_norm(x, residual, weight, eps), residual
+    return _launch_rms_norm(x, residual, weight, eps, unit_offset), residual
 
 
 def _launch_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
 ) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_tokens, hidden = x.shape
@@ -127,6 +156,7 @@ def _launch_rms_norm(
         HIDDEN=hidden,
         BLOCK=block,
         ADD_RESIDUAL=residual is not None,
+        UNIT_OFFSET=bool(unit_offset),
         num_warps=_norm_warps(block),
     )
     return out
@@ -137,7 +167,7 @@ def _norm_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-# ------------------------------------------------------------------------------------- SwiGLU
+# ------------------------------------------------------------------------------ SwiGLU, GeGLU
 
 
 @triton.jit
@@ -148,7 +178,10 @@ def _silu_and_mul_kernel(
     out_stride_t,
     INTERMEDIATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # "silu" or "gelu_tanh"
 ):
+    """act(gate) * up for BLOCK columns of one row; the activation is computed in float32, as
+    torch's F.silu / F.gelu compute it, and rounded to the dtype before the product."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -156,8 +189,14 @@ def _silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # F.silu(gate) is rounded to the dtype before .mul_(up) rounds the product.
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    # F.silu(gate) / F.gelu(gate) is rounded to the dtype before .mul_(up) rounds the product.
+    if ACTIVATION == "gelu_tanh":
+        # torch's formula and order of operations, with tanh from exp2 (triton_attention._tanh).
+        inner = _GELU_BETA * (gate + _GELU_KAPPA * (gate * gate * gate))
+        act = 0.5 * gate * (1.0 + _tanh(inner))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(dtype).to(tl.float32)
     tl.store(out_ptr + token * out_stride_t + cols, (act * up).to(dtype), mask=mask)
 
 
@@ -167,6 +206,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if validation.CHECK_ARGS:
         check_silu_and_mul_args(gate_up)
         triton_attention.check_runnable(gate_up.device)
+    return _launch_act_and_mul(gate_up, "silu")
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * I] (gate | up) -> gelu_tanh(gate) * up, [num_tokens, I], with GELU's
+    tanh approximation; see `kernels.reference.gelu_tanh_and_mul`. A program per (token, 1024
+    columns)."""
+    if validation.CHECK_ARGS:
+        check_silu_and_mul_args(gate_up)
+        triton_attention.check_runnable(gate_up.device)
+    return _launch_act_and_mul(gate_up, "gelu_tanh")
+
+
+def _launch_act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     num_tokens, intermediate = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0 or intermediate == 0:
@@ -179,6 +232,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         INTERMEDIATE=intermediate,
         BLOCK=block,
+        ACTIVATION=activation,
         num_warps=4,
     )
     return out

@@ -1,7 +1,9 @@
-"""The Triton backend as one module: the attention kernels of `kernels.triton_attention` and the
-fused layer ops of `kernels.triton_fused`, under the names and signatures of `kernels.reference`
-(the torch backend). `kernels.get_backend("triton")` returns this module."""
+"""The Triton backend as one module: the attention kernels of `kernels.triton_attention`, the
+fused layer ops of `kernels.triton_fused` and the experts of `kernels.triton_moe`, under the names
+and signatures of `kernels.reference` (the torch backend; its `moe_route`, a few small torch ops,
+serves both). `kernels.get_backend("triton")` returns this module."""
 
+from kernels.reference import moe_route
 from kernels.triton_attention import (
     INTERPRETED,
     check_runnable,
@@ -9,13 +11,23 @@ from kernels.triton_attention import (
     paged_attention,
     reshape_and_cache,
 )
-from kernels.triton_fused import fused_add_rms_norm, rms_norm, rotary_and_cache, silu_and_mul
+from kernels.triton_fused import (
+    fused_add_rms_norm,
+    gelu_tanh_and_mul,
+    rms_norm,
+    rotary_and_cache,
+    silu_and_mul,
+)
+from kernels.triton_moe import fused_moe
 
 __all__ = [
     "INTERPRETED",
     "check_runnable",
     "copy_blocks",
     "fused_add_rms_norm",
+    "fused_moe",
+    "gelu_tanh_and_mul",
+    "moe_route",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -126,6 +126,7 @@ def check_paged_attention_args(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> None:
     """Raise ValueError unless the arguments fit `paged_attention`'s signature."""
     if q.dim() != 3:
@@ -164,6 +165,10 @@ def check_paged_attention_args(
         or sliding_window < 1
     ):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    if softcap is not None and (
+        not isinstance(softcap, int | float) or isinstance(softcap, bool) or not softcap > 0
+    ):
+        raise ValueError(f"softcap must be None or a positive float, got {softcap!r}")
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(
@@ -313,4 +318,50 @@ def check_rotary_and_cache_args(
         k_cache=k_cache,
         v_cache=v_cache,
         slot_mapping=slot_mapping,
+    )
+
+
+def check_fused_moe_args(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+) -> None:
+    """Raise ValueError unless the arguments fit `fused_moe`'s signature."""
+    _check_rows("x", x, "[num_tokens, hidden]")
+    num_tokens, hidden = x.shape
+    if gate_up.dim() != 3 or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
+        raise ValueError(
+            f"gate_up must be [num_experts, 2 * intermediate, {hidden}], got {tuple(gate_up.shape)}"
+        )
+    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if down.shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"down must be [{num_experts}, {hidden}, {inter}] to match gate_up, "
+            f"got {tuple(down.shape)}"
+        )
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if topk_weights.dim() != 2 or topk_weights.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_weights must be [{num_tokens}, top_k], got {tuple(topk_weights.shape)}"
+        )
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"topk_ids must be {tuple(topk_weights.shape)} like topk_weights, "
+            f"got {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    _check_same_device(
+        x=x, gate_up=gate_up, down=down, topk_weights=topk_weights, topk_ids=topk_ids
     )

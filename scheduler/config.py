@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.kv_groups import blocks_per_request
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -14,8 +16,8 @@ class SchedulerConfig:
 
     `max_num_batched_tokens` may be smaller than `max_model_len`: long prompts are then
     prefilled in chunks over several steps. The pool must hold one request of
-    `max_model_len` tokens on its own (num_blocks * block_size >= max_model_len), otherwise
-    a long request could preempt everyone, itself included, and never finish.
+    `max_model_len` tokens on its own (in every KV-cache group: scheduler/kv_groups.py),
+    otherwise a long request could preempt everyone, itself included, and never finish.
     """
 
     num_blocks: int
@@ -29,6 +31,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     ngram_min: int = 2
     ngram_max: int = 4
+    # One entry per KV-cache group: its sliding window, None for full attention
+    # (scheduler/kv_groups.py).
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -38,7 +43,10 @@ class SchedulerConfig:
         assert isinstance(self.enable_prefix_caching, bool), self.enable_prefix_caching
         assert self.num_speculative_tokens >= 0, self.num_speculative_tokens
         assert 1 <= self.ngram_min <= self.ngram_max, (self.ngram_min, self.ngram_max)
-        assert self.num_blocks * self.block_size >= self.max_model_len, (
-            f"the KV cache holds {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
-            f"blocks x {self.block_size}) but max_model_len is {self.max_model_len}"
+        need = blocks_per_request(
+            self.kv_group_windows, self.max_model_len, self.block_size, self.max_num_batched_tokens
+        )
+        assert self.num_blocks >= need, (
+            f"the KV cache has {self.num_blocks} blocks of {self.block_size} tokens, but one "
+            f"request of max_model_len={self.max_model_len} tokens needs {need}"
         )

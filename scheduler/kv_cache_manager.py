@@ -6,8 +6,13 @@ from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash, hash_block_tokens
 from scheduler.block_pool import Block, BlockPool
+from scheduler.kv_groups import first_live_block
 from scheduler.request import Request
 from scheduler.utils import cdiv
+
+# The id a table shows for a sliding-window block given back (never read: the runner points
+# such entries at a live block of the row; see engine/input_batch.py).
+DROPPED_BLOCK_ID = 0
 
 
 class KVCacheManager:
@@ -19,9 +24,17 @@ class KVCacheManager:
         slot        =   block_id * block_size + offset
 
     Invariants:
-    - A table holds at least ceil(n / block_size) blocks, n being the number of tokens the
-      request has been granted slots for (computed or being computed this step); exactly that
-      many except after speculative drafts were rejected (their blocks stay for later tokens).
+    - A table holds at least ceil(n / block_size) blocks per KV-cache group, n being the number
+      of tokens the request has been granted slots for (computed or being computed this step);
+      exactly that many except after speculative drafts were rejected (their blocks stay for
+      later tokens). With G groups (`windows`, one per group; scheduler/kv_groups.py) a table
+      interleaves them: entry i * G + g is block i of group g. With one group (every layer
+      attends alike) that is the plain table.
+    - A sliding-window group's entries before the window of the request's next chunk are None:
+      their blocks went back to the pool (`allocate_slots` drops them as the window moves on;
+      the full-attention groups keep every block). Dropped blocks keep their prefix-cache hash
+      while they sit in the free list, so a later prompt with the same prefix still finds
+      them.
     - Blocks are shared through ref counts: full blocks by prefix-cache hits, and any block,
       the partial last one included, by `fork` (the samples of one prompt, beams). A shared
       block is never written in place: the request about to write into one gets a copy first
@@ -36,12 +49,24 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must be one None or positive int per group, got {windows}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = windows
+        self.num_groups = len(windows)
+        self._sliding = tuple((g, w) for g, w in enumerate(windows) if w is not None)
         self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        self._tables: dict[str, list[Block]] = {}
+        self._tables: dict[str, list[Block | None]] = {}
+        # Per request with sliding groups, per sliding group: its blocks below this index are
+        # dropped already.
+        self._num_dropped: dict[str, list[int]] = {}
         # The same tables as block ids, kept next to them: a decode step reads every running
         # request's table, and rebuilding the id lists from Block objects would cost per-request
         # Python on every step.
@@ -82,12 +107,18 @@ class KVCacheManager:
         return self.block_pool.usage
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as block ids (empty if it holds none)."""
+        """The request's block table as block ids (empty if it holds none); interleaved by
+        group, DROPPED_BLOCK_ID for dropped entries."""
         return list(self._table_ids.get(request_id, ()))
 
     def ref_counts(self, request_id: str) -> list[int]:
-        """The ref count of each block of the request's table (for tests and debugging)."""
-        return [block.ref_cnt for block in self._tables.get(request_id, ())]
+        """The ref count of each block of the request's table, 0 for dropped entries (for tests
+        and debugging)."""
+        return [0 if b is None else b.ref_cnt for b in self._tables.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table that it holds (dropped entries not counted)."""
+        return sum(b is not None for b in self._tables.get(request_id, ()))
 
     def take_block_copies(self) -> list[tuple[str, int, int, int]]:
         """The copy-on-write copies decided since the last call, oldest first, as (request id,
@@ -102,13 +133,15 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------- allocation
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block | None], int]:
         """Longest cached prefix of `request.all_token_ids`, in whole blocks.
 
-        Returns (blocks, num_computed_tokens). Only for a request that holds no blocks.
-        The hit never covers the last token: its logits must be computed to sample from, so
-        at most floor((num_tokens - 1) / block_size) blocks are returned. The blocks are not
-        referenced yet; pass them to `allocate_slots`.
+        Returns (blocks, num_computed_tokens), blocks interleaved by group as a table is. Only
+        for a request that holds no blocks. The hit never covers the last token: its logits
+        must be computed to sample from, so at most floor((num_tokens - 1) / block_size) blocks
+        per group are returned. A full-attention group needs every block of the prefix cached;
+        a sliding group only those its window sees from the end of the prefix (the others
+        come back as None). The blocks are not referenced yet; pass them to `allocate_slots`.
         """
         if request.request_id in self._tables or request.num_computed_tokens:
             raise ValueError(
@@ -117,46 +150,74 @@ class KVCacheManager:
             )
         if not self.enable_prefix_caching:
             return [], 0
-        max_num_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[Block] = []
-        for block_hash in self._hashes_of(request, max_num_blocks):
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                # Stop at the first miss: a later block's KV depends on every token before it.
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+        hashes = self._hashes_of(request, (request.num_tokens - 1) // self.block_size)
+        groups = range(self.num_groups)
+        cached = self.block_pool.get_cached_block
+        full = [g for g in groups if self.windows[g] is None]
+        num_hit = 0
+        # Stop at the first miss: a later block's KV depends on every token before it.
+        while num_hit < len(hashes) and all(cached(_group_hash(hashes[num_hit], g)) for g in full):
+            num_hit += 1
+        # A sliding group must still hold the blocks its window sees from the end of the hit.
+        while num_hit and not all(
+            cached(_group_hash(hashes[i], g))
+            for g, window in self._sliding
+            for i in range(
+                first_live_block(window, num_hit * self.block_size, self.block_size), num_hit
+            )
+        ):
+            num_hit -= 1
+        blocks: list[Block | None] = []
+        live = [
+            first_live_block(w, num_hit * self.block_size, self.block_size) for w in self.windows
+        ]
+        for i in range(num_hit):
+            for g in groups:
+                blocks.append(cached(_group_hash(hashes[i], g)) if i >= live[g] else None)
+        return blocks, num_hit * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[Block] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[Block | None] = (),
     ) -> list[int] | None:
         """Grant KV slots for `num_new_tokens` tokens after the request's computed ones.
 
         The computed prefix is `request.num_computed_tokens` tokens plus, for a request
         being admitted, the prefix-cache hit `new_computed_blocks` from get_computed_blocks.
-        Returns the ids of the newly allocated blocks (possibly empty), or None, changing
-        nothing, when the pool cannot supply them.
+        Sliding groups first give back the blocks the chunk no longer sees. Returns the ids
+        of the newly allocated blocks (possibly empty; interleaved by group), or None when
+        the pool cannot supply them, changing nothing else.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         request_id = request.request_id
         table = self._tables.get(request_id)
+        num_groups, size = self.num_groups, self.block_size
+        if table is not None and self._sliding:
+            self._drop_outside_windows(request_id, table, request.num_computed_tokens)
         num_total_tokens = request.num_computed_tokens + num_new_tokens
-        # The block holding the next position, when the table has it and shares it: written
-        # only after a copy-on-write.
-        written = request.num_computed_tokens // self.block_size
-        shared = table is not None and written < len(table) and table[written].ref_cnt > 1
+        # The blocks holding the next position, where the table has them and shares them:
+        # written only after a copy-on-write.
+        written = request.num_computed_tokens // size * num_groups
+        shared = []
+        if table is not None:
+            for index in range(written, min(written + num_groups, len(table))):
+                block = table[index]
+                if block is not None and block.ref_cnt > 1:
+                    shared.append(index)
         if (
             table is not None
             and not new_computed_blocks
             and not shared
-            and num_total_tokens <= len(table) * self.block_size
+            and num_total_tokens * num_groups <= len(table) * size
         ):
             # Most decode steps: the slots are in the last block already, and no block filled up
             # (checked here rather than in _cache_full_blocks: this runs per request per step).
             if self.enable_prefix_caching:
                 num_known = min(num_total_tokens, len(request.all_token_ids))
-                if num_known // self.block_size > self._num_cached_blocks.get(request_id, 0):
+                if num_known // size > self._num_cached_blocks.get(request_id, 0):
                     self._cache_full_blocks(request, table, num_known)
             return []
         if new_computed_blocks and (table or request.num_computed_tokens):
@@ -165,33 +226,36 @@ class KVCacheManager:
                 "for a request that holds no blocks"
             )
         num_computed_tokens = (
-            request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+            request.num_computed_tokens + len(new_computed_blocks) // num_groups * size
         )
         num_total_tokens = num_computed_tokens + num_new_tokens
-        num_held_blocks = len(new_computed_blocks) + (len(table) if table else 0)
-        num_new_blocks = max(0, cdiv(num_total_tokens, self.block_size) - num_held_blocks)
+        num_held = (len(new_computed_blocks) + (len(table) if table else 0)) // num_groups
+        num_new_blocks = max(0, cdiv(num_total_tokens, size) - num_held) * num_groups
 
         # Hit blocks that sit in the free list leave it when touched: they must not be
         # counted as capacity for the fresh blocks of this same call.
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks + shared > self.block_pool.num_free_blocks - num_revived:
+        hit = [block for block in new_computed_blocks if block is not None]
+        num_revived = sum(1 for block in hit if block.ref_cnt == 0)
+        if num_new_blocks + len(shared) > self.block_pool.num_free_blocks - num_revived:
             return None
 
-        if shared:
-            self._copy_on_write(request_id, table, written)
+        for index in shared:
+            self._copy_on_write(request_id, table, index)
 
         if table is None:
             table = self._tables[request_id] = []
             self._table_ids[request_id] = []
             self.num_prefix_cache_queries_tokens += request.num_tokens
-            self.num_prefix_cache_hits_tokens += len(new_computed_blocks) * self.block_size
-        self.block_pool.touch(new_computed_blocks)
+            self.num_prefix_cache_hits_tokens += len(new_computed_blocks) // num_groups * size
+            if self._sliding:
+                self._num_dropped[request_id] = [0] * len(self._sliding)
+        self.block_pool.touch(hit)
         table.extend(new_computed_blocks)
         new_blocks = self.block_pool.allocate(num_new_blocks)
         table.extend(new_blocks)
         new_ids = [block.block_id for block in new_blocks]
         ids = self._table_ids[request_id]
-        ids.extend(block.block_id for block in new_computed_blocks)
+        ids.extend(DROPPED_BLOCK_ID if b is None else b.block_id for b in new_computed_blocks)
         ids.extend(new_ids)
 
         if self.enable_prefix_caching:
@@ -207,45 +271,67 @@ class KVCacheManager:
         if child_id in self._tables:
             raise ValueError(f"fork: request {child_id!r} already holds blocks")
         parent_table = self._tables.get(parent.request_id, [])
-        num_blocks = cdiv(num_tokens, self.block_size)
-        if not 0 < num_blocks <= len(parent_table):
+        num_entries = cdiv(num_tokens, self.block_size) * self.num_groups
+        if not 0 < num_entries <= len(parent_table):
             raise ValueError(
-                f"fork: request {parent.request_id!r} holds {len(parent_table)} blocks, "
-                f"which cannot hold {num_tokens} tokens to share"
+                f"fork: request {parent.request_id!r} holds "
+                f"{len(parent_table) // self.num_groups} blocks, which cannot hold "
+                f"{num_tokens} tokens to share"
             )
-        blocks = parent_table[:num_blocks]
-        self.block_pool.touch(blocks)
+        blocks = parent_table[:num_entries]
+        self.block_pool.touch(block for block in blocks if block is not None)
         self._tables[child_id] = list(blocks)
-        self._table_ids[child_id] = self._table_ids[parent.request_id][:num_blocks]
+        self._table_ids[child_id] = self._table_ids[parent.request_id][:num_entries]
+        if self._sliding:
+            self._num_dropped[child_id] = list(self._num_dropped[parent.request_id])
         num_full = num_tokens // self.block_size
         self._block_hashes[child_id] = self._block_hashes.get(parent.request_id, [])[:num_full]
         self._num_cached_blocks[child_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), num_full
         )
 
-    def truncate(self, request: Request, num_tokens: int) -> None:
+    def truncate(self, request: Request, num_tokens: int) -> int:
         """Keep the blocks holding the request's first `num_tokens` tokens and free the rest
         (rewind). A kept block that is now partly past the end and held by this request alone
-        leaves the prefix cache, since the request will write its tail again."""
+        leaves the prefix cache, since the request will write its tail again.
+
+        Returns the tokens whose KV is kept: `num_tokens`, or 0 (and every block freed) when a
+        sliding group already gave back blocks the window at `num_tokens` needs: the request
+        is then computed again from the start."""
         request_id = request.request_id
         table = self._tables.get(request_id)
         if not table:
-            return
+            return num_tokens
         num_kept = cdiv(num_tokens, self.block_size)
+        if any(
+            table[i * self.num_groups + g] is None
+            for g, window in self._sliding
+            for i in range(first_live_block(window, num_tokens, self.block_size), num_kept)
+        ):
+            self.free(request)
+            return 0
         if num_kept == 0:
             self.free(request)
-            return
-        dropped = table[num_kept:]
-        del table[num_kept:]
-        del self._table_ids[request_id][num_kept:]
+            return 0
+        cut = num_kept * self.num_groups
+        dropped = [block for block in table[cut:] if block is not None]
+        del table[cut:]
+        del self._table_ids[request_id][cut:]
         self.block_pool.free(reversed(dropped))
+        if request_id in self._num_dropped:
+            self._num_dropped[request_id] = [
+                min(n, num_kept) for n in self._num_dropped[request_id]
+            ]
         num_full = num_tokens // self.block_size
         if request_id in self._block_hashes:
             del self._block_hashes[request_id][num_full:]
         if request_id in self._num_cached_blocks:
             self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id], num_full)
-        if num_kept > num_full and table[-1].ref_cnt == 1:
-            self.block_pool.uncache(table[-1])
+        if num_kept > num_full:
+            for block in table[cut - self.num_groups :]:
+                if block is not None and block.ref_cnt == 1:
+                    self.block_pool.uncache(block)
+        return num_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget its table; a no-op if it holds none.
@@ -256,19 +342,20 @@ class KVCacheManager:
         request_id = request.request_id
         table = self._tables.pop(request_id, None)
         self._table_ids.pop(request_id, None)
+        self._num_dropped.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         if self._block_copies:  # a copy into a block it no longer holds is not to be made
             self._block_copies = [c for c in self._block_copies if c[0] != request_id]
         if table:
-            self.block_pool.free(reversed(table))
+            self.block_pool.free(block for block in reversed(table) if block is not None)
 
     def free_untrusted(self, request: Request) -> list[int]:
         """Free the blocks of a request whose KV must not be reused (its step produced NaN or
         inf): those no other request holds also leave the prefix cache. Returns their ids, for
         the caller to clear before the pool hands them out again."""
         table = self._tables.get(request.request_id, ())
-        owned = [block for block in table if block.ref_cnt == 1]
+        owned = [block for block in table if block is not None and block.ref_cnt == 1]
         for block in owned:
             self.block_pool.uncache(block)
         self.free(request)
@@ -276,7 +363,27 @@ class KVCacheManager:
 
     # -------------------------------------------------------------------- internals
 
-    def _copy_on_write(self, request_id: str, table: list[Block], index: int) -> None:
+    def _drop_outside_windows(
+        self, request_id: str, table: list[Block | None], position: int
+    ) -> None:
+        """Give back each sliding group's blocks that a chunk starting at `position` no longer
+        sees (its window looks back window - 1 positions)."""
+        num_dropped = self._num_dropped[request_id]
+        num_blocks = len(table) // self.num_groups
+        dropped = []
+        for k, (g, window) in enumerate(self._sliding):
+            end = min(num_blocks, first_live_block(window, position, self.block_size))
+            for i in range(num_dropped[k], end):
+                index = i * self.num_groups + g
+                if table[index] is not None:
+                    dropped.append(table[index])
+                    table[index] = None
+                    self._table_ids[request_id][index] = DROPPED_BLOCK_ID
+            num_dropped[k] = max(num_dropped[k], end)
+        if dropped:
+            self.block_pool.free(dropped)
+
+    def _copy_on_write(self, request_id: str, table: list[Block | None], index: int) -> None:
         """Replace the shared block `table[index]` by a fresh one the runner fills with a copy
         (the caller checked that one is free)."""
         (copy,) = self.block_pool.allocate(1)
@@ -298,11 +405,14 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
         return hashes[:num_blocks]
 
-    def _cache_full_blocks(self, request: Request, table: list[Block], num_known: int) -> None:
+    def _cache_full_blocks(
+        self, request: Request, table: list[Block | None], num_known: int
+    ) -> None:
         """Offer to the cache every table block that is full of the first `num_known` tokens.
 
         Only tokens already in all_token_ids can be hashed; slots granted for tokens not yet
-        sampled (none today, but speculative decoding would) wait for a later call.
+        sampled (speculative drafts) wait for a later call. Each group's block of a prefix is
+        cached under its own key (`_group_hash`).
         """
         request_id = request.request_id
         num_full = num_known // self.block_size
@@ -310,9 +420,23 @@ class KVCacheManager:
         if num_full <= num_done:
             return
         hashes = self._hashes_of(request, num_full)
-        for index in range(num_done, num_full):
+        num_groups = self.num_groups
+        for index in range(num_done * num_groups, num_full * num_groups):
             block = table[index]
-            # Prefix-cache hits already carry exactly this hash.
-            if block.block_hash is None:
-                self.block_pool.cache_full_block(block, hashes[index])
+            # Prefix-cache hits already carry exactly this hash; dropped blocks were cached
+            # when they filled.
+            if block is not None and block.block_hash is None:
+                group = index % num_groups
+                self.block_pool.cache_full_block(
+                    block, _group_hash(hashes[index // num_groups], group)
+                )
         self._num_cached_blocks[request_id] = num_full
+
+
+def _group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of group `group`'s block of a prefix: the groups' blocks hold
+    different layers' KV of the same tokens, so each gets a key of its own (group 0 the plain
+    hash)."""
+    if group == 0:
+        return block_hash
+    return BlockHash(block_hash.digest + group.to_bytes(2, "little"), block_hash.token_ids)

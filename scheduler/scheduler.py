@@ -45,7 +45,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.kv_group_windows,
         )
         # Live requests only (waiting, running, preempted); finished ones leave at once.
         self.requests: dict[str, Request] = {}
@@ -480,9 +483,11 @@ class Scheduler:
 
         A running request's blocks past the new end go back to the pool
         (`KVCacheManager.truncate`); the kept prefix stays in the cache and is not computed
-        again, except the last kept token, whose logits give the next one. The runner gets the
-        shortened request in full at its next step; a token it still has in flight is dropped
-        when it comes back. A waiting request holds no blocks: only its tokens go back.
+        again, except the last kept token, whose logits give the next one (unless a sliding
+        window already gave back blocks the new end needs: then it is all computed again). The
+        runner gets the shortened request in full at its next step; a token it still has in
+        flight is dropped when it comes back. A waiting request holds no blocks: only its
+        tokens go back.
         """
         request = self.requests.get(request_id)
         if request is None:
@@ -502,8 +507,9 @@ class Scheduler:
         del request.output_token_ids[-num_tokens:]
         del request.all_token_ids[-num_tokens:]
         if request.status == RequestStatus.RUNNING:
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-            self.kv_cache_manager.truncate(request, request.num_computed_tokens)
+            request.num_computed_tokens = self.kv_cache_manager.truncate(
+                request, min(request.num_computed_tokens, request.num_tokens - 1)
+            )
             if not request.send_in_full:
                 request.send_in_full = True
                 self._preempted_since_schedule.append(request_id)  # the runner drops its row

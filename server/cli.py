@@ -46,11 +46,18 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
         model=args.model, block_size=args.block_size, max_model_len=args.max_model_len
     )
     config = resolve_model(options.model).config
-    max_model_len = options.model_len(config.max_position_embeddings)
+    # A plan is arithmetic: lengths past the model's context are planned too, with a note (a
+    # server refuses them).
+    max_model_len = options.max_model_len or config.max_position_embeddings
     report = kv_plan_report(
         options.model, config, DTYPES[args.dtype], args.num_seqs, max_model_len, args.block_size
     )
     print(report)
+    if max_model_len > config.max_position_embeddings:
+        print(
+            f"note: {max_model_len} tokens exceed the model's context length "
+            f"{config.max_position_embeddings}; `serve` would refuse this --max-model-len"
+        )
     return 0
 
 

@@ -28,6 +28,10 @@ STEP_NAMES = (
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("gpu_engine")
+    return out, _run_script(out)
+
+
+def _run_script(out: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
     env = os.environ | {
         "SMOKE": "1",
         "OUT": str(out),
@@ -36,8 +40,9 @@ def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
         # One thread: the smoke sizes gain nothing from more, and a busy machine's spinning
         # OpenMP threads slowed the steps several-fold.
         "OMP_NUM_THREADS": "1",
+        **env_vars,
     }
-    done = subprocess.run(
+    return subprocess.run(
         ["bash", "bench/gpu_engine.sh"],
         cwd=REPO,
         env=env,
@@ -45,7 +50,6 @@ def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
         text=True,
         timeout=600,
     )
-    return out, done
 
 
 def _records(out: Path, step: str) -> list[dict]:
@@ -272,6 +276,23 @@ def test_spec_records(smoke):
 
 
 # --- pure parts ------------------------------------------------------------------------------
+
+
+def test_the_moe_step_runs_alone_and_checks_the_experts_against_transformers(tmp_path):
+    done = _run_script(tmp_path, ONLY="moe")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("moe: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "moe")
+    _no_errors(records)
+    checks = [r for r in records if r.get("check") == "fp32_greedy"]
+    assert [(r["engine"], r["equal"]) for r in checks] == [("default", True), ("eager", True)]
+    assert all(r["num_prompts"] == len(SMOKE_SIZES.correctness_prompt_lens) for r in checks)
+    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
+    sizes = SMOKE_SIZES
+    assert throughput["num_output_tokens"] == sizes.offline_prompts * sizes.offline_output_len
+    assert throughput["num_active_params"] < throughput["num_params"]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "moe: tiny-qwen3-moe fp32_greedy eager equal=True prompts 8/8" in summary
 
 
 def test_random_length_workload_is_nano_vllms():

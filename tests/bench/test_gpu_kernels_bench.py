@@ -22,6 +22,9 @@ FUSED_CASES = [
     for n in (1, 5)
     for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
 ]
+# The smoke plan's MoE cases: the tiny layer (hidden 96, experts of 80, 8 experts, top 2) for 1
+# token (16-row tiles) and 12 (more tokens than experts: 64-row tiles).
+MOE_CASES = ["tiny-moe n1", "tiny-moe n12"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -48,21 +51,23 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = _records(out.read_text())
     assert _records(done.stdout) == records  # stdout is JSON lines only; the table is on stderr
-    assert "checks: 15/15 ok" in done.stderr
+    assert "checks: 17/17 ok" in done.stderr
 
     env = records[0]
     assert env["kind"] == "env"
     assert (env["device"], env["dtype"], env["smoke"]) == ("cpu", "float16", True)
     assert env["kernels"] == "kernels.triton_attention"
     assert env["fused_kernels"] == "kernels.triton_fused"
+    assert env["moe_kernels"] == "kernels.triton_moe"
     assert Counter(r["kind"] for r in records) == {
         "env": 1,
-        "check": 15,
+        "check": 17,
         "decode": 1,
         "prefill": 2,
         "cache": 1,
         "copy": 2,
         "fused": 8,
+        "moe": 2,
     }
 
     checks = [r for r in records if r["kind"] == "check"]
@@ -74,7 +79,8 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
         ("cache", "tiny 256 tokens"),
     ]
     assert [(r["scenario"], r["case"]) for r in checks[5:7]] == [("copy", c) for c in COPY_CASES]
-    assert [r["case"] for r in checks[7:]] == FUSED_CASES
+    assert [r["case"] for r in checks[7:15]] == FUSED_CASES
+    assert [(r["scenario"], r["case"]) for r in checks[15:]] == [("moe", c) for c in MOE_CASES]
     assert all(r["ok"] is True for r in checks), checks
     assert [r["sliding_window"] for r in checks[:2]] == [None, 32]
     assert all(r["max_abs_err"] <= r["atol"] for r in checks[:4])
@@ -102,7 +108,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert [r["case"] for r in fused] == FUSED_CASES
     # float16 within 2 ulps (rtol 2 * 2^-10) of the reference; the model's own code is the
     # reference's math exactly.
-    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[7:])
+    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[7:15])
     assert all(r["model_max_abs_err"] == 0.0 and r["model_ratio"] > 0 for r in fused)
     # Bytes each op moves, per token of the tiny layer (hidden 96, intermediate 160, 4 q and 2 kv
     # heads of 64): x and out (+ the weight once); x, residual in, residual out and out;
@@ -117,7 +123,18 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     for r in fused:
         assert r["bytes"] == r["num_tokens"] * per_token[r["op"]] + weight.get(r["op"], 0), r
 
-    for r in [decode, *prefill, cache, *copy, *fused]:
+    moe = [r for r in records if r["kind"] == "moe"]
+    assert [r["case"] for r in moe] == MOE_CASES
+    assert all(r["max_abs_err"] <= r["atol"] for r in checks[15:])
+    # 2 FLOPs x tokens x top 2 x (gate, up and down: 3 x 80 x 96); the distinct experts' three
+    # 80 x 96 float16 matrices read (one token: its 2; 12 tokens x 2 hit all 8 here).
+    assert [r["flops"] for r in moe] == [2 * n * 2 * 3 * 80 * 96 for n in (1, 12)]
+    assert [r["experts_hit"] for r in moe] == [2, 8]
+    assert all(r["expert_bytes"] == r["experts_hit"] * 3 * 80 * 96 * 2 for r in moe)
+    assert all(r["dense_time_us"] > 0 and r["dense_ratio"] > 0 for r in moe)
+    assert all(0.9 < r["ref_identical"] <= 1 for r in moe)  # float16: mostly bit-identical
+
+    for r in [decode, *prefill, cache, *copy, *fused, *moe]:
         assert r["time_us"] > 0 and r["ratio"] > 0
         assert r["target"] is None and r["ok"] is None  # no speed claims on CPU
     for r in [decode, *prefill]:
@@ -152,6 +169,20 @@ def test_only_fused_runs_each_op_for_each_token_count():
     # The reference against itself: exact.
     assert all(r["ok"] and r["max_abs_err"] == 0.0 for r in records[1::2])
     assert "vs model" in done.stderr and "checks: 8/8 ok" in done.stderr
+
+
+def test_only_moe_times_the_reference_against_itself_and_the_dense_layer():
+    done = _run("--smoke", "--only", "moe", "--moe-kernels", "kernels.reference")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = _records(done.stdout)
+    assert records[0]["moe_kernels"] == "kernels.reference"
+    assert records[0]["fused_kernels"] is None
+    assert [r["kind"] for r in records] == ["env"] + ["check", "moe"] * 2
+    assert [r["case"] for r in records[1::2]] == MOE_CASES
+    # The reference against itself: exact.
+    assert all(r["ok"] and r["max_abs_err"] == 0.0 for r in records[1::2])
+    assert all(r["ref_identical"] == 1.0 for r in records[2::2])
+    assert "vs dense" in done.stderr and "checks: 2/2 ok" in done.stderr
 
 
 def test_without_cuda_the_full_run_exits_2_and_says_why():

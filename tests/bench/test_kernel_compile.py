@@ -53,14 +53,23 @@ def test_every_variant_compiles_for_sm90_without_spills():
         "rms_norm": ["_rms_norm_kernel"],
         "add_rms_norm": ["_rms_norm_kernel"],
         "silu_and_mul": ["_silu_and_mul_kernel"],
+        "gelu_tanh_and_mul": ["_silu_and_mul_kernel"],  # the same kernel, ACTIVATION="gelu_tanh"
         "rotary_cache": ["_rotary_and_cache_kernel"],
+        "moe": ["_moe_gate_up_kernel", "_moe_down_kernel", "_moe_sum_kernel"],
     }
     for v in VARIANTS:
         want = list(expected[v.kind])
         if v.kind == "decode" and v.num_splits > 1:
             want.append("_merge_splits_kernel")
+        if v.kind == "moe" and v.top_k == 1:
+            want.remove("_moe_sum_kernel")  # one expert per token: nothing to sum
         assert kernels_by_variant[v.name] == want
     # Every variant compiled, and copy_blocks in each dtype the engine's caches take.
     assert list(kernels_by_variant) == [v.name for v in VARIANTS]
     copy_dtypes = {r["dtype"] for r in records if r["kernel"] == "_copy_blocks_kernel"}
     assert copy_dtypes == {"bfloat16", "float16", "float32"}
+    # Fused MoE at the Qwen3-30B-A3B and Mixtral-8x7B shapes, in decode and prefill tiles.
+    moe = {
+        (r["hidden_size"], r["num_experts"], r["num_tokens"]) for r in records if r["kind"] == "moe"
+    }
+    assert {(2048, 128, 1), (2048, 128, 256), (4096, 8, 1), (4096, 8, 256)} <= moe

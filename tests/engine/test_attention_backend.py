@@ -59,9 +59,9 @@ def test_triton_backend_greedy_equals_torch_backend_and_transformers(
         module = triton_attention if name in ("decode", "extend") else triton_ops
         real = getattr(module, name)
 
-        def spy(*args, _real=real, _name=name):
+        def spy(*args, _real=real, _name=name, **kwargs):
             launches[_name] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(module, name, spy)
     llm, with_triton = _generate(path, "triton", prompts, **options)

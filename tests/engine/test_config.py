@@ -160,14 +160,18 @@ def test_qwen2_has_qkv_bias_and_no_sliding_window_when_off():
     assert c.weight_shapes()["model.layers.0.self_attn.k_proj.bias"] == (128,)
 
 
-def test_qwen2_sliding_window_on_every_layer_or_rejected_when_mixed():
+def test_qwen2_sliding_window_on_every_layer_none_or_from_max_window_layers_on():
     on_all = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True, "max_window_layers": 0}
-    assert ModelConfig.from_hf_dict(on_all).sliding_window == 32768
+    assert ModelConfig.from_hf_dict(on_all).layer_types == ("sliding_attention",) * 24
     on_none = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True, "max_window_layers": 24}
     assert ModelConfig.from_hf_dict(on_none).sliding_window is None
-    mixed = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True}
-    with pytest.raises(ValueError, match="max_window_layers \\(21\\) of 24"):
-        ModelConfig.from_hf_dict(mixed)
+    # HF's rule: layer i slides iff i >= max_window_layers (21 here).
+    mixed = ModelConfig.from_hf_dict({**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True})
+    assert mixed.layer_types == ("full_attention",) * 21 + ("sliding_attention",) * 3
+    assert [mixed.layer_window(i) for i in (20, 21)] == [None, 32768]
+    # transformers 5 writes layer_types itself; it wins over the rule.
+    explicit = {**QWEN2_5_0_5B_INSTRUCT, "layer_types": ["sliding_attention"] * 24}
+    assert ModelConfig.from_hf_dict(explicit).layer_types == ("sliding_attention",) * 24
 
 
 def test_mistral_sliding_window_and_defaults():
@@ -239,7 +243,12 @@ def test_builtin_shapes_have_the_published_sizes():
         "llama-3.1-8b": 8_030_261_248,
         "qwen2.5-0.5b": 494_032_768,
         "smollm2-135m": 134_515_008,
+        "gemma-2-9b": 9_241_705_984,
+        "gemma-3-27b": 27_009_346_304,  # the text model
+        "qwen3-30b-a3b": 30_532_122_624,
     }
+    # "A3B": about 3.3B parameters run per token (8 of 128 experts).
+    assert builtin_config("qwen3-30b-a3b").num_active_params() == 3_353_032_704
     assert builtin_config("LLaMA-3.1-8B").rope_scaling_dict()["factor"] == 8.0
     assert builtin_config("llama-3.2-1b").tie_word_embeddings is True
     assert builtin_config("llama-3.1-8b").tie_word_embeddings is False
@@ -253,12 +262,33 @@ def test_to_hf_dict_round_trips(name):
     assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+FAMILY_TRAITS = {
+    "qwen3": dict(qk_norm=True),
+    "gemma2": dict(
+        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8.0, sliding_window=16,
+        layer_types=("sliding_attention", "full_attention"), attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
+    "gemma3_text": dict(
+        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=8.0, qk_norm=True,
+        sliding_window=16, layer_types=("sliding_attention", "full_attention"),
+        local_rope_theta=1000.0,
+    ),
+    "phi3": dict(sliding_window=16),
+    "mixtral": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                    norm_topk_prob=True),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                      qk_norm=True, norm_topk_prob=True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", *FAMILY_TRAITS])
 def test_to_hf_dict_builds_a_transformers_model_with_our_shapes(arch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    c = tiny_config(arch, tie_word_embeddings=arch != "mistral")
+    c = tiny_config(arch, tie_word_embeddings=arch != "mistral", **FAMILY_TRAITS.get(arch, {}))
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
     d = c.to_hf_dict()
     hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
@@ -532,7 +562,7 @@ def test_unknown_model_says_what_was_tried(tmp_path: Path):
         "not a local directory with config.json",
         "not a .gguf file",
         "not a known embedded model name (smollm2-135m-instruct)",
-        "built-in shape for dummy weights (llama-3.2-1b, llama-3.1-8b, qwen2.5-0.5b, smollm2-135m)",
+        f"built-in shape for dummy weights ({', '.join(BUILTIN_SHAPES)})",
     ):
         assert tried in message
 

@@ -97,7 +97,7 @@ def test_padded_decode_buffers_give_transformers_greedy_tokens(backend, tiny_lla
     assert sizes == [3] * 4  # steps 7..10 of the three longer-running sequences
     assert graphs.padded_size(3) == 4
     # Padding rows wrote nothing: slot -1, length 1.
-    assert graphs.slot_mapping[3].item() == -1 and graphs.seq_lens[3].item() == 1
+    assert graphs.slot_mapping[0, 3].item() == -1 and graphs.seq_lens[3].item() == 1
 
     # Stale rows from that run (longer block tables, other ids) do not leak into the next one.
     again = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params[:2])]

@@ -48,6 +48,8 @@ HF_TO_GGUF = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -99,9 +101,9 @@ def write_gguf_like_llama_cpp(
 # ---------------------------------------------------------------------- GGUF, tiny files
 
 
-@pytest.mark.parametrize("arch, permuted", [("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch, permuted", [("llama", True), ("qwen2", False), ("qwen3", False)])
 def test_tiny_gguf_round_trips_to_the_hf_tensors(tmp_path: Path, arch: str, permuted: bool):
-    config = tiny_config(arch)
+    config = tiny_config(arch, qk_norm=arch == "qwen3")
     hf = random_hf_weights(config)
     path = write_gguf_like_llama_cpp(tmp_path / "tiny.gguf", config, hf, permute=permuted)
 

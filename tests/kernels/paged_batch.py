@@ -97,8 +97,14 @@ def make_batch(
     )
 
 
-def dense_attention(batch: Batch, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Naive float64 causal attention of each sequence's new tokens over its contiguous K/V."""
+def dense_attention(
+    batch: Batch,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Naive float64 causal attention of each sequence's new tokens over its contiguous K/V; with
+    `softcap`, each score s is capped to softcap * tanh(s / softcap) before the mask."""
     num_heads = batch.q.shape[1]
     outs = []
     start = 0
@@ -110,6 +116,8 @@ def dense_attention(batch: Batch, scale: float, sliding_window: int | None = Non
         k = k.double().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,shd->hts", q, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         key = torch.arange(seq_len)[None, :]
         visible = key <= pos

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
     "kernels",
 )
 
-OPS = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache"]
+OPS = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_and_cache"]
 BACKENDS = [reference, triton_fused]
 DTYPES = [torch.float32, torch.float16]
 SIZES = [64, 576, 896, 2048]  # 896 (Qwen2-0.5B) and 576 (SmolLM2) are not powers of two
@@ -103,6 +103,22 @@ def test_fused_add_rms_norm_matches_reference(hidden, num_tokens, dtype):
     assert_matches(out, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 896])
+def test_unit_offset_norms_match_reference(hidden, dtype):
+    # Gemma's norm: (1 + weight) in float32, rounded once; weights near 0 as Gemma stores them.
+    x = randn(3, hidden, dtype=dtype, seed=hidden, scale=3.0)
+    residual = randn(3, hidden, dtype=dtype, seed=hidden + 1)
+    weight = randn(hidden, dtype=dtype, seed=hidden + 2, scale=0.3)
+    got = triton_fused.rms_norm(x, weight, EPS, unit_offset=True)
+    assert_matches(got, reference.rms_norm(x, weight, EPS, unit_offset=True))
+    ref_residual = residual.clone()
+    out, _ = triton_fused.fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+    want, _ = reference.fused_add_rms_norm(x, ref_residual, weight, EPS, unit_offset=True)
+    assert torch.equal(residual, ref_residual)
+    assert_matches(out, want)
+
+
 def test_rms_norm_of_strided_rows_and_a_zero_row():
     # Rows of a wider tensor (stride 160 for 96 columns); an all-zero row normalises to 0, not
     # NaN (eps keeps the rsqrt finite).
@@ -146,6 +162,43 @@ def test_silu_and_mul_at_the_ends_of_the_range(dtype):
     up = torch.tensor([[3.0, 3.0, -2.0, 5.0, 7.0, 5.0, -2.0, 3.0, 2.0]], dtype=dtype)
     gate_up = torch.cat([gate, up], dim=1)
     got, want = triton_fused.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert got[0, -1] == float("inf")
+    finite = want.isfinite()
+    assert_matches(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 where the reference has it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [896, 2048])
+def test_gelu_tanh_and_mul_matches_reference(intermediate, dtype):
+    # Gates of N(0, 16), many in the negative tail, where torch's 1 + tanh(inner) keeps only
+    # tanh's last bits: the kernel's tanh rounds as torch's does. Past inner = -8.664 (gate <
+    # -5.06) torch's vectorised CPU tanh is -1 (Sleef's cutoff), so its gelu is -0.0; CUDA's tanhf
+    # and the kernel keep the last ulp of 1 + tanh up to inner = -9.01: they differ from it there
+    # by one ulp of 1 (2^-24) times 0.5 * gate * up, plus the rounding to the dtype.
+    gate_up = randn(3, 2 * intermediate, dtype=dtype, seed=intermediate + 1, scale=4.0)
+    got, want = triton_fused.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up)
+    assert got.shape == (3, intermediate)
+    gate, up = gate_up.float().split(intermediate, dim=1)
+    tail = gate < -5.0
+    assert 0 < int(tail.sum()) < tail.numel() // 4
+    assert_matches(got[~tail], want[~tail])
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= 1e-7 * (gate * up).abs())[tail].all())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, as intended
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_at_the_ends_of_the_range(dtype):
+    # gate^3 overflows to -inf / inf (tanh -> -1 / 1: gelu -> -0 / gate); tanh(inner) is -1 in
+    # both backends well below gate = -5.2; a product past float16's range is inf in both.
+    big = torch.finfo(dtype).max
+    gate = [-big, -100.0, -10.0, -4.0, -1e-3, 0.0, 1e-3, 4.0, 100.0, big]
+    gate = torch.tensor([gate], dtype=dtype)
+    up = torch.tensor([[3.0, 3.0, -2.0, 5.0, 7.0, 5.0, -2.0, 3.0, 3.0, 2.0]], dtype=dtype)
+    gate_up = torch.cat([gate, up], dim=1)
+    got, want = triton_fused.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up)
     assert torch.equal(got.isinf(), want.isinf())
     assert got[0, -1] == float("inf")
     finite = want.isfinite()
@@ -353,6 +406,7 @@ def test_empty_batches(ops):
     out, residual = ops.fused_add_rms_norm(x, x.clone(), weight, EPS)
     assert out.shape == residual.shape == (0, 64)
     assert ops.silu_and_mul(torch.zeros(0, 128)).shape == (0, 64)
+    assert ops.gelu_tanh_and_mul(torch.zeros(0, 128)).shape == (0, 64)
     rotary = rotary_tables(64)
     k_cache, v_cache = sentinel_caches(2, 8, 2, 64, torch.float32, copies=2)
     q = ops.rotary_and_cache(
@@ -393,8 +447,9 @@ def test_bad_arguments_raise_the_same_errors_in_both_backends(ops):
         ops.rms_norm(x, weight, -1.0)
     with pytest.raises(ValueError, match=r"residual must be \(3, 64\) torch.float32 like x"):
         ops.fused_add_rms_norm(x, torch.zeros(3, 64).half(), weight, EPS)
-    with pytest.raises(ValueError, match=r"gate_up must hold gate and up side by side"):
-        ops.silu_and_mul(torch.zeros(3, 63))
+    for act_and_mul in (ops.silu_and_mul, ops.gelu_tanh_and_mul):
+        with pytest.raises(ValueError, match=r"gate_up must hold gate and up side by side"):
+            act_and_mul(torch.zeros(3, 63))
 
     bad_rotary = [
         (dict(head_dim=63), "head_dim must be even"),

@@ -95,6 +95,22 @@ def test_sliding_window_matches_dense(sliding_window):
     assert not torch.allclose(got, dense_attention(batch, 0.125).float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 11])
+@pytest.mark.parametrize(
+    "seqs",
+    [MIXED, [(0, 12), (0, 12), (0, 5)], [(0, 1), (7, 1), (40, 1)]],
+    ids=["mixed", "prefill", "decode"],
+)
+def test_softcap_matches_dense(seqs, sliding_window):
+    # Gemma 2's logit soft-capping, GQA 4. Scale 0.3 gives scores of a few units, which a cap of
+    # 2 bends a lot: the capped answer is far from the uncapped one.
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=8, seed=17)
+    want = dense_attention(batch, 0.3, sliding_window, softcap=2.0).float()
+    got = run(batch, 0.3, sliding_window=sliding_window, softcap=2.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, run(batch, 0.3, sliding_window=sliding_window), atol=1e-2)
+
+
 def test_scale_is_applied_as_given():
     batch = make_batch(MIXED, num_heads=3, num_kv_heads=3, head_dim=64, block_size=16, seed=5)
     torch.testing.assert_close(
@@ -202,6 +218,42 @@ def test_unknown_backend_is_rejected(monkeypatch):
             torch.zeros(2, 2, 1, 4),
             torch.zeros(1, dtype=torch.int64),
         )
+
+
+# ------------------------------------------------------------------- Gemma's norm and GeGLU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unit_offset_norms_equal_gemma3_rms_norm_exactly(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    hf = Gemma3RMSNorm(640, eps=1e-6).to(dtype)  # Gemma stores weight - 1: small values
+    hf.weight.data = (torch.randn(640, generator=gen) * 0.3).to(dtype)
+    x = (torch.randn(7, 640, generator=gen) * 3).to(dtype)
+    residual = torch.randn(7, 640, generator=gen).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(reference.rms_norm(x, hf.weight, 1e-6, unit_offset=True), hf(x))
+        hf_sum = residual + x
+        out, new_residual = reference.fused_add_rms_norm(
+            x, residual, hf.weight, 1e-6, unit_offset=True
+        )
+        assert torch.equal(new_residual, hf_sum)
+        assert torch.equal(out, hf(hf_sum))
+        # Not the Llama norm: (1 + weight) instead of weight, and one rounding.
+        assert not torch.equal(out, reference.rms_norm(hf_sum, hf.weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gelu_tanh_and_mul_equals_transformers_geglu_exactly(dtype):
+    from transformers.activations import ACT2FN
+
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(5, 2 * 96, generator=gen) * 3).to(dtype)
+    gate, up = gate_up[:, :96], gate_up[:, 96:]
+    got = reference.gelu_tanh_and_mul(gate_up)
+    assert torch.equal(got, ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    assert not torch.equal(got, reference.silu_and_mul(gate_up))
 
 
 # ---------------------------------------------------------------------------- reshape_and_cache
@@ -321,6 +373,8 @@ def _attention_args(**over):
         ({"seq_lens": torch.tensor([[8, 3]], dtype=torch.int32)}, "seq_lens must be 1-D"),
         ({"scale": torch.tensor(0.5)}, "scale must be a Python float"),
         ({"sliding_window": 0}, "sliding_window must be None or a positive int, got 0"),
+        ({"softcap": 0.0}, "softcap must be None or a positive float, got 0.0"),
+        ({"softcap": True}, "softcap must be None or a positive float, got True"),
         ({"out": torch.zeros(4, 6, 4)}, r"out must be \(4, 6, 8\) torch.float32 like q"),
         ({"out": torch.zeros(6, 4, 8).transpose(0, 1)}, "out must be contiguous"),
         (

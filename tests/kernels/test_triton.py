@@ -13,6 +13,7 @@ observed error is about 2e-6: softmax rounding summed over a few hundred keys).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import subprocess
@@ -49,25 +50,30 @@ def triton_run(batch: Batch, scale: float, **kwargs) -> torch.Tensor:
     return triton_attention.paged_attention(*args(batch), batch.query_start_loc, scale, **kwargs)
 
 
-def decode_run(batch: Batch, scale: float, num_splits: int, sliding_window=None) -> torch.Tensor:
+def decode_run(
+    batch: Batch, scale: float, num_splits: int, sliding_window=None, softcap=None
+) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     triton_attention.decode(
-        *args(batch), batch.query_start_loc, scale, sliding_window, out, num_splits
+        *args(batch), batch.query_start_loc, scale, sliding_window, out, num_splits,
+        softcap=softcap,
+    )  # fmt: skip
+    return out
+
+
+def extend_run(batch: Batch, scale: float, sliding_window=None, softcap=None) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    triton_attention.extend(
+        *args(batch), batch.query_start_loc, scale, sliding_window, out, softcap=softcap
     )
     return out
 
 
-def extend_run(batch: Batch, scale: float, sliding_window=None) -> torch.Tensor:
-    out = torch.full_like(batch.q, float("nan"))
-    triton_attention.extend(*args(batch), batch.query_start_loc, scale, sliding_window, out)
-    return out
-
-
-def check(got: torch.Tensor, batch: Batch, scale: float, sliding_window=None) -> None:
-    want = dense_attention(batch, scale, sliding_window).float()
+def check(got: torch.Tensor, batch: Batch, scale: float, sliding_window=None, softcap=None) -> None:
+    want = dense_attention(batch, scale, sliding_window, softcap).float()
     torch.testing.assert_close(got, want, **TOL)
     ref = reference.paged_attention(
-        *args(batch), batch.query_start_loc, scale, sliding_window=sliding_window
+        *args(batch), batch.query_start_loc, scale, sliding_window=sliding_window, softcap=softcap
     )
     torch.testing.assert_close(got, ref, **TOL)
 
@@ -243,6 +249,44 @@ def test_random_batches_match_dense(seqs, heads, block_size, sliding_window, num
     torch.testing.assert_close(triton_run(batch, 0.125, sliding_window=sliding_window), want, **TOL)
     got = decode_run(batch, 0.125, num_splits, sliding_window)
     torch.testing.assert_close(got, want, **TOL)
+
+
+# ---------------------------------------------------------------------------- soft-capping
+
+# Scale 0.3 gives scores of a few units: a cap of 2 bends them through every branch of the
+# kernels' tanh (|s / cap| below 0.25, up to 0.55 and beyond).
+SOFTCAP_SCALE, SOFTCAP = 0.3, 2.0
+
+
+@pytest.mark.parametrize(("sliding_window", "num_splits"), [(None, 1), (None, 3), (7, 2)])
+def test_softcap_decode(sliding_window, num_splits):
+    seqs = [(0, 1), (5, 1), (130, 1), (300, 1)]
+    batch = make_batch(seqs, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=14)
+    got = decode_run(batch, SOFTCAP_SCALE, num_splits, sliding_window, SOFTCAP)
+    check(got, batch, SOFTCAP_SCALE, sliding_window, SOFTCAP)
+    uncapped = dense_attention(batch, SOFTCAP_SCALE, sliding_window).float()
+    assert not torch.allclose(got, uncapped, atol=1e-2)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 11])
+def test_softcap_extend(sliding_window):
+    # MIXED: prefills, extends and decodes in one extend launch, through the public entry.
+    batch = make_batch(MIXED, num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, seed=15)
+    got = triton_run(batch, SOFTCAP_SCALE, sliding_window=sliding_window, softcap=SOFTCAP)
+    check(got, batch, SOFTCAP_SCALE, sliding_window, SOFTCAP)
+
+
+def test_softcap_at_gemma2s_cap_and_the_signature():
+    # Gemma 2's cap of 50 over scores of about one: tanh's Taylor branch only, a small change.
+    batch = make_batch([(0, 1), (70, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       seed=16)  # fmt: skip
+    got = triton_run(batch, 0.125, softcap=50.0)
+    check(got, batch, 0.125, softcap=50.0)
+    assert not torch.allclose(got, dense_attention(batch, 0.125).float(), **TOL)
+    params = inspect.signature(triton_attention.paged_attention).parameters
+    assert params == inspect.signature(reference.paged_attention).parameters
+    with pytest.raises(ValueError, match="softcap must be None or a positive float, got -1.0"):
+        triton_run(batch, 0.125, softcap=-1.0)
 
 
 # ------------------------------------------------------------------------ robustness, layout

@@ -707,7 +707,8 @@ def test_add_request_asserts_its_invariants() -> None:
         ({"enable_prefix_caching": 1}, "1"),
         (
             {"max_model_len": 33},
-            "the KV cache holds 32 tokens \\(8 blocks x 4\\) but max_model_len is 33",
+            "the KV cache has 8 blocks of 4 tokens, but one request of max_model_len=33 "
+            "tokens needs 9",
         ),
     ],
 )

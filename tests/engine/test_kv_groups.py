@@ -1,0 +1,97 @@
+"""KV-cache groups in the engine: a Gemma-3-style model (five sliding layers with an 8-token
+window, then a full one) generating far past its window holds only the blocks its groups need,
+asserted from the block pool at every step, and still gives transformers' greedy tokens; prefix
+caching over windowed groups gives the tokens of a cold run; the runner's per-group tables."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from engine import LLM, LLMEngine, SamplingParams
+from engine.input_batch import InputBatch
+from scheduler.kv_groups import blocks_per_request
+from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.engine.test_model_families import _build
+from tests.helpers import hf_greedy
+
+BLOCK = 4
+WINDOW = 8
+
+
+def test_a_windowed_model_far_past_its_window_holds_only_its_groups_blocks(tmp_path):
+    hf = _build("gemma3", tmp_path)  # 6 layers: 5 sliding (window 8) and 1 full
+    prompts = [[5, 9, 33, 70, 11], random.Random(3).sample(range(3, 256), 20)]
+    new_tokens = 90
+    expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    llm = LLM(
+        str(tmp_path), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=200,
+        max_model_len=128, max_num_batched_tokens=16,
+    )  # fmt: skip
+    engine: LLMEngine = llm.engine
+    plan = engine.kv_plan
+    assert plan.windows == (None,) + (WINDOW,) * 5  # six groups of one layer each
+    kv = engine.scheduler.kv_cache_manager
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs: dict[str, list[int]] = {}
+    most_held = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        most_held = max(most_held, kv.num_used_blocks)
+    assert [outputs["0"], outputs["1"]] == expected
+    # Each request ends at 95 or 110 tokens: 24 + 28 blocks in the full group; each sliding
+    # group holds a window plus a chunk (at most 3 blocks once decoding, 7 while prefilling).
+    bound = sum(blocks_per_request(plan.windows, len(p) + new_tokens, BLOCK, 16) for p in prompts)
+    assert most_held <= bound == 52 + 2 * 5 * 7
+    without_windows = 6 * (24 + 28)
+    assert most_held < without_windows / 3
+    assert kv.num_used_blocks == 0
+
+
+def test_prefix_caching_over_windowed_groups_gives_the_cold_tokens(tmp_path):
+    _build("gemma3", tmp_path)
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, 256) for _ in range(30)]  # far past the window
+    prompts = [prefix + [5, 6], prefix + [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(caching: bool) -> tuple[list[list[int]], int]:
+        llm = LLM(
+            str(tmp_path), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=200,
+            max_model_len=64, enable_prefix_caching=caching,
+        )  # fmt: skip
+        tokens = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        return tokens, llm.engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens
+
+    cold, no_hits = run(False)
+    warm, hits = run(True)
+    assert warm == cold
+    assert no_hits == 0
+    # The second prompt finds the 30 shared tokens' 7 full blocks, and every sliding group still
+    # holds (in the free list, hashes kept) the blocks its window needs at 28 tokens.
+    assert hits == 28
+
+
+def test_the_runner_reads_each_groups_table_and_points_dropped_entries_at_a_live_block():
+    batch = InputBatch(2, 64, 16, windows=(None, WINDOW))
+    # 22 known tokens, 20 computed: logical blocks 0..5, interleaved (full, sliding); the
+    # sliding group has given back its blocks 0..2 (ids shown as 0).
+    table = [10, 0, 11, 0, 12, 0, 13, 23, 14, 24, 15, 25]
+    new = NewRequestData("a", tuple(range(22)), 22, tuple(table), 20, SamplingParams())
+    out = SchedulerOutput(
+        step_id=1, new_requests=(new,), cached_requests=CachedRequestData(),
+        num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2,
+        preempted_request_ids=(), finished_request_ids=(),
+    )  # fmt: skip
+    batch.apply(out)
+    step = batch.prepare(out, batch.rows_of(out), BLOCK)
+    assert step.block_tables.shape == (2, 1, 6)
+    assert step.block_tables[0].tolist() == [[10, 11, 12, 13, 14, 15]]
+    # Positions 20, 21 see 13..21: sliding blocks 3..5; the ones before point at block 25.
+    assert step.block_tables[1].tolist() == [[25, 25, 25, 23, 24, 25]]
+    assert step.slot_mapping.tolist() == [[15 * 4, 15 * 4 + 1], [25 * 4, 25 * 4 + 1]]
+    assert np.array_equal(step.positions, [20, 21])

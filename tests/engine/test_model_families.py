@@ -1,0 +1,192 @@
+"""Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE: for each, a tiny random checkpoint
+built with transformers' own config and model classes gives pagedserve's engine transformers'
+greedy tokens, for prompts run together through 4-token blocks, several of them longer than the
+8-token sliding windows, on the torch backend and on the Triton backend (under Triton's
+interpreter on CPU, as tests/engine/test_attention_backend.py explains).
+
+Every norm weight is drawn at random (Gemma's start at zero, which would hide a norm applied as
+w instead of 1 + w), and the logits are peaked (initializer_range 0.1), so greedy choices are
+not near-ties.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
+from kernels import triton_attention
+from tests.helpers import hf_greedy
+
+WINDOW = 8
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.3 * i for i in range(8)],
+}
+# family -> (transformers config class, model class, config arguments beyond COMMON)
+FAMILIES = {
+    # Layer 1 slides, layer 0 does not (max_window_layers=1): Qwen's mixed layers.
+    "qwen3": (
+        "Qwen3Config", "Qwen3ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    ),
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        dict(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+             final_logit_softcapping=3.0),
+    ),
+    # Five sliding layers, then a global one; local and global RoPE differ, global scaled.
+    "gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(sliding_window=WINDOW, num_hidden_layers=6, query_pre_attn_scalar=24,
+             rope_parameters={
+                 FULL_ATTENTION: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                 SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 1000.0},
+             }),
+    ),
+    "phi3": (
+        "Phi3Config", "Phi3ForCausalLM",
+        dict(pad_token_id=0, sliding_window=WINDOW, original_max_position_embeddings=64,
+             rope_scaling=LONGROPE),
+    ),
+    "mixtral": (
+        "MixtralConfig", "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+}  # fmt: skip
+PROMPT_LENGTHS = [1, 5, 13, 30]
+NEW_TOKENS = 12
+
+
+def _build(name: str, path):
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """family -> (its checkpoint folder, the transformers model), each built once."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = (path, _build(name, path))
+        return cache[name]
+
+    return get
+
+
+def _prompts(seed: int, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, COMMON["vocab_size"]) for _ in range(n)] for n in lengths]
+
+
+def _greedy(llm: LLM, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _llm(path, backend: str = "torch", **kwargs) -> LLM:
+    options = dict(num_kv_blocks=128, max_model_len=64, max_num_batched_tokens=16)
+    return LLM(
+        str(path), device="cpu", dtype="float32", block_size=4, attention_backend=backend,
+        **{**options, **kwargs},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_equals_transformers_on_the_torch_backend(name, built):
+    path, hf = built(name)
+    prompts = _prompts(1)
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    llm = _llm(path)
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(
+    not triton_attention.INTERPRETED,
+    reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
+    "machines without a GPU; on a GPU, bench/gpu_engine.sh checks the compiled kernels",
+)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_equals_transformers_on_the_triton_backend(name, built):
+    # Two prompts, one past the window and prefilled in two chunks next to the other's decodes:
+    # the interpreter is slow, and the torch test above covers the rest.
+    path, hf = built(name)
+    prompts = _prompts(2, [3, 13])
+    expected = [hf_greedy(hf, p, 6) for p in prompts]
+    assert _greedy(_llm(path, "triton", max_num_batched_tokens=8), prompts, 6) == expected
+
+
+def test_family_traits_reach_the_engine(built):
+    """What makes each family itself is read from its config.json, not defaulted away."""
+    configs = {name: _llm(built(name)[0]).engine.model_config for name in FAMILIES}
+    qwen3, gemma2, gemma3 = configs["qwen3"], configs["gemma2"], configs["gemma3"]
+    assert qwen3.layer_types == (FULL_ATTENTION, SLIDING_ATTENTION)
+    assert qwen3.qk_norm and not gemma2.qk_norm and gemma3.qk_norm
+    assert gemma2.layer_types == (SLIDING_ATTENTION, FULL_ATTENTION)
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (5.0, 3.0)
+    assert gemma2.attention_scale == 24**-0.5 and gemma2.hidden_act == "gelu_pytorch_tanh"
+    assert gemma3.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1e5, 1000.0)
+    assert gemma3.rope_scaling_dict() == {"rope_type": "linear", "factor": 4.0}
+    assert configs["phi3"].rope_scaling_dict()["original_max_position_embeddings"] == 64
+    mixtral, qwen3_moe = configs["mixtral"], configs["qwen3_moe"]
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (
+        4,
+        2,
+        True,
+    )
+    assert (qwen3_moe.num_experts, qwen3_moe.moe_intermediate_size) == (8, 32)
+
+
+def test_phi3_longrope_picks_long_factors_past_the_original_context(built):
+    """Up to original_max_position_embeddings (64) the engine rotates by the short factors, as
+    transformers does for such sequences; an engine serving longer contexts rotates every token
+    by the long factors, as transformers does once a sequence is past 64 tokens."""
+    path, hf = built("phi3")
+    short, long = _prompts(3, [9, 30]), _prompts(4, [70, 90])
+    assert _greedy(_llm(path, max_model_len=64), short) == [hf_greedy(hf, p, 12) for p in short]
+    assert _greedy(_llm(path, max_model_len=256), long) == [hf_greedy(hf, p, 12) for p in long]
+    # Both tables are transformers' own LongRoPE, short and long.
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    positions = torch.arange(256, dtype=torch.float32)
+    for max_model_len, seq_len in ((64, None), (256, 65)):
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=seq_len)
+        angles = positions[:max_model_len, None] * inv_freq[None, :]
+        rotary = _llm(path, max_model_len=max_model_len).engine.model.rotary
+        torch.testing.assert_close(rotary.cos, torch.cat((angles, angles), -1).cos() * factor)
