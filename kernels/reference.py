@@ -280,6 +280,8 @@ def _attend(
     Every sequence is padded to max_q new tokens and L = nb * block_size keys. Padding query rows
     repeat the sequence's last real token (so no row is fully masked) and are dropped on output.
     Query heads are folded into rows, [B, Hkv, max_q * G, D], so K/V are never repeated for GQA.
+    With a sliding window, the blocks before the earliest key any of them sees are skipped: the
+    keys run from block `first` on, so the work is the window's, not the whole context's.
     """
     device = q.device
     num_seqs = block_tables.shape[0]
@@ -289,7 +291,11 @@ def _attend(
     group = num_heads // num_kv_heads
     max_q = max(group_q_lens)
     num_blocks = (max(group_seq_lens) - 1) // block_size + 1  # through the last key's block
-    num_keys = num_blocks * block_size
+    first = 0
+    if sliding_window is not None:
+        earliest = min(n - q for n, q in zip(group_seq_lens, group_q_lens, strict=True))
+        first = max(0, earliest - sliding_window + 1) // block_size
+    num_keys = (num_blocks - first) * block_size
     uniform = all(n == max_q for n in group_q_lens)
     whole = batch == num_seqs and seqs == list(range(num_seqs))
     # The whole step, every sequence with max_q new tokens: q already is [B, max_q, H, D].
@@ -297,15 +303,18 @@ def _attend(
 
     if whole:
         lens = seq_lens.long()
-        block_ids = block_tables[:, :num_blocks]
+        block_ids = block_tables[:, first:num_blocks]
     else:
         lens = torch.tensor(group_seq_lens, device=device)
-        block_ids = block_tables[torch.tensor(seqs, device=device), :num_blocks]
+        block_ids = block_tables[torch.tensor(seqs, device=device), first:num_blocks]
     # Entries past a sequence's last block may be garbage (even out of range): point them at the
     # sequence's own first block, whose keys the mask hides. Not a fixed block such as 0: masked
     # keys still reach the weighted sum (as 0 * value), so a NaN in another request's block would
     # poison this one.
-    used = torch.arange(num_blocks, device=device) < (lens[:, None] + block_size - 1) // block_size
+    used = (
+        torch.arange(first, num_blocks, device=device)
+        < (lens[:, None] + block_size - 1) // block_size
+    )
     block_ids = torch.where(used, block_ids, block_ids[:, :1])
     k = _gather_kv(k_cache, block_ids)
     v = _gather_kv(v_cache, block_ids)
@@ -325,7 +334,7 @@ def _attend(
     else:
         rows = torch.tensor(group_starts, device=device)[:, None] + offsets  # [B, max_q]
         q_padded = q.index_select(0, rows.flatten()).view(batch, max_q, num_heads, head_dim)
-    key_positions = torch.arange(num_keys, device=device)
+    key_positions = torch.arange(first * block_size, num_blocks * block_size, device=device)
     mask = key_positions <= positions[:, :, None]  # [B, max_q, L]
     if sliding_window is not None:
         mask &= key_positions > positions[:, :, None] - sliding_window

@@ -95,6 +95,15 @@ def test_sliding_window_matches_dense(sliding_window):
     assert not torch.allclose(got, dense_attention(batch, 0.125).float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("seqs", [[(40, 1), (57, 1), (90, 1)], [(40, 3), (61, 5)]])
+def test_a_window_far_behind_skips_the_blocks_before_it(seqs):
+    """Decode and extend batches whose windows all start past block 0: the blocks before the
+    earliest window are left out of the gather, and the result is still the dense one."""
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=4)
+    want = dense_attention(batch, 0.2, 6).float()
+    torch.testing.assert_close(run(batch, 0.2, sliding_window=6), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("sliding_window", [None, 11])
 @pytest.mark.parametrize(
     "seqs",
