@@ -95,3 +95,34 @@ def test_the_runner_reads_each_groups_table_and_points_dropped_entries_at_a_live
     assert step.block_tables[1].tolist() == [[25, 25, 25, 23, 24, 25]]
     assert step.slot_mapping.tolist() == [[15 * 4, 15 * 4 + 1], [25 * 4, 25 * 4 + 1]]
     assert np.array_equal(step.positions, [20, 21])
+
+
+def test_a_rewind_past_the_window_computes_the_request_again_and_matches_transformers(tmp_path):
+    """Rewound to where the sliding groups already gave their blocks back, the request is
+    computed again from its start and goes on with transformers' tokens; a rewind within the
+    window keeps its blocks."""
+    hf = _build("gemma3", tmp_path)
+    prompt = [5, 9, 33, 70, 11, 8]
+    llm = LLM(
+        str(tmp_path), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=200,
+        max_model_len=64,
+    )  # fmt: skip
+    engine: LLMEngine = llm.engine
+    kv = engine.scheduler.kv_cache_manager
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    out = None
+    while out is None or len(out.outputs[0].token_ids) < 24:
+        outputs = engine.step()
+        out = outputs[-1] if outputs else out
+    first = list(out.outputs[0].token_ids)
+    (within,) = engine.rewind("r", 2)  # 28 tokens left: the window at 27 is still held
+    assert within.outputs[0].token_ids == first[:22]
+    assert kv.num_held_blocks("0:r") > 0
+    (past,) = engine.rewind("r", 18)  # 10 tokens left: the window at 9 was given back
+    assert past.outputs[0].token_ids == first[:4]
+    assert kv.num_held_blocks("0:r") == 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            out = output
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 30)
+    assert kv.num_used_blocks == 0
