@@ -173,9 +173,7 @@ class MoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.activation = _EXPERT_ACTIVATION[config.hidden_act]
-        # Qwen3-MoE rounds the routing weights to the model's dtype before they multiply (as
-        # transformers does); Mixtral keeps them in float32.
-        self.round_weights = config.architecture == "qwen3_moe"
+        self.round_weights = config.routing_weights_in_dtype
         self.router = _empty(e, h)
         self.gate_up = _empty(e, 2 * inter, h)
         self.down = _empty(e, h, inter)

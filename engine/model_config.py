@@ -237,6 +237,12 @@ class ModelConfig:
         """The sliding window of `layer`, None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
+    @property
+    def routing_weights_in_dtype(self) -> bool:
+        """Qwen3-MoE rounds its routing weights to the model's dtype before they multiply (as
+        transformers does); Mixtral keeps them in float32."""
+        return self.architecture == "qwen3_moe"
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 

@@ -56,6 +56,25 @@ def test_kv_plan_for_a_builtin_shape():
     assert "per token: 32 layers x 4096 = 131072 bytes" in res.stdout
 
 
+def test_kv_plan_prints_what_sliding_windows_save(capsys):
+    # In-process (main), as the console script calls it: Gemma 3 27B at 32k, past the window.
+    assert main(["kv-plan", "--model", "gemma-3-27b", "--max-model-len", "32768",
+                 "--num-seqs", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "= 16642998272 bytes (15.500 GiB)" in out  # every layer full
+    # 52 sliding layers hold 1024 / 16 + 1 blocks, the 10 global ones all 2048.
+    assert "52 of 62 layers slide over 1024 tokens and hold 65 blocks per sequence" in out
+    assert "3127377920 bytes (2.913 GiB, 5.32x less than without)" in out
+    assert "7 groups of 10 layers" in out and "2438 blocks per sequence" in out
+    assert "3195535360 bytes (2.976 GiB)" in out
+    # Past the model's context a plan is still made, with a note.
+    assert main(["kv-plan", "--model", "gemma-2-9b", "--max-model-len", "32768",
+                 "--num-seqs", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "2 groups of 21 layers" in out and "1.78x less than without" in out
+    assert "exceed the model's context length 8192" in out
+
+
 def test_generate_chat_answers_with_the_real_model():
     res = _run(
         "generate",
