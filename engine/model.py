@@ -338,7 +338,7 @@ class CausalLM(nn.Module):
         the parameter it is copied into). Besides transformers' own names, a mixture of experts
         takes each expert's tensors apart: Mixtral's `block_sparse_moe.experts.E.w1/w3/w2` and
         Qwen3-MoE's `mlp.experts.E.gate_proj/up_proj/down_proj`, as their checkpoints store
-        them."""
+        them, and the stacked gate and up halves apart, as GGUF files store them."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         targets: dict[str, tuple[str, torch.Tensor]] = {}
@@ -401,6 +401,9 @@ class CausalLM(nn.Module):
         add(gate_up, moe.gate_up)
         add(down, moe.down)
         part(p + "block_sparse_moe.gate.weight", p + "mlp.gate.weight", moe.router.data)
+        # GGUF files stack gate and up apart (engine/weights.py `gguf_weight_shapes`).
+        part(p + "mlp.experts.gate_proj", gate_up, moe.gate_up.data.narrow(1, 0, inter))
+        part(p + "mlp.experts.up_proj", gate_up, moe.gate_up.data.narrow(1, inter, inter))
         for e in range(self.config.num_experts):
             gate = moe.gate_up.data[e].narrow(0, 0, inter)
             up = moe.gate_up.data[e].narrow(0, inter, inter)

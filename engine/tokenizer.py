@@ -49,8 +49,9 @@ def load_tokenizer(
 
     `tokenizer` overrides where it comes from (like `--tokenizer`). Without an override, a
     model source with no tokenizer of its own (a built-in shape, a config.json file or a Hugging
-    Face folder without tokenizer files) gets `synthetic_tokenizer(source.config)`, with a
-    warning. An explicit path or name must hold a real tokenizer.
+    Face folder without tokenizer files, a GGUF file without a vocabulary) gets
+    `synthetic_tokenizer(source.config)`, with a warning. An explicit path or name must hold a
+    real tokenizer.
 
     Reads local files only. A GGUF file's tokenizer is converted once and then loaded from
     pagedserve's cache (`_gguf_tokenizer`).
@@ -146,6 +147,12 @@ def _has_tokenizer(source: ModelSource) -> bool:
     path = source.tokenizer_source
     if path is None:
         return False
+    if source.gguf_reader is not None and path == source.gguf_file:
+        # A GGUF file may be written without a vocabulary (llama.cpp: no tokenizer.ggml.tokens,
+        # or tokenizer model "none").
+        fields = source.gguf_reader.fields
+        model = fields.get("tokenizer.ggml.model")
+        return "tokenizer.ggml.tokens" in fields and (model is None or model.contents() != "none")
     return path.is_file() or any((path / name).is_file() for name in TOKENIZER_FILES)
 
 

@@ -20,37 +20,60 @@ from engine.engine_config import LOAD_FORMATS
 from engine.model_config import ModelConfig
 from engine.model_source import GGUFFile, ModelSource
 
-# GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.).
+# GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.), as
+# llama.cpp's converter maps them (gguf.TensorNameMap); families that differ override entries.
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+}
+_GGUF_FAMILY_LAYER_NAMES = {
+    # Gemma's four norms per layer: ffn_norm is the one before the MLP here.
+    **dict.fromkeys(
+        ("gemma2", "gemma3_text"),
+        {
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+    ),
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# Stacked experts [E, out, in], named like transformers 5's stacked tensors (no ".weight"); gate
+# and up fill the two halves of `mlp.experts.gate_up_proj` (engine/model.py `_expert_targets`).
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors llama.cpp writes that are not model parameters. rope_freqs holds llama3 rope scaling,
-# which ModelConfig.from_gguf already turned into config.rope_scaling.
-_GGUF_SKIPPED = {"rope_freqs.weight"}
+# Tensors llama.cpp writes that are not model parameters: rope_freqs holds llama3 rope scaling,
+# rope_factors_* Phi-3's LongRoPE factors, both already in config.rope_scaling
+# (ModelConfig.from_gguf).
+_GGUF_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
-# llama.cpp's converter permutes q/k rows for these GGUF architectures (Mistral is converted as
-# "llama"); qwen2 and qwen3 are stored unpermuted.
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# llama.cpp's converter permutes q/k rows for these families (Mistral and Mixtral are converted
+# as "llama"); the others are stored unpermuted.
+_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for tensors that are not parameters.
+def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor of a model of `architecture` (ModelConfig's);
+    None for tensors that are not parameters.
 
     Raises ValueError for a tensor name this loader does not know.
     """
@@ -59,10 +82,29 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GGUF_SKIPPED:
         return None
     m = _GGUF_BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r} for a Llama-family or Qwen model")
-    layer, module, kind = m.groups()
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    if m is not None:
+        layer, module, kind = m.groups()
+        if module in _GGUF_EXPERT_NAMES and kind == "weight":
+            return f"model.layers.{layer}.{_GGUF_EXPERT_NAMES[module]}"
+        names = {**_GGUF_LAYER_NAMES, **_GGUF_FAMILY_LAYER_NAMES.get(architecture, {})}
+        if module in names:
+            return f"model.layers.{layer}.{names[module]}.{kind}"
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r} for a {architecture} model")
+
+
+def gguf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF-named tensors a GGUF file of `config` holds, with their shapes:
+    `ModelConfig.weight_shapes()`, with each stacked `gate_up_proj` of experts in its two halves
+    (`mlp.experts.gate_proj`, `mlp.experts.up_proj`), as llama.cpp stores them."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in config.weight_shapes().items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            e, two_inter, h = shape
+            stem = name.removesuffix("gate_up_proj")
+            shapes[stem + "gate_proj"] = shapes[stem + "up_proj"] = (e, two_inter // 2, h)
+        else:
+            shapes[name] = shape
+    return shapes
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -98,15 +140,16 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize every tensor of a GGUF file into `(hf_name, tensor)` (float32 unless `dtype`).
 
-    `path` may also be an open `gguf.GGUFReader`, to avoid parsing the file twice. q/k weights
-    (and biases) of llama/mistral files get llama.cpp's row permutation undone; every tensor is
-    checked against the shape `config` expects.
+    `path` may also be an open `gguf.GGUFReader`, to avoid parsing the file twice. What
+    llama.cpp's converter changed is undone: the row permutation of q/k weights (and biases) of
+    llama/mistral/mixtral files, and the 1 + w it stores for Gemma's norms. Every tensor is
+    checked against the shape `config` expects (`gguf_weight_shapes`).
     """
     reader = path if isinstance(path, gguf.GGUFReader) else GGUFFile(path)
-    expected = config.weight_shapes()
+    expected = gguf_weight_shapes(config)
     permuted = config.architecture in _PERMUTED_ARCHITECTURES
     for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress):
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, config.architecture)
         if name is None:
             continue
         if name not in expected:
@@ -123,6 +166,9 @@ def iter_gguf_weights(
         if permuted and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             arr = unpermute_qk(arr, heads)
+        if config.is_gemma and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm weights w as the factor 1 + w.
+            arr = arr - np.float32(1.0)
         # F32 tensors come back as read-only views of the memory-mapped file: copy those only.
         if not (arr.flags.writeable and arr.flags.c_contiguous and arr.dtype == np.float32):
             arr = np.array(arr, dtype=np.float32, order="C", copy=True)

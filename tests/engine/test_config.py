@@ -327,7 +327,8 @@ def test_from_gguf_on_the_real_smollm2(smollm2_reader):
         attention_bias=False,
         sliding_window=None,
         bos_token_id=1,
-        eos_token_ids=(2,),
+        # <|im_end|> (the file's eos), then <|endoftext|>: llama.cpp ends generation at both.
+        eos_token_ids=(2, 0),
         torch_dtype=None,
     )
     assert c.num_params() == 134_515_008

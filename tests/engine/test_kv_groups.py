@@ -13,7 +13,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.input_batch import InputBatch
 from scheduler.kv_groups import blocks_per_request
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from tests.engine.test_model_families import _build
+from tests.families import build_family
 from tests.helpers import hf_greedy
 
 BLOCK = 4
@@ -21,7 +21,7 @@ WINDOW = 8
 
 
 def test_a_windowed_model_far_past_its_window_holds_only_its_groups_blocks(tmp_path):
-    hf = _build("gemma3", tmp_path)  # 6 layers: 5 sliding (window 8) and 1 full
+    hf = build_family("gemma3", tmp_path)  # 6 layers: 5 sliding (window 8) and 1 full
     prompts = [[5, 9, 33, 70, 11], random.Random(3).sample(range(3, 256), 20)]
     new_tokens = 90
     expected = [hf_greedy(hf, p, new_tokens) for p in prompts]
@@ -53,7 +53,7 @@ def test_a_windowed_model_far_past_its_window_holds_only_its_groups_blocks(tmp_p
 
 
 def test_prefix_caching_over_windowed_groups_gives_the_cold_tokens(tmp_path):
-    _build("gemma3", tmp_path)
+    build_family("gemma3", tmp_path)
     rng = random.Random(11)
     prefix = [rng.randrange(3, 256) for _ in range(30)]  # far past the window
     prompts = [prefix + [5, 6], prefix + [7, 8, 9]]
@@ -101,7 +101,7 @@ def test_a_rewind_past_the_window_computes_the_request_again_and_matches_transfo
     """Rewound to where the sliding groups already gave their blocks back, the request is
     computed again from its start and goes on with transformers' tokens; a rewind within the
     window keeps its blocks."""
-    hf = _build("gemma3", tmp_path)
+    hf = build_family("gemma3", tmp_path)
     prompt = [5, 9, 33, 70, 11, 8]
     llm = LLM(
         str(tmp_path), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=200,

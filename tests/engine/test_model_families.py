@@ -1,12 +1,8 @@
 """Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE: for each, a tiny random checkpoint
-built with transformers' own config and model classes gives pagedserve's engine transformers'
-greedy tokens, for prompts run together through 4-token blocks, several of them longer than the
-8-token sliding windows, on the torch backend and on the Triton backend (under Triton's
-interpreter on CPU, as tests/engine/test_attention_backend.py explains).
-
-Every norm weight is drawn at random (Gemma's start at zero, which would hide a norm applied as
-w instead of 1 + w), and the logits are peaked (initializer_range 0.1), so greedy choices are
-not near-ties.
+built with transformers' own config and model classes (tests/families.py) gives pagedserve's
+engine transformers' greedy tokens, for prompts run together through 4-token blocks, several of
+them longer than the 8-token sliding windows, on the torch backend and on the Triton backend
+(under Triton's interpreter on CPU, as tests/engine/test_attention_backend.py explains).
 """
 
 from __future__ import annotations
@@ -19,79 +15,11 @@ import torch
 from engine import LLM, SamplingParams
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from kernels import triton_attention
+from tests.families import COMMON, FAMILIES, build_family
 from tests.helpers import hf_greedy
 
-WINDOW = 8
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-LONGROPE = {
-    "type": "longrope",
-    "short_factor": [1.0 + 0.1 * i for i in range(8)],
-    "long_factor": [2.0 + 0.3 * i for i in range(8)],
-}
-# family -> (transformers config class, model class, config arguments beyond COMMON)
-FAMILIES = {
-    # Layer 1 slides, layer 0 does not (max_window_layers=1): Qwen's mixed layers.
-    "qwen3": (
-        "Qwen3Config", "Qwen3ForCausalLM",
-        dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    ),
-    "gemma2": (
-        "Gemma2Config", "Gemma2ForCausalLM",
-        dict(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
-             final_logit_softcapping=3.0),
-    ),
-    # Five sliding layers, then a global one; local and global RoPE differ, global scaled.
-    "gemma3": (
-        "Gemma3TextConfig", "Gemma3ForCausalLM",
-        dict(sliding_window=WINDOW, num_hidden_layers=6, query_pre_attn_scalar=24,
-             rope_parameters={
-                 FULL_ATTENTION: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
-                 SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 1000.0},
-             }),
-    ),
-    "phi3": (
-        "Phi3Config", "Phi3ForCausalLM",
-        dict(pad_token_id=0, sliding_window=WINDOW, original_max_position_embeddings=64,
-             rope_scaling=LONGROPE),
-    ),
-    "mixtral": (
-        "MixtralConfig", "MixtralForCausalLM",
-        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    ),
-}  # fmt: skip
 PROMPT_LENGTHS = [1, 5, 13, 30]
 NEW_TOKENS = 12
-
-
-def _build(name: str, path):
-    import transformers
-
-    config_cls, model_cls, extra = FAMILIES[name]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +30,7 @@ def built(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             path = tmp_path_factory.mktemp(name)
-            cache[name] = (path, _build(name, path))
+            cache[name] = (path, build_family(name, path))
         return cache[name]
 
     return get

@@ -22,80 +22,13 @@ from engine.weights import (
     permute_qk,
     unpermute_qk,
 )
+from tests.gguf_writer import llama_cpp_permute, write_gguf_like_llama_cpp
 from tests.helpers import tiny_config
 
 
 def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) for name, shape in config.weight_shapes().items()}
-
-
-def llama_cpp_permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
-    """LlamaModel.permute from llama.cpp's convert_hf_to_gguf.py, verbatim."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-# HF module -> GGUF tensor, the naming of llama.cpp's converter (gguf.constants).
-HF_TO_GGUF = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    top = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
-
-
-def write_gguf_like_llama_cpp(
-    path: Path, config: ModelConfig, hf: dict[str, torch.Tensor], permute: bool
-) -> Path:
-    """Write F32 tensors the way convert_hf_to_gguf.py does, q/k permuted when `permute`."""
-    writer = gguf.GGUFWriter(path, config.architecture)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    for name, tensor in hf.items():
-        if permute and (".q_proj." in name or ".k_proj." in name):
-            kv = config.num_key_value_heads if ".k_proj." in name else None
-            tensor = llama_cpp_permute(tensor, config.num_attention_heads, kv)
-        writer.add_tensor(gguf_name(name), tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 # ---------------------------------------------------------------------- GGUF, tiny files
@@ -105,7 +38,7 @@ def write_gguf_like_llama_cpp(
 def test_tiny_gguf_round_trips_to_the_hf_tensors(tmp_path: Path, arch: str, permuted: bool):
     config = tiny_config(arch, qk_norm=arch == "qwen3")
     hf = random_hf_weights(config)
-    path = write_gguf_like_llama_cpp(tmp_path / "tiny.gguf", config, hf, permute=permuted)
+    path = write_gguf_like_llama_cpp(tmp_path / "tiny.gguf", config, hf)
 
     reader = gguf.GGUFReader(path)
     # GGUF lists dims innermost first: q_proj [out=32, in=32] is fine, k_proj [16, 32] is not.
@@ -140,7 +73,7 @@ def test_unpermute_inverts_the_converter_for_weights_and_biases():
 
 def test_gguf_that_does_not_fit_the_config_is_rejected(tmp_path: Path):
     config = tiny_config()
-    path = write_gguf_like_llama_cpp(tmp_path / "t.gguf", config, random_hf_weights(config), True)
+    path = write_gguf_like_llama_cpp(tmp_path / "t.gguf", config, random_hf_weights(config))
     wrong_vocab = dataclasses.replace(config, vocab_size=65)
     with pytest.raises(ValueError, match="token_embd.weight' has shape \\(64, 32\\), config "):
         list(iter_gguf_weights(path, wrong_vocab, progress=False))
@@ -275,7 +208,7 @@ def test_load_weights_dispatches_on_the_source(tmp_path: Path):
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(config.to_hf_dict()))
     save_file(hf, hf_dir / "model.safetensors")
-    gguf_path = write_gguf_like_llama_cpp(tmp_path / "tiny.gguf", config, hf, permute=True)
+    gguf_path = write_gguf_like_llama_cpp(tmp_path / "tiny.gguf", config, hf)
 
     hf_source, gguf_source = resolve_model(str(hf_dir)), resolve_model(str(gguf_path))
     for source in (hf_source, gguf_source):
