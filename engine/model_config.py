@@ -9,6 +9,7 @@ two classmethods whose job is to read a file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _CLASS_TO_ARCHITECTURE = {cls: arch for arch, cls in ARCHITECTURE_CLASSES.items()}
+# Multimodal checkpoints whose language model pagedserve serves alone (text in, text out): the
+# class -> the config key of its language model. Their weights load through the prefixes of
+# engine/weights.py `MULTIMODAL_PREFIXES`.
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "text_config"}
 
 # Defaults of the Hugging Face config classes, used when a config.json leaves a key out.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -357,8 +362,10 @@ class ModelConfig:
 
         Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`, `torch_dtype`, no
         `layer_types`) and the transformers 5 ones (`rope_parameters`, per layer type for Gemma
-        3; `dtype`; `layer_types`).
+        3; `dtype`; `layer_types`). A multimodal checkpoint of MULTIMODAL_TEXT_MODELS is read as
+        its language model.
         """
+        d = _text_model_of(d)
         arch = _architecture_of(d)
         defaults = _FAMILY_DEFAULTS[arch]
 
@@ -457,9 +464,23 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> ModelConfig:
-        """Read a Hugging Face `config.json`."""
+        """Read a Hugging Face `config.json`, and the ids that end generation in the
+        `generation_config.json` next to it: instruction-tuned models often list their
+        end-of-turn token only there (Gemma 2's <end_of_turn>, Phi-3's <|end|>), and vLLM and
+        transformers' generate() stop at those too."""
+        path = Path(path)
         with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+            config = cls.from_hf_dict(json.load(f))
+        generation = path.with_name("generation_config.json")
+        if path.name != "config.json" or not generation.is_file():
+            return config
+        with open(generation, encoding="utf-8") as f:
+            try:
+                extra = _as_id_tuple(json.load(f).get("eos_token_id"))
+            except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+                raise ValueError(f"{str(generation)!r} is not a generation config: {e}") from e
+        eos = config.eos_token_ids + tuple(i for i in extra if i not in config.eos_token_ids)
+        return dataclasses.replace(config, eos_token_ids=eos)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-compatible config dict (`from_hf_dict` of it gives back this config).
@@ -710,6 +731,31 @@ def _architecture_of(d: dict[str, Any]) -> str:
         f"model_type={d.get('model_type')!r}; supported: "
         f"{', '.join(ARCHITECTURE_CLASSES.values())}"
     )
+
+
+def _text_model_of(d: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a MULTIMODAL_TEXT_MODELS checkpoint (`d` itself for any
+    other). Published ones list only what differs from the defaults (google/gemma-3-4b-it:
+    hidden size, layers, window, rope scaling), so the rest comes from transformers' own config
+    class; the ids that end generation and the dtype may sit at the top level."""
+    wrapper = next((c for c in d.get("architectures") or () if c in MULTIMODAL_TEXT_MODELS), None)
+    if wrapper is None:
+        return d
+    from transformers import AutoConfig
+
+    text = dict(d.get(MULTIMODAL_TEXT_MODELS[wrapper]) or {})
+    model_type = text.pop("model_type", None)
+    if model_type not in ARCHITECTURE_CLASSES:
+        raise ValueError(
+            f"{wrapper}'s language model {model_type!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURE_CLASSES)}"
+        )
+    full = AutoConfig.for_model(model_type, **text).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+        if d.get(key) is not None:
+            full[key] = d[key]
+    full["architectures"] = [ARCHITECTURE_CLASSES[model_type]]
+    return full
 
 
 def _layer_types_of(

@@ -188,10 +188,34 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return hf_files or files
 
 
+# Where a multimodal checkpoint (engine/model_config.py `MULTIMODAL_TEXT_MODELS`) keeps its
+# language model, as saved by transformers 4 (the published files) and 5 -> the text model's own
+# names; and what else it holds, which pagedserve does not run.
+MULTIMODAL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+MULTIMODAL_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                      "model.multi_modal_projector.")  # fmt: skip
+
+
+def _text_model_name(name: str) -> str | None:
+    """A checkpoint tensor's name in the text model (None: a multimodal part to skip)."""
+    if name.startswith(MULTIMODAL_SKIPPED):
+        return None
+    for prefix, replacement in MULTIMODAL_PREFIXES.items():
+        if name.startswith(prefix):
+            return replacement + name.removeprefix(prefix)
+    return name
+
+
 def iter_safetensors_weights(
     folder: str | Path, *, dtype: torch.dtype | None = None, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's *.safetensors files, as stored (HF names already).
+    """Every tensor of the folder's *.safetensors files, as stored (HF names already; a
+    multimodal checkpoint's language model renamed to the text model's names, its other parts
+    skipped).
 
     Uses the shard list of `model.safetensors.index.json` when present. Skips rotary
     `inv_freq` buffers some old checkpoints carry.
@@ -214,11 +238,12 @@ def iter_safetensors_weights(
     ) as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                for stored in f.keys():
                     bar.update(1)
-                    if name.endswith("rotary_emb.inv_freq"):
+                    name = _text_model_name(stored)
+                    if name is None or name.endswith("rotary_emb.inv_freq"):
                         continue
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(stored)
                     yield name, tensor if dtype is None else tensor.to(dtype)
 
 

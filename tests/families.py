@@ -87,3 +87,15 @@ def build_family(name: str, path: Path, **changes: Any):
                 param.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return model
+
+
+# What a GGUF file cannot say, taken out of the tiny models whose GGUF files the tests write
+# (tests/engine/test_gguf_families.py): llama.cpp's converter drops the sliding window of Qwen
+# and Mixtral (llama.cpp runs them without one), and Gemma's score scale is head_dim ** -0.5
+# except in the 27B models (query_pre_attn_scalar is not stored).
+GGUF_CHANGES: dict[str, dict[str, Any]] = {
+    "qwen3": dict(use_sliding_window=False),
+    "gemma2": dict(query_pre_attn_scalar=COMMON["head_dim"]),
+    "gemma3": dict(query_pre_attn_scalar=COMMON["head_dim"]),
+    "mixtral": dict(sliding_window=None),
+}

