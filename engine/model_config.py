@@ -51,6 +51,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 # What llama.cpp assumes when a GGUF file leaves them out: Gemma 2's window, and which layers of
 # a Gemma slide (every n-th layer, counting from 1, attends to everything; `_gguf_layer_types`).
 GGUF_DEFAULT_WINDOWS = {"gemma2": 4096}
+GGUF_SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": 6}
 # Generation ends at these tokens of a GGUF file, as in llama.cpp: the ids the metadata names,
 # and every token spelled like an end of turn (llama.cpp finds them by their text: Gemma files
 # name only <eos> though chat turns end with <end_of_turn>, Phi-3 files only <|endoftext|>
@@ -67,7 +68,6 @@ GGUF_END_OF_TURN_TEXTS = frozenset(
         "<|end_of_text|>", "<EOT>", "<end_of_utterance>",
     )
 )  # fmt: skip
-GGUF_SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": 6}
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
