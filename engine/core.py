@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -33,6 +34,7 @@ from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
 from engine.model_source import ModelSource, resolve_model
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.weights import load_weights
 from scheduler import (
@@ -130,6 +132,11 @@ class EngineCore:
                 kv_group_windows=self.kv_plan.windows,
             )
         )
+        # Structured outputs: grammars compiling (their samples wait here, not in the
+        # scheduler) and the matchers of the constrained samples.
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.runner.structured = self.structured
+        self._compiling: list[tuple[list[CoreRequest], Future]] = []
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
@@ -249,14 +256,23 @@ class EngineCore:
         """Queue the samples of one request. They share its prompt: the first computes it, the
         others fork its blocks once it has (`Scheduler.add_request`'s fork_parent). With
         `use_beam_search` they are the slots of one beam search's results instead."""
-        if samples[0].params.use_beam_search:
+        self.num_requests_added += 1
+        params = samples[0].params
+        if params.structured_outputs is not None:
+            # Scheduled once their grammar is compiled (`_admit_compiled`).
+            future = self.structured.compile(params.structured_outputs)
+            self._compiling.append((list(samples), future))
+            return
+        if params.use_beam_search:
             search, first = start_beam_search(samples, self.eos_token_ids, self._new_beam_id)
             self.scheduler.add_request(first)
             self._beam_of[first.request_id] = search
             for sample in samples:
                 self._search_of_sample[sample.request_id] = search
-            self.num_requests_added += 1
             return
+        self._schedule(samples)
+
+    def _schedule(self, samples: list[CoreRequest]) -> None:
         parent = None
         for sample in samples:
             request = Request(
@@ -268,18 +284,51 @@ class EngineCore:
             )
             self.scheduler.add_request(request, fork_parent=parent)
             parent = parent or request
-        self.num_requests_added += 1
+
+    def _admit_compiled(self) -> list[SampleOutput]:
+        """Schedule the samples whose grammar has compiled (each with a matcher of its own);
+        fail those whose grammar did not. Waits for a compilation when nothing else can run."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            wait([future for _, future in self._compiling], return_when=FIRST_COMPLETED)
+        outputs: list[SampleOutput] = []
+        still = []
+        for samples, future in self._compiling:
+            if not future.done():
+                still.append((samples, future))
+                continue
+            try:
+                compiled = future.result()
+            except Exception as e:  # noqa: BLE001 - any failure fails these samples only
+                error = str(e) if isinstance(e, ValueError) else f"grammar compilation failed: {e}"
+                outputs += [SampleOutput(s.request_id, [], "error", error=error) for s in samples]
+                continue
+            for sample in samples:
+                self.structured.start(sample.request_id, compiled)
+            self._schedule(samples)
+        self._compiling = still
+        return outputs
 
     def abort_samples(self, request_ids: list[str], stopped: bool = False) -> None:
         """End samples in whatever state they are and free their blocks now; unknown or finished
         ids are ignored. `stopped`: the front end matched a stop string (else the client left)."""
         status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        if self._compiling:
+            gone = set(request_ids)
+            self._compiling = [
+                (kept, future)
+                for samples, future in self._compiling
+                if (kept := [s for s in samples if s.request_id not in gone])
+            ]
         for request_id in request_ids:
             search = self._search_of_sample.get(request_id)
             if search is not None:
                 self._drop_search(search)
             else:
                 self.scheduler.finish_request(request_id, status)
+        if self.structured.matchers:
+            self.structured.retain(self.scheduler.requests)
 
     def rewind_samples(self, request_ids: list[str], num_tokens: int) -> list[SampleOutput]:
         """Take back the last `num_tokens` output tokens of each of these samples
@@ -293,16 +342,20 @@ class EngineCore:
                     f"cannot rewind by {num_tokens} tokens: sample {request.request_id!r} has "
                     f"{len(request.output_token_ids)} output tokens"
                 )
-        return [
-            SampleOutput(
-                r.request_id, [], rewound_to=self.scheduler.rewind(r.request_id, num_tokens)
-            )
-            for r in requests
-        ]
+        outputs = []
+        for r in requests:
+            rewound_to = self.scheduler.rewind(r.request_id, num_tokens)
+            self.structured.restart(r.request_id, r.output_token_ids)
+            outputs.append(SampleOutput(r.request_id, [], rewound_to=rewound_to))
+        return outputs
 
     def has_work(self) -> bool:
         """Samples to schedule, or a launched step whose results are still to be read."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (
+            self._in_flight is not None
+            or self.scheduler.has_unfinished_requests()
+            or bool(self._compiling)
+        )
 
     # ---- stepping --------------------------------------------------------------------------------
 
@@ -355,29 +408,41 @@ class EngineCore:
     def _step(self) -> list[SampleOutput]:
         start = time.perf_counter()
         try:
-            sched_out = self.scheduler.schedule()
-            scheduled = bool(sched_out.num_scheduled_tokens)
-            synchronous = not self.async_scheduling
-            result = None
-            try:
-                handle = self.runner.launch(sched_out)  # also when empty: drops finished requests
-                result = handle.result() if synchronous and scheduled else None
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                failed, handle, scheduled = self._fail_step(sched_out, exc), None, False
-            else:
-                failed = []
-            if synchronous:
-                return failed + (self._process(sched_out, result) if result is not None else [])
-            previous = self._in_flight
-            self._in_flight = (sched_out, handle) if scheduled else None
-            if previous is None:
-                return failed
-            return failed + self._process(previous[0], previous[1].result())
+            early = self._admit_compiled()
+            # A constrained sample's mask needs its last token: while any is live, steps run
+            # one at a time (the one in flight is read first).
+            if self.structured.matchers:
+                self.structured.retain(self.scheduler.requests)  # aborted ones go
+            constrained = bool(self.structured.matchers)
+            if constrained and self._in_flight is not None:
+                previous, self._in_flight = self._in_flight, None
+                early += self._process(previous[0], previous[1].result())
+            return early + self._schedule_and_run(synchronous=constrained)
         finally:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
+
+    def _schedule_and_run(self, synchronous: bool) -> list[SampleOutput]:
+        sched_out = self.scheduler.schedule()
+        scheduled = bool(sched_out.num_scheduled_tokens)
+        synchronous = synchronous or not self.async_scheduling
+        result = None
+        try:
+            handle = self.runner.launch(sched_out)  # also when empty: drops finished requests
+            result = handle.result() if synchronous and scheduled else None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            failed, handle, scheduled = self._fail_step(sched_out, exc), None, False
+        else:
+            failed = []
+        if synchronous:
+            return failed + (self._process(sched_out, result) if result is not None else [])
+        previous = self._in_flight
+        self._in_flight = (sched_out, handle) if scheduled else None
+        if previous is None:
+            return failed
+        return failed + self._process(previous[0], previous[1].result())
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: BaseException) -> list[SampleOutput]:
         """A step ran out of device memory: fail the request with the most tokens in it (a large
@@ -438,6 +503,8 @@ class EngineCore:
                 sched_out, runner_out.sampled_token_ids, runner_out.accepted_token_ids
             )
         ]
+        if self.structured.matchers:
+            outputs = self._follow_grammars(outputs)
         if not runner_out.prompt_logprobs:
             return outputs
         # A sample's first token comes in the step that scores its last prompt chunk: it carries
@@ -452,6 +519,26 @@ class EngineCore:
             else:
                 out.prompt_logprobs = prompt_logprobs
         return prompt_only + outputs
+
+    def _follow_grammars(self, outputs: list[SampleOutput]) -> list[SampleOutput]:
+        """Advance the constrained samples' matchers by their new tokens. A grammar that is
+        complete ends its sample ("stop") even when it ignores EOS; a token the grammar refuses
+        (only a bug could sample one) fails it."""
+        structured = self.structured
+        for out in outputs:
+            request_id = out.request_id
+            if request_id not in structured.matchers or not out.new_token_ids:
+                continue
+            if not structured.accept(request_id, out.new_token_ids):
+                logger.error("request %s sampled a token its grammar refuses", request_id)
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+                out.finish_reason = "error"
+                out.error = "the engine sampled a token the request's grammar does not allow"
+            elif out.finish_reason is None and structured.is_terminated(request_id):
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+                out.finish_reason = "stop"
+        structured.retain(self.scheduler.requests)
+        return outputs
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.structured_output import check as check_structured_outputs
 from scheduler import SamplingParams
 
 
@@ -59,10 +60,12 @@ class InputProcessor:
     def process_inputs(
         self, prompt: str | Sequence[int] | Prompt, params: SamplingParams
     ) -> Prompt:
-        """`process_prompt`, and the params' type (their values were checked when they were
-        built)."""
+        """`process_prompt`, the params' type (their values were checked when they were built)
+        and their structured outputs' grammar (`structured_output.check`)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         return self.process_prompt(prompt)

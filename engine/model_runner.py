@@ -25,6 +25,7 @@ from engine.sampler import (
     TokenLogprobs,
     to_device,
 )
+from engine.structured_output import StructuredOutputManager, bitmask_words
 from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from scheduler.utils import cdiv
 
@@ -190,6 +191,10 @@ class ModelRunner:
             max_num_seqs, max_model_len, cdiv(max_model_len, block_size), windows
         )
         self._last: StepHandle | None = None  # the last launched step that sampled
+        # The engine core's grammars (structured outputs), when it has any: each step masks
+        # the logits of the constrained rows with their matchers' allowed tokens. The core
+        # steps synchronously while any is live, so every matcher has seen its last token.
+        self.structured: StructuredOutputManager | None = None
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step to completion."""
@@ -215,7 +220,11 @@ class ModelRunner:
             previous.result()  # penalties read the whole history on the host: wait for it
         batch = state.prepare(out, rows, self.block_size)
         sampling_rows = self._sampling_rows(batch)
-        plan = self.sampler.plan(sampling_rows, self.device) if sampling_rows else None
+        plan = (
+            self.sampler.plan(sampling_rows, self.device, self._allowed_tokens(batch, out))
+            if sampling_rows
+            else None
+        )
         prompt_targets = batch.prompt_logprob_targets
         prompt_ks = [
             self.input_batch.params[int(batch.rows[i])].prompt_logprobs or 0
@@ -335,6 +344,30 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(num_tokens, num_seqs, width):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    def _allowed_tokens(
+        self, batch: Batch, out: SchedulerOutput
+    ) -> tuple[list[int], np.ndarray] | None:
+        """(sampling rows under a grammar, their allowed tokens' bitmasks), in the order of
+        `_sampling_rows` (a sequence with d drafts has d + 1 rows); None when none is."""
+        structured = self.structured
+        if structured is None or not structured.matchers:
+            return None
+        sample_idx = batch.sample_indices
+        num_drafts = batch.num_drafts[sample_idx].tolist()
+        words = bitmask_words(structured.vocab_size)
+        rows: list[int] = []
+        masks: list[np.ndarray] = []
+        first = 0
+        for i, d in zip(sample_idx.tolist(), num_drafts, strict=True):
+            request_id = batch.request_ids[i]
+            if request_id in structured.matchers:
+                mask = np.empty((d + 1, words), dtype=np.int32)
+                structured.fill(request_id, out.spec_token_ids.get(request_id, ())[:d], mask)
+                rows += range(first, first + d + 1)
+                masks.append(mask)
+            first += d + 1
+        return (rows, np.concatenate(masks)) if rows else None
 
     def _sampling_rows(self, batch: Batch) -> list[SamplingRow]:
         """What the sampler needs of each sampling sequence, in batch order; the token history

@@ -15,7 +15,7 @@ from scheduler.outputs import (
     SchedulerOutput,
 )
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputs
 from scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "StructuredOutputs",
 ]

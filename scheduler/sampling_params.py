@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -95,6 +96,70 @@ OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the text a request generates (vLLM's StructuredOutputsParams): exactly one
+    of a JSON schema (`json`, kept as compact JSON text, so equal schemas compare and hash
+    equal), any JSON object (`json_object`), a regular expression, a choice among strings, or
+    an EBNF grammar (xgrammar's dialect: `root ::= ...`). A schema's properties keep their
+    order: the output lists them in it.
+
+    Checked here for shape only; whether the engine's grammar library can build it is checked
+    where the request enters the engine (engine/structured_output.py `check`).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError(
+                    f"a JSON schema must be an object (or true/false), got {self.json!r}"
+                )
+            set_field(self, "json", _json.dumps(schema, separators=(",", ":")))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else self.choice
+            if not isinstance(choice, Iterable):
+                raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
+            choice = tuple(choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(
+                    f"choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+                )
+            set_field(self, "choice", choice)
+        if len(self.kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice and "
+                f"grammar, got {', '.join(self.kinds) or 'none'}"
+            )
+
+    @property
+    def kinds(self) -> list[str]:
+        """The constraints that are set (exactly one, once constructed)."""
+        return [
+            name
+            for name in ("json", "json_object", "regex", "choice", "grammar")
+            if getattr(self, name) not in (None, False)
+        ]
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
 
@@ -133,6 +198,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search: scores are divided by length ** length_penalty
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (None = free text).
+    structured_outputs: StructuredOutputs | None = None
     # What each engine output carries (vLLM's RequestOutputKind): "cumulative" = everything so
     # far, every step; "delta" = only what is new since the previous output (streaming, the
     # server); "final" = one output, when the request finishes (the offline LLM API).
@@ -186,6 +253,12 @@ class SamplingParams:
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}"
+            )
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(
                 f"best_of must be None or an int >= n ({self.n}), got {self.best_of!r}"
@@ -208,6 +281,7 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,
+            "structured_outputs": self.structured_outputs is not None,
         }
         for name, set_ in refused.items():
             if set_:

@@ -32,6 +32,7 @@ def test_defaults() -> None:
         False,  # include_stop_str_in_output
         False,  # use_beam_search
         1.0,  # length_penalty
+        None,  # structured_outputs
         "cumulative",  # output_kind
     )
     assert not params.greedy and params.num_samples == 1
@@ -207,3 +208,35 @@ def test_clone_applies_changes_and_validates() -> None:
 def test_params_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 0.0  # type: ignore[misc]
+
+
+def test_structured_outputs_take_exactly_one_well_formed_constraint() -> None:
+    from scheduler import StructuredOutputs
+
+    schema = StructuredOutputs(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    # Kept as compact JSON in the schema's own order (the output lists properties in it).
+    assert schema.json == '{"type":"object","properties":{"b":{},"a":{}}}'
+    assert schema == StructuredOutputs(json=' { "type" : "object", "properties": {"b":{}, "a":{}}}')
+    assert StructuredOutputs(choice="yes").choice == ("yes",)
+    assert StructuredOutputs(choice=["a", "b"]).kinds == ["choice"]
+    params = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    assert hash(params) == hash(
+        SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    )
+    for fields, message in (
+        ({}, "exactly one of json, json_object, regex, choice and grammar, got none"),
+        ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+        ({"json": "{"}, "the JSON schema is not valid JSON"),
+        ({"json": "[1]"}, "a JSON schema must be an object"),
+        ({"choice": []}, "choice must be a non-empty list of non-empty strings"),
+        ({"choice": ["a", ""]}, "choice must be a non-empty list"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"grammar": 3}, "grammar must be a non-empty string"),
+        ({"json_object": "yes"}, "json_object must be a bool"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputs(**fields)
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputs"):
+        SamplingParams(structured_outputs={"regex": "a"})
+    with pytest.raises(ValueError, match="structured_outputs is not supported with use_beam"):
+        SamplingParams(n=2, use_beam_search=True, structured_outputs=StructuredOutputs(regex="a"))

@@ -1,0 +1,185 @@
+"""Structured outputs: grammars that constrain what a request may generate, on xgrammar.
+
+A request's `SamplingParams.structured_outputs` (a JSON schema, any JSON object, a regex, a
+choice or an EBNF grammar) is checked where the request enters the engine (`check`: a bad one
+is a ValueError, a 400 over HTTP), compiled against the model's vocabulary once per distinct
+constraint (`StructuredOutputManager.compile`, on a worker thread; xgrammar caches compiled
+grammars), and followed by one matcher per sample: each step the matcher of every constrained
+sampling row writes the row's allowed tokens into a bitmask (32 tokens per int32 word, bit
+i % 32 of word i // 32; `Sampler` masks the logits with it), and the sampled tokens advance it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Container, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scheduler import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+# `json_object`: any JSON object.
+ANY_OBJECT = '{"type": "object"}'
+# Every token allowed: an all-ones word.
+ALL_ALLOWED = -1
+# xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message.
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+def _clean(error: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(error)).strip()
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices` (JSON string literals are valid
+    EBNF string literals in xgrammar's dialect)."""
+    import json
+
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@lru_cache(maxsize=256)
+def check(spec: StructuredOutputs) -> None:
+    """Build `spec`'s grammar without a vocabulary (cheap): raises ValueError saying what is
+    wrong with a schema, regex or grammar xgrammar cannot take. Cached per spec."""
+    import xgrammar as xgr
+
+    what = spec.kinds[0]
+    try:
+        if spec.json is not None:
+            xgr.Grammar.from_json_schema(spec.json)
+        elif spec.regex is not None:
+            xgr.Grammar.from_regex(spec.regex)
+        elif spec.choice is not None:
+            xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
+        elif spec.grammar is not None:
+            xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        names = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+        raise ValueError(f"invalid {names[what]} for structured outputs: {_clean(e)}") from None
+
+
+class StructuredOutputManager:
+    """The engine core's grammars: compiles them (a worker thread; xgrammar's compiler caches
+    each distinct one) and keeps one matcher per constrained sample.
+
+    The tokenizer's vocabulary is read on first use, so engines that never see a constrained
+    request pay nothing."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self.matchers: dict[str, xgrammar.GrammarMatcher] = {}
+        self._grammars: dict[str, xgrammar.CompiledGrammar] = {}  # by sample, for restarts
+
+    # ---- compiling -------------------------------------------------------------------------
+
+    def compile(self, spec: StructuredOutputs) -> Future:
+        """Start compiling `spec`; the future's result is the compiled grammar (or raises
+        ValueError)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
+        return self._executor.submit(self.compile_now, spec)
+
+    def compile_now(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        compiler = self._get_compiler()
+        try:
+            if spec.json is not None:
+                return compiler.compile_json_schema(spec.json)
+            if spec.json_object:  # OpenAI's JSON mode: an object (the builtin grammar takes
+                return compiler.compile_json_schema(ANY_OBJECT)  # any value, arrays too)
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            text = choice_grammar(spec.choice) if spec.choice is not None else spec.grammar
+            return compiler.compile_grammar(text)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"structured outputs: {_clean(e)}") from None
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    # ---- matchers --------------------------------------------------------------------------
+
+    def start(self, request_id: str, compiled: xgrammar.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
+        self.matchers[request_id] = xgr.GrammarMatcher(compiled)
+        self._grammars[request_id] = compiled
+
+    def retain(self, live: Container[str]) -> None:
+        """Forget the matchers of samples that are no longer live (finished, aborted, failed)."""
+        for request_id in [r for r in self.matchers if r not in live]:
+            del self.matchers[request_id], self._grammars[request_id]
+
+    def is_terminated(self, request_id: str) -> bool:
+        """Whether the sample's grammar is complete and has taken its stop token."""
+        matcher = self.matchers.get(request_id)
+        return matcher is not None and matcher.is_terminated()
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Advance the sample's matcher by its new tokens; False when the grammar refuses one
+        (a token sampled outside the mask: only a bug or a NaN row can do that)."""
+        matcher = self.matchers.get(request_id)
+        if matcher is None:
+            return True
+        for token_id in token_ids:
+            if matcher.is_terminated():
+                return True  # the grammar ended at a stop token; nothing more to follow
+            if not matcher.accept_token(token_id):
+                return False
+        return True
+
+    def restart(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """The sample's matcher again from the start, having accepted `token_ids` (its output
+        after a rewind)."""
+        if request_id not in self.matchers:
+            return True
+        self.start(request_id, self._grammars[request_id])
+        return self.accept(request_id, token_ids)
+
+    def fill(self, request_id: str, drafts: Sequence[int], out: np.ndarray) -> None:
+        """Write the sample's allowed tokens into `out` [1 + len(drafts), words]: row 0 for its
+        next token, row j for the token after its first j drafts. A draft the grammar refuses
+        leaves the rows after it all-allowed: the token before it was sampled under a mask that
+        excludes it, so verification rejects it and nothing after it is kept."""
+        matcher = self.matchers[request_id]
+        matcher.fill_next_token_bitmask(out, 0)
+        accepted = 0
+        for j, draft in enumerate(drafts, start=1):
+            if matcher.is_terminated() or not matcher.accept_token(draft):
+                out[j:] = ALL_ALLOWED
+                break
+            accepted += 1
+            matcher.fill_next_token_bitmask(out, j)
+        if accepted:
+            matcher.rollback(accepted)
