@@ -134,7 +134,9 @@ class EngineCore:
         )
         # Structured outputs: grammars compiling (their samples wait here, not in the
         # scheduler) and the matchers of the constrained samples.
-        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
+        )
         self.runner.structured = self.structured
         self._compiling: list[tuple[list[CoreRequest], Future]] = []
         self.num_steps = 0

@@ -133,6 +133,11 @@ class EngineConfig:
     )
     speculative_ngram_min: int = option(2, "shortest n-gram matched for speculative drafts")
     speculative_ngram_max: int = option(4, "longest n-gram matched for speculative drafts")
+    json_any_whitespace: bool = option(
+        False,
+        "structured outputs: let JSON outputs put any whitespace between their tokens (xgrammar's "
+        "default) instead of one space after ':' and ','; small models can loop on whitespace",
+    )
     seed: int = option(0, "seed of the sampler for requests without their own")
 
     def __post_init__(self) -> None:

@@ -84,10 +84,12 @@ class StructuredOutputManager:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: Sequence[int],
+        any_whitespace: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.any_whitespace = any_whitespace  # in JSON (EngineConfig.json_any_whitespace)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
@@ -106,10 +108,10 @@ class StructuredOutputManager:
     def compile_now(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
         try:
-            if spec.json is not None:
-                return compiler.compile_json_schema(spec.json)
-            if spec.json_object:  # OpenAI's JSON mode: an object (the builtin grammar takes
-                return compiler.compile_json_schema(ANY_OBJECT)  # any value, arrays too)
+            if spec.json is not None or spec.json_object:
+                # JSON mode is any object (xgrammar's builtin grammar takes arrays too).
+                schema = ANY_OBJECT if spec.json_object else spec.json
+                return compiler.compile_json_schema(schema, any_whitespace=self.any_whitespace)
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             text = choice_grammar(spec.choice) if spec.choice is not None else spec.grammar

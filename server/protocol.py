@@ -46,6 +46,16 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False  # as vLLM: the beam width is n
     length_penalty: float = 1.0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs ({"json" |
+    # "regex" | "choice" | "grammar" | "json_object": ...}) and its older guided_* fields.
+    # Typed loosely here: server/structured_outputs.py checks them, naming the field.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -67,7 +77,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

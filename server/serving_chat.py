@@ -54,12 +54,6 @@ async def create_chat_completion(
     warn_unknown_fields(req, "/v1/chat/completions")
     if req.tools:
         raise APIError(400, "tools are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400,
-            f"response_format {req.response_format.get('type')!r} is not supported; only 'text'",
-            param="response_format",
-        )
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")

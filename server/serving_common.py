@@ -18,11 +18,12 @@ from fastapi import Request
 from engine.async_engine import EngineClient, RequestStream
 from engine.inputs import Prompt
 from engine.outputs import RequestOutput
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputs
 from server.errors import APIError, as_api_error, error_body
 from server.limits import DEFAULT_MAX_N
 from server.metrics import Metrics, RequestMetrics
 from server.protocol import SamplingFields
+from server.structured_outputs import structured_outputs_of
 
 logger = logging.getLogger("pagedserve")
 
@@ -95,8 +96,10 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     best_of: int | None = None,
+    constrain: StructuredOutputs | None = None,
 ) -> SamplingParams:
-    """SamplingParams from the request fields; an invalid value is a 400 naming the field."""
+    """SamplingParams from the request fields; an invalid value is a 400 naming the field.
+    `constrain` replaces the constraint the request's own fields ask for (tool calls)."""
     if req.stream_options is not None and not req.stream:
         # As the OpenAI API and vLLM: the options only mean something for a stream.
         raise APIError(
@@ -121,6 +124,7 @@ def sampling_params(
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     fields: dict[str, Any] = {
+        "structured_outputs": structured_outputs_of(req) if constrain is None else constrain,
         "n": req.n,
         "max_tokens": max_tokens,
         "ignore_eos": req.ignore_eos,

@@ -302,3 +302,21 @@ def test_a_stop_string_cuts_a_constrained_output(real_llm):
     cut = real_llm.generate(["Code:"], params)[0].outputs[0]
     assert cut.text == free.text[: free.text.index(stop)] and cut.finish_reason == "stop"
     assert not real_llm.engine.structured.matchers
+
+
+def test_json_whitespace_is_one_space_unless_the_engine_allows_any(real_llm):
+    """A small model can loop on whitespace that JSON allows anywhere: by default the grammar
+    takes one space after ':' and ',' only (EngineConfig.json_any_whitespace)."""
+    import xgrammar as xgr
+
+    from engine.structured_output import StructuredOutputManager
+
+    engine = real_llm.engine
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    for any_whitespace, spaced in ((False, False), (True, True)):
+        manager = StructuredOutputManager(
+            engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids, any_whitespace
+        )
+        compiled = manager.compile(spec).result()
+        assert xgr.GrammarMatcher(compiled).accept_string('{"a": 1}')
+        assert xgr.GrammarMatcher(compiled).accept_string('{\n  "a" :  1') is spaced

@@ -146,9 +146,9 @@ BAD_CHAT = [
     pytest.param({"messages": MSG, "top_logprobs": 2}, "logprobs=true", id="top-logprobs"),
     pytest.param({"messages": MSG, "tools": [{"type": "function"}]}, "tools", id="tools"),
     pytest.param(
-        {"messages": MSG, "response_format": {"type": "json_object"}},
-        "response_format",
-        id="json-mode",
+        {"messages": MSG, "response_format": {"type": "xml"}},
+        "response_format type 'xml' is not supported",
+        id="response-format-type",
     ),
     pytest.param(
         {"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]},
