@@ -50,6 +50,7 @@ def run_server(
     request_timeout: float | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_n: int = DEFAULT_MAX_N,
+    tool_call_parser: str = "auto",
     allowed_origins: list[str] | None = None,
     log_level: str = "info",
     access_log: bool = True,
@@ -82,6 +83,7 @@ def run_server(
             request_timeout=request_timeout,
             max_request_body_bytes=max_request_body_bytes,
             max_n=max_n,
+            tool_call_parser=tool_call_parser,
             allowed_origins=allowed_origins,
         )
         logger.info(

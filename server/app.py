@@ -54,6 +54,7 @@ def build_app(
     request_timeout: float | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_n: int = DEFAULT_MAX_N,
+    tool_call_parser: str = "auto",
     allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
@@ -69,6 +70,7 @@ def build_app(
         api_key=api_key or None,
         request_timeout=request_timeout,
         max_n=max_n,
+        tool_call_parser=tool_call_parser,
     )
     created_at = int(time.time())
 

@@ -19,6 +19,7 @@ from server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
+from server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -86,6 +87,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n,
+        tool_call_parser=args.tool_call_parser,
         allowed_origins=args.allowed_origins,
         log_level=args.log_level,
         access_log=not args.no_access_log,
@@ -139,6 +141,19 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         type=int,
         default=DEFAULT_MAX_N,
         help="largest n (samples per prompt) a request may ask for (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="how tool calls are read from the model's answers for tool_choice auto: hermes "
+        "(<tool_call> blocks: Qwen, SmolLM2, ...), llama3_json (bare JSON calls), or auto: "
+        "llama3_json when the chat template speaks of <|python_tag|>, else hermes",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: tool_choice auto is always on here",
     )
     srv.add_argument(
         "--allowed-origins",

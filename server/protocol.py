@@ -75,8 +75,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    # Checked by server/tool_calls.py, which names the field of a bad one.
+    tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = True
 
 
 class TokenizeRequest(_Body):

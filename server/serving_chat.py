@@ -5,7 +5,7 @@ carries the role."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -35,15 +35,26 @@ from server.serving_common import (
     usage,
     warn_unknown_fields,
 )
+from server.structured_outputs import structured_outputs_of
+from server.tool_calls import ToolCallStream, ToolPlan, plan_tools
 
 
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-    """Token ids of the conversation (also used by /tokenize with messages)."""
+def chat_prompt_ids(
+    state: ServerState,
+    req: ChatCompletionRequest | TokenizeRequest,
+    tools: ToolPlan | None = None,
+) -> list[int]:
+    """Token ids of the conversation (also used by /tokenize with messages), with the tools
+    shown to the model."""
+    messages, template_kwargs = req.messages, req.chat_template_kwargs
+    if tools is not None:
+        messages, extra = tools.render_messages(messages)
+        template_kwargs = {**(template_kwargs or {}), **extra}
     return apply_chat_template(
         state.engine.tokenizer,
-        req.messages,
+        messages,
         add_generation_prompt=req.add_generation_prompt,
-        template_kwargs=req.chat_template_kwargs,
+        template_kwargs=template_kwargs,
     )
 
 
@@ -52,8 +63,16 @@ async def create_chat_completion(
 ) -> JSONResponse | StreamingResponse:
     check_model(state, req.model)
     warn_unknown_fields(req, "/v1/chat/completions")
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server", param="tools")
+    tokenizer = state.engine.tokenizer
+    tools = plan_tools(req, getattr(tokenizer, "chat_template", None), state.tool_call_parser)
+    constrain = tools.constraint() if tools is not None else None
+    if constrain is not None and structured_outputs_of(req) is not None:
+        raise APIError(
+            400,
+            f"tool_choice {tools.choice!r} constrains the output itself: drop response_format "
+            "and the other structured output fields",
+            param="tool_choice",
+        )
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -63,33 +82,44 @@ async def create_chat_completion(
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                 param="top_logprobs",
             )
-    prompt = state.engine.process_prompt(chat_prompt_ids(state, req))
+    prompt = state.engine.process_prompt(chat_prompt_ids(state, req, tools))
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     max_tokens = check_max_tokens(requested, len(prompt.token_ids), state.engine.max_model_len)
     top_k = req.top_logprobs or 0
-    params = sampling_params(state, req, max_tokens, logprobs=top_k if req.logprobs else None)
+    params = sampling_params(
+        state, req, max_tokens, logprobs=top_k if req.logprobs else None, constrain=constrain
+    )
     arrival = time.monotonic()
     request_id = new_id("chatcmpl")
     queued = add_requests(state, request_id, [prompt], [params], arrival)
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, queued), media_type="text/event-stream"
+            _stream(state, req, request_id, queued, tools), media_type="text/event-stream"
         )
     (final,) = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
-    choices = [
-        {
-            "index": sample.index,
-            "message": {"role": "assistant", "content": sample.text},
-            "logprobs": _logprobs(sample.token_ids, sample.logprobs, top_k)
-            if req.logprobs
-            else None,
-            "finish_reason": sample.finish_reason,
-            "stop_reason": sample.stop_reason,
-        }
-        for sample in final.outputs
-    ]
+    choices = []
+    for sample in final.outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        finish = sample.finish_reason
+        if tools is not None:
+            content, calls = tools.parse(sample.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        choices.append(
+            {
+                "index": sample.index,
+                "message": message,
+                "logprobs": _logprobs(sample.token_ids, sample.logprobs, top_k)
+                if req.logprobs
+                else None,
+                "finish_reason": finish,
+                "stop_reason": sample.stop_reason,
+            }
+        )
     return JSONResponse(
         {
             "id": request_id,
@@ -128,7 +158,11 @@ def _logprobs(
 
 
 async def _stream(
-    state: ServerState, req: ChatCompletionRequest, request_id: str, queued
+    state: ServerState,
+    req: ChatCompletionRequest,
+    request_id: str,
+    queued,
+    tools: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     base = {
         "id": request_id,
@@ -150,11 +184,18 @@ async def _stream(
         # The role comes first, before any token, as OpenAI does.
         for k in range(req.n):
             yield chunk(k, {"role": "assistant", "content": ""})
+        calls = {k: ToolCallStream(tools) for k in range(req.n)} if tools is not None else {}
         async for _, output in iterate_all(queued, state.request_timeout):
             for sample in output.outputs:
-                piece = _delta(sample, finished, req.logprobs, top_k)
-                if piece is not None:
-                    yield chunk(sample.index, *piece)
+                if tools is None:
+                    piece = _delta(sample, finished, req.logprobs, top_k)
+                    if piece is not None:
+                        yield chunk(sample.index, *piece)
+                    continue
+                for delta, logprobs, finish, stop in _tool_deltas(
+                    sample, calls[sample.index], req.logprobs, top_k
+                ):
+                    yield chunk(sample.index, delta, logprobs, finish, stop)
             accumulate(wholes, 0, output)
         if req.stream_options is not None and req.stream_options.include_usage and wholes:
             yield sse({**base, "choices": [], "usage": usage([wholes[0]])})
@@ -183,3 +224,21 @@ def _delta(
         finished.add(sample.index)
     delta = {"content": text} if text or finish is None else {}
     return delta, logprobs, finish, sample.stop_reason
+
+
+def _tool_deltas(
+    sample: CompletionOutput, stream: ToolCallStream, want_logprobs: bool, top_k: int
+) -> Iterator[tuple[dict[str, Any], dict[str, Any] | None, str | None, str | int | None]]:
+    """The chunks of a sample's delta output when tools may be called: its text goes through
+    the choice's ToolCallStream (content, or tool call fragments); the last chunk says
+    "tool_calls" when the choice made calls."""
+    if want_logprobs and sample.token_ids and sample.logprobs is not None:
+        yield {}, _logprobs(sample.token_ids, sample.logprobs, top_k), None, None
+    for delta in stream.feed(sample.text):
+        yield delta, None, None, None
+    if sample.finished:
+        tail, called = stream.finish()
+        for delta in tail:
+            yield delta, None, None, None
+        finish = "tool_calls" if called and sample.finish_reason == "stop" else sample.finish_reason
+        yield {}, None, finish, sample.stop_reason

@@ -44,6 +44,7 @@ class ServerState:
     api_key: str | None = None
     request_timeout: float | None = None  # seconds a request may take (--request-timeout)
     max_n: int = DEFAULT_MAX_N  # samples per prompt (--max-n)
+    tool_call_parser: str = "auto"  # how tool calls are read from text (--tool-call-parser)
 
     @property
     def model_name(self) -> str:
