@@ -25,7 +25,7 @@ from engine.sampler import (
     TokenLogprobs,
     to_device,
 )
-from engine.structured_output import StructuredOutputManager, bitmask_words
+from engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
 from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from scheduler.utils import cdiv
 
@@ -348,26 +348,29 @@ class ModelRunner:
     def _allowed_tokens(
         self, batch: Batch, out: SchedulerOutput
     ) -> tuple[list[int], np.ndarray] | None:
-        """(sampling rows under a grammar, their allowed tokens' bitmasks), in the order of
-        `_sampling_rows` (a sequence with d drafts has d + 1 rows); None when none is."""
+        """(sampling rows under a grammar, the allowed tokens' bitmasks of all sampling rows),
+        in the order of `_sampling_rows` (a sequence with d drafts has d + 1 rows); None when
+        no row is constrained."""
         structured = self.structured
         if structured is None or not structured.matchers:
             return None
         sample_idx = batch.sample_indices
         num_drafts = batch.num_drafts[sample_idx].tolist()
-        words = bitmask_words(structured.vocab_size)
+        masks = np.full(
+            (len(num_drafts) + sum(num_drafts), bitmask_words(structured.vocab_size)),
+            ALL_ALLOWED,
+            dtype=np.int32,
+        )
         rows: list[int] = []
-        masks: list[np.ndarray] = []
         first = 0
         for i, d in zip(sample_idx.tolist(), num_drafts, strict=True):
             request_id = batch.request_ids[i]
             if request_id in structured.matchers:
-                mask = np.empty((d + 1, words), dtype=np.int32)
-                structured.fill(request_id, out.spec_token_ids.get(request_id, ())[:d], mask)
+                drafts = out.spec_token_ids.get(request_id, ())[:d]
+                structured.fill(request_id, drafts, masks[first : first + d + 1])
                 rows += range(first, first + d + 1)
-                masks.append(mask)
             first += d + 1
-        return (rows, np.concatenate(masks)) if rows else None
+        return (rows, masks) if rows else None
 
     def _sampling_rows(self, batch: Batch) -> list[SamplingRow]:
         """What the sampler needs of each sampling sequence, in batch order; the token history

@@ -1,4 +1,4 @@
-"""Structured outputs in the engine: the sampler's mask equals xgrammar's own, constrained
+"""Structured outputs in the engine: the sampler masks the constrained rows only, constrained
 greedy tokens equal transformers' argmax under the same grammar step by step, and the real
 SmolLM2's sampled outputs always satisfy their JSON schema, regex, choice or grammar, with
 n > 1, stop strings, logprobs, preemption, asynchronous scheduling, speculative decoding and
@@ -13,12 +13,12 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
+import numpy as np
 import pydantic
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import apply_token_bitmask
 from engine.structured_output import bitmask_words
 from scheduler import StructuredOutputs
 
@@ -40,22 +40,37 @@ def _matcher(llm: LLM, spec: StructuredOutputs):
     return xgr.GrammarMatcher(llm.engine.structured.compile_now(spec)), info
 
 
-def test_the_bitmask_masks_what_xgrammar_masks():
-    import xgrammar as xgr
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sampler_masks_the_constrained_rows_only(dtype):
+    """Rows 0 and 2 may use only tokens 5 and 37 (37 over the bitmask's first word); row 1 is
+    free. Greedy rows take the best allowed token; logprobs stay those of the model's own
+    distribution (the caller's logits are not touched)."""
+    from engine.sampler import Sampler, SamplingRow
 
     torch.manual_seed(0)
-    vocab = 1000  # not a multiple of 32: the last word is partly past the vocabulary
-    logits = torch.randn(5, vocab)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32)
-    rows = torch.tensor([4, 0, 2])
-    got = apply_token_bitmask(logits, rows, bitmask)
-    want = logits.clone()
-    full = torch.full((5, bitmask_words(vocab)), -1, dtype=torch.int32)  # xgrammar: by logit row
-    full[rows] = bitmask
-    xgr.apply_token_bitmask_inplace(want, full, indices=[4, 0, 2], backend="torch_native")
-    assert torch.equal(got, want)
-    assert torch.equal(got[[1, 3]], logits[[1, 3]])  # other rows untouched, input untouched
-    assert not torch.isinf(logits).any()
+    vocab = 40
+    logits = torch.randn(3, vocab).to(dtype)
+    before = logits.clone()
+    masks = np.full((3, bitmask_words(vocab)), -1, dtype=np.int32)
+    masks[[0, 2]] = 0
+    masks[[0, 2], 0] = 1 << 5
+    masks[[0, 2], 1] = 1 << (37 - 32)
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    sampler = Sampler()
+    rows = [SamplingRow(greedy, 0), SamplingRow(greedy, 0), SamplingRow(sampled, 0)]
+    plan = sampler.plan(rows, torch.device("cpu"), ([0, 2], masks))
+    out = sampler.sample(logits, plan).to_host()
+    best_allowed = 5 if logits[0, 5] > logits[0, 37] else 37
+    assert out.token_ids[0] == best_allowed
+    assert out.token_ids[1] == int(logits[1].argmax())
+    assert out.token_ids[2] in (5, 37)
+    assert torch.equal(logits, before)
+    raw = torch.log_softmax(before.float(), dim=-1)
+    chosen, rank, top = out.logprobs[0]
+    assert chosen == pytest.approx(float(raw[0, best_allowed]))
+    assert rank == 1 + int((raw[0] > raw[0, best_allowed]).sum())
+    assert top[0][0] == int(raw[0].argmax())
 
 
 SPECS = {
