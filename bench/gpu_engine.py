@@ -52,10 +52,13 @@ from typing import Any
 from scheduler.utils import cdiv
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "summary")
+STEPS = (
+    "env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "structured",
+    "summary",
+)  # fmt: skip
 # Steps the default run of bench/gpu_engine.sh leaves out (its limits fill one device command):
 # `ONLY=moe bash bench/gpu_engine.sh` runs them; the summary lists them when they have records.
-OPTIONAL_STEPS = ("moe",)
+OPTIONAL_STEPS = ("moe", "structured")
 
 # H200: ~4.3 TB/s measured copy bandwidth (GPU.md); the roofline of a decode step is the bytes it
 # must read (weights and the KV cache) at this rate.
@@ -1056,6 +1059,126 @@ def step_moe(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
         )
 
 
+# Structured outputs: one constraint of each kind for the tiny model's prompts (its synthetic
+# tokenizer spells text with byte tokens, which is what the grammars match), and a long regex for
+# the throughput run.
+STRUCTURED_SPECS: dict[str, dict[str, Any]] = {
+    "regex": {"regex": r"([a-z]{1,6} ){4,12}[a-z]{1,6}\."},
+    "choice": {"choice": ["alpha", "beta", "gamma delta"]},
+    "json": {
+        "json": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 0, "maximum": 999},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 8},
+                    "maxItems": 3,
+                },
+            },
+            "required": ["id", "tags"],
+        }
+    },
+    "grammar": {"grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'},
+}
+STRUCTURED_THROUGHPUT_REGEX = r"([a-z]{1,8} ){16,400}[a-z]{1,8}\."
+
+
+def step_structured(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
+    """Structured outputs on the device (xgrammar's Triton mask kernel, matchers on the host):
+    the tiny Llama's fp32 constrained greedy tokens, one constraint of each kind, equal the CPU
+    engine's (which equal transformers' masked by the same grammar,
+    tests/engine/test_structured_outputs.py), graphs and eager; then the 1B shape, a regex
+    constraint against free generation of the same token counts (the constrained engine steps
+    synchronously, the free one with async scheduling)."""
+    from engine import LLM, SamplingParams
+    from scheduler import StructuredOutputs
+
+    tiny = write_tiny_model(args.scratch / "tiny-llama")
+    vocab = TINY_LLAMA["vocab_size"]
+    prompts = [random_ids(1, n, vocab, i)[0] for i, n in enumerate(sizes.correctness_prompt_lens)]
+    kinds = list(STRUCTURED_SPECS)
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=2 * sizes.correctness_tokens,
+            structured_outputs=StructuredOutputs(**STRUCTURED_SPECS[kinds[i % len(kinds)]]),
+        )
+        for i in range(len(prompts))
+    ]
+    max_model_len = 1024
+
+    def constrained(device: str, eager: bool) -> tuple[list[list[int]], dict[str, Any]]:
+        llm = LLM(
+            tiny, device=device, dtype="float32", load_format="dummy", enforce_eager=eager,
+            max_num_seqs=len(prompts), max_model_len=max_model_len,
+            num_kv_blocks=kv_blocks_for([max_model_len] * len(prompts), max_model_len),
+        )  # fmt: skip
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        info = {**engine_info(llm), "live_matchers": len(llm.engine.structured.matchers)}
+        del llm
+        free_memory()
+        return tokens, info
+
+    with rec.part(model="tiny", check="fp32_constrained_greedy"):
+        expected, _ = constrained("cpu", True)
+        for eager in (False, True):
+            got, info = constrained(sizes.device, eager)
+            rec.write(
+                {
+                    "model": "tiny",
+                    "check": "fp32_constrained_greedy",
+                    "engine": "eager" if eager else "default",
+                    "kinds": kinds,
+                    **compare_tokens(expected, got),
+                    **info,
+                }
+            )
+
+    model = model_path(args.model, args.scratch)
+    num, input_len = sizes.offline_prompts, sizes.offline_input_len
+    max_tokens = sizes.offline_output_len
+    model_len = cdiv(input_len + max_tokens, 256) * 256
+    spec = StructuredOutputs(regex=STRUCTURED_THROUGHPUT_REGEX)
+    with rec.part(model=args.model, kind="throughput"), reuse_dummy_weights():
+        llm = LLM(
+            model, device=sizes.device, dtype=sizes.dtype, load_format="dummy",
+            max_num_seqs=num, max_model_len=model_len,
+            num_kv_blocks=kv_blocks_for([input_len + max_tokens] * num, model_len),
+        )  # fmt: skip
+        ids = random_ids(num, input_len, llm.engine.model_config.vocab_size, 11)
+        warm = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
+        llm.generate(ids[:8], warm)  # compiles (grammar, Triton) out of the timed runs
+        sync(sizes.device)
+        start = time.perf_counter()
+        outs = llm.generate(
+            ids, SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+        )
+        sync(sizes.device)
+        constrained_s = time.perf_counter() - start
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        start = time.perf_counter()
+        llm.generate(ids, free)
+        sync(sizes.device)
+        free_s = time.perf_counter() - start
+        total = sum(lengths)
+        rec.write(
+            {
+                "model": args.model,
+                "kind": "throughput",
+                "dtype": sizes.dtype,
+                "num_prompts": num,
+                "input_len": input_len,
+                "num_output_tokens": total,
+                "constrained_tok_s": round(total / constrained_s, 1),
+                "free_tok_s": round(total / free_s, 1),
+                "ratio": round(free_s / constrained_s, 3),
+                **engine_info(llm),
+            }
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # nano-vllm's workload
 # ---------------------------------------------------------------------------------------------
@@ -1561,6 +1684,16 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
             f"{r['model']} ({r['num_hidden_layers']} layers, {r['num_active_params']} of "
             f"{r['num_params']} parameters per token) {r.get('output_tokens_per_s')} output tok/s"
         )
+    if step == "structured":
+        if r.get("check"):
+            return (
+                f"{r['model']} {r['check']} {r['engine']} equal={r['equal']} prompts "
+                f"{r['num_equal_prompts']}/{r['num_prompts']}"
+            )
+        return (
+            f"{r['model']} {r['dtype']} regex {r['constrained_tok_s']} tok/s, free "
+            f"{r['free_tok_s']} tok/s ({r['ratio']}x, {r['num_output_tokens']} tokens)"
+        )
     if step == "offline":
         if r.get("kind") == "engine":
             return (
@@ -1672,6 +1805,7 @@ def main(argv: list[str] | None = None) -> int:
         "online": step_online,
         "spec": step_spec,
         "moe": step_moe,
+        "structured": step_structured,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

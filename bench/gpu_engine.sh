@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine on the H200 (issue 5), as one script for the device tool:
 #
-#     ../shared/device/wheels.sh click pyzmq msgspec  # once, here: writes .whl/ (fastapi, gguf, uvicorn's click, pyzmq, msgspec, ...)
+#     ../shared/device/wheels.sh click pyzmq msgspec xgrammar  # once, here: writes .whl/ (fastapi, gguf, uvicorn's click, pyzmq, msgspec, xgrammar, ...)
 #     run(command="bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=590)
 #
 # Steps in order of importance, each under its own time limit so that one that hangs cannot take
@@ -42,6 +42,15 @@
 #                                eager (the fused MoE kernel compiled); then offline throughput
 #                                (256 x 512 in / 256 out, bf16) of a Qwen3-30B-A3B-shaped model
 #                                with 4 of its 48 layers (dummy weights drawn on the CPU, ~15 s).
+#
+# and the structured outputs (issue 17), also on their own:
+#
+#     run(command="ONLY=structured bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=150)
+#
+#   structured   120 s / ~60 s   tiny Llama fp32 constrained greedy (regex, choice, JSON schema,
+#                                grammar; xgrammar's Triton mask kernel) = the CPU engine's,
+#                                graphs and eager; then the 1B shape bf16, 256 x 512 in, a regex
+#                                constraint against free generation of the same token counts.
 #
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
@@ -97,6 +106,7 @@ step online 95 online
 step spec 45 spec
 if [ -n "${ONLY:-}" ]; then
     step moe 120 moe
+    step structured 120 structured
 fi
 "$PY" -m bench.gpu_engine summary --out "$OUT"
 exit $failed

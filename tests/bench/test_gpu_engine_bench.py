@@ -295,6 +295,29 @@ def test_the_moe_step_runs_alone_and_checks_the_experts_against_transformers(tmp
     assert "moe: tiny-qwen3-moe fp32_greedy eager equal=True prompts 8/8" in summary
 
 
+def test_the_structured_step_runs_alone_and_checks_constrained_tokens(tmp_path):
+    done = _run_script(tmp_path, ONLY="structured")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("structured: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "structured")
+    _no_errors(records)
+    checks = [r for r in records if r.get("check") == "fp32_constrained_greedy"]
+    assert [(r["engine"], r["equal"], r["live_matchers"]) for r in checks] == [
+        ("default", True, 0),
+        ("eager", True, 0),
+    ]
+    assert checks[0]["kinds"] == ["regex", "choice", "json", "grammar"]
+    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
+    assert throughput["num_prompts"] == SMOKE_SIZES.offline_prompts
+    assert (
+        0
+        < throughput["num_output_tokens"]
+        <= (SMOKE_SIZES.offline_prompts * SMOKE_SIZES.offline_output_len)
+    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "structured: tiny fp32_constrained_greedy eager equal=True prompts 8/8" in summary
+
+
 def test_random_length_workload_is_nano_vllms():
     prompts, output_lens = random_length_workload(256, (100, 1024), (100, 1024), 151936, 0)
     # nano-vllm's README: 133,966 output tokens; its Qwen3.5 table: 142,827 prompt tokens.
