@@ -65,8 +65,9 @@ async def create_chat_completion(
     warn_unknown_fields(req, "/v1/chat/completions")
     tokenizer = state.engine.tokenizer
     tools = plan_tools(req, getattr(tokenizer, "chat_template", None), state.tool_call_parser)
-    constrain = tools.constraint() if tools is not None else None
-    if constrain is not None and structured_outputs_of(req) is not None:
+    forced = tools.constraint() if tools is not None else None
+    own = structured_outputs_of(req)
+    if forced is not None and own is not None:
         raise APIError(
             400,
             f"tool_choice {tools.choice!r} constrains the output itself: drop response_format "
@@ -89,7 +90,7 @@ async def create_chat_completion(
     max_tokens = check_max_tokens(requested, len(prompt.token_ids), state.engine.max_model_len)
     top_k = req.top_logprobs or 0
     params = sampling_params(
-        state, req, max_tokens, logprobs=top_k if req.logprobs else None, constrain=constrain
+        state, req, max_tokens, logprobs=top_k if req.logprobs else None, constrain=forced or own
     )
     arrival = time.monotonic()
     request_id = new_id("chatcmpl")
