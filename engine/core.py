@@ -96,6 +96,15 @@ class EngineCore:
             max_chunk=self.max_num_batched_tokens,
         )
         logger.info(self.kv_plan.describe())
+        self.num_host_blocks = 0
+        if config.preemption_mode == "swap":
+            self.num_host_blocks = config.swap_space // self.kv_plan.bytes_per_block
+            logger.info(
+                "swap preemption: %d host blocks (%.2f GiB%s)",
+                self.num_host_blocks,
+                self.num_host_blocks * self.kv_plan.bytes_per_block / GiB,
+                ", pinned" if self.device.type == "cuda" else "",
+            )
         kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
         self.runner = ModelRunner(
             self.model,
@@ -108,6 +117,7 @@ class EngineCore:
             graphs=self._capture_decode_graphs(kv_caches),
             ops=self.attention_ops,
             windows=self.kv_plan.windows,
+            num_host_blocks=self.num_host_blocks,
         )
         # Off with speculative decoding: a step's drafts come from the tokens the previous
         # step accepted, so it cannot be scheduled before those are back.
@@ -130,6 +140,7 @@ class EngineCore:
                 ngram_min=config.speculative_ngram_min,
                 ngram_max=config.speculative_ngram_max,
                 kv_group_windows=self.kv_plan.windows,
+                num_host_blocks=self.num_host_blocks,
             )
         )
         # Structured outputs: grammars compiling (their samples wait here, not in the
@@ -558,6 +569,10 @@ class EngineCore:
             num_steps=self.num_steps,
             step_seconds=self.step_seconds,
             num_requests_added=self.num_requests_added,
+            kv_host_blocks_used=kv.num_swapped_blocks,
+            kv_host_blocks_total=self.num_host_blocks,
+            num_swap_outs=scheduler.num_swap_outs,
+            num_swap_ins=scheduler.num_swap_ins,
         )
 
     def describe(self) -> str:

@@ -29,6 +29,7 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GiB = 1 << 30
 
@@ -98,6 +99,20 @@ class EngineConfig:
     num_kv_blocks: int | None = option(
         None, "exact number of KV-cache blocks; overrides kv_cache_memory (reproducible plans)"
     )
+    preemption_mode: str = option(
+        "recompute",
+        "what a request preempted for room loses: recompute (its blocks are freed and its tokens "
+        "computed again when it resumes) or swap (its blocks move to a host-memory pool of "
+        "--swap-space GiB and back; recompute when that pool is full)",
+        choices=PREEMPTION_MODES,
+    )
+    swap_space: int = option(
+        4 * GiB,
+        "swap preemption's host pool: GiB on the command line, bytes in EngineConfig (pinned "
+        "memory on CUDA; only allocated with --preemption-mode swap)",
+        cli_type=gib_to_bytes,
+        metavar="GiB",
+    )
     enable_prefix_caching: bool = option(
         True, "reuse the KV blocks of prompt prefixes seen before", aliases=("--prefix-caching",)
     )
@@ -166,6 +181,7 @@ class EngineConfig:
             "max_model_len",
             "kv_cache_memory",
             "num_kv_blocks",
+            "swap_space",
             "max_cuda_graph_batch_size",
         ):
             value = getattr(self, name)
@@ -235,7 +251,10 @@ class EngineConfig:
             flags = [f"--{f.name.replace('_', '-')}", *meta.get("aliases", ())]
             help_text = meta.get("help", "")
             if f.default is not None:
-                help_text += f" (default: {f.default})"
+                shown = f.default
+                if meta.get("cli_type") is gib_to_bytes:
+                    shown = f"{f.default / GiB:g}"  # in the flag's unit
+                help_text += f" (default: {shown})"
             kind = _scalar_type(hints[f.name])
             if kind is bool:
                 group.add_argument(

@@ -59,6 +59,12 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     num_steps: int = 0
     step_seconds: float = 0.0  # total time spent stepping the engine
     num_requests_added: int = 0  # requests (not samples) the core has received so far
+    # Swap preemption: the host pool's blocks holding swapped KV, its size (0: recompute mode),
+    # and the preemptions that swapped out, and resumptions that swapped in, so far.
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
 
     @property
     def kv_usage(self) -> float:

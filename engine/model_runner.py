@@ -150,6 +150,12 @@ class StepHandle:
         return self._output
 
 
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes for copies and fills: an fp8 cache as uint8 (torch's CPU index ops do
+    not take float8 types; a byte copy is the same copy)."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 else cache
+
+
 def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", non_blocking=True)
 
@@ -177,12 +183,24 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         ops: ModuleType = kernels,
         windows: tuple[int | None, ...] = (None,),
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.ops = ops  # the kernels' backend (kernels.reference or kernels.triton_ops)
         # Each tensor once: the layers of different KV-cache groups share theirs.
         self._all_caches = list({id(c): c for pair in kv_caches for c in pair}.values())
+        # Swap preemption's host pool: one tensor per device cache tensor, num_host_blocks
+        # blocks each (pinned on CUDA, so the copies run at full bus speed).
+        pin = device.type == "cuda"
+        self.host_caches = (
+            [
+                torch.zeros((num_host_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin)
+                for c in self._all_caches
+            ]
+            if num_host_blocks
+            else []
+        )
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
@@ -205,8 +223,13 @@ class ModelRunner:
         """Apply the scheduler's increments, prepare the step and start it."""
         state = self.input_batch
         state.apply(out)
+        # Swap-outs first: this step may write into the device blocks they leave.
+        if out.swap_out:
+            self._swap(out.swap_out, self._all_caches, self.host_caches)
         if out.block_copies:
             self._copy_blocks(out.block_copies)
+        if out.swap_in:
+            self._swap(out.swap_in, self.host_caches, self._all_caches)
         if not out.num_scheduled_tokens:
             return StepHandle(None, output=RunnerOutput({}, {}))
         rows = state.rows_of(out)
@@ -328,6 +351,20 @@ class ModelRunner:
         dst = to_device([copy[3] for copy in copies], torch.long, self.device)
         self.ops.copy_blocks(self._all_caches, src, dst)
 
+    @staticmethod
+    def _swap(
+        pairs: tuple[tuple[int, int], ...], sources: list[torch.Tensor], targets: list[torch.Tensor]
+    ) -> None:
+        """Copy block pairs[i][0] of each source tensor into block pairs[i][1] of its target
+        (swap preemption, between the device and the host pool), every layer. On CUDA the
+        device-to-host copy waits for the steps before it; host-to-device is queued."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        src, dst = src.to(sources[0].device), dst.to(targets[0].device)
+        for source, target in zip(sources, targets, strict=True):
+            blocks = _raw(source).index_select(0, src)
+            _raw(target).index_copy_(0, dst, blocks.to(target.device, non_blocking=True))
+
     @torch.inference_mode()
     def clear_blocks(self, block_ids: list[int]) -> None:
         """Zero these KV blocks in every layer: attention reads whole blocks and masks their
@@ -336,7 +373,7 @@ class ModelRunner:
             return
         index = to_device(block_ids, torch.long, self.device)
         for cache in self._all_caches:
-            cache.index_fill_(0, index, 0)
+            _raw(cache).index_fill_(0, index, 0)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         num_tokens = inputs.input_ids.shape[0]

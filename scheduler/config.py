@@ -34,6 +34,9 @@ class SchedulerConfig:
     # One entry per KV-cache group: its sliding window, None for full attention
     # (scheduler/kv_groups.py).
     kv_group_windows: tuple[int | None, ...] = (None,)
+    # Swap preemption: blocks of the host pool that preempted requests' KV moves to (and back
+    # from when they resume); 0: preemption always recomputes.
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -41,6 +44,7 @@ class SchedulerConfig:
             assert type(value) is int and value >= 1, f"{name} must be an int >= 1, got {value!r}"
         assert type(self.max_model_len) is int and self.max_model_len >= 1, self.max_model_len
         assert isinstance(self.enable_prefix_caching, bool), self.enable_prefix_caching
+        assert type(self.num_host_blocks) is int and self.num_host_blocks >= 0, self.num_host_blocks
         assert self.num_speculative_tokens >= 0, self.num_speculative_tokens
         assert 1 <= self.ngram_min <= self.ngram_max, (self.ngram_min, self.ngram_max)
         need = blocks_per_request(

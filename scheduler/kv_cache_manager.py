@@ -54,6 +54,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         windows: tuple[int | None, ...] = (None,),
+        num_host_blocks: int = 0,
     ) -> None:
         if not windows or any(w is not None and w < 1 for w in windows):
             raise ValueError(f"windows must be one None or positive int per group, got {windows}")
@@ -63,6 +64,12 @@ class KVCacheManager:
         self.num_groups = len(windows)
         self._sliding = tuple((g, w) for g, w in enumerate(windows) if w is not None)
         self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        # Swap preemption: a second pool, in host memory, for the KV of preempted requests
+        # (never shared, never cached). Its tables sit in `_swapped`, dropped entries as None.
+        self.host_pool = BlockPool(num_host_blocks, block_size, False) if num_host_blocks else None
+        self._swapped: dict[str, list[Block | None]] = {}
+        self.num_swapped_out_blocks = 0  # device blocks copied to the host pool so far
+        self.num_swapped_in_blocks = 0  # and back
         self._tables: dict[str, list[Block | None]] = {}
         # Per request with sliding groups, per sliding group: its blocks below this index are
         # dropped already.
@@ -340,6 +347,7 @@ class KVCacheManager:
         first and are evicted before its (more shareable) leading blocks.
         """
         request_id = request.request_id
+        self.drop_swapped(request)
         table = self._tables.pop(request_id, None)
         self._table_ids.pop(request_id, None)
         self._num_dropped.pop(request_id, None)
@@ -360,6 +368,110 @@ class KVCacheManager:
             self.block_pool.uncache(block)
         self.free(request)
         return [block.block_id for block in owned]
+
+    # ------------------------------------------------------------------------- swap
+
+    def is_swapped(self, request_id: str) -> bool:
+        """True while the request's KV sits in the host pool."""
+        return request_id in self._swapped
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Host-pool blocks holding swapped-out KV."""
+        return (
+            0
+            if self.host_pool is None
+            else self.host_pool.num_blocks - self.host_pool.num_free_blocks
+        )
+
+    def swapped_block_count(self, request_id: str) -> int:
+        """Host-pool blocks the request holds (0 when it is not swapped)."""
+        return sum(block is not None for block in self._swapped.get(request_id, ()))
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to the host pool: each block it holds gets a host block,
+        and its device blocks are freed (a shared one stays with its other holders; a cached one
+        keeps its hash in the free list). Returns the (device block id, host block id) copies
+        for the runner, or None, changing nothing, when there is no host pool or too few of its
+        blocks are free (the caller then recomputes instead).
+
+        The request keeps its hashes and progress, so `swap_in` resumes it where it was."""
+        request_id = request.request_id
+        table = self._tables.get(request_id)
+        if self.host_pool is None or not table:
+            return None
+        held = [block for block in table if block is not None]
+        if len(held) > self.host_pool.num_free_blocks:
+            return None
+        host_blocks = iter(self.host_pool.allocate(len(held)))
+        host_table: list[Block | None] = [
+            None if block is None else next(host_blocks) for block in table
+        ]
+        copies = [
+            (block.block_id, host.block_id)
+            for block, host in zip(table, host_table, strict=True)
+            if block is not None and host is not None
+        ]
+        del self._tables[request_id]
+        del self._table_ids[request_id]
+        if self._block_copies:
+            self._block_copies = [c for c in self._block_copies if c[0] != request_id]
+        self.block_pool.free(reversed(held))
+        self._swapped[request_id] = host_table
+        self.num_swapped_out_blocks += len(copies)
+        return copies
+
+    def num_swap_in_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Device blocks `swap_in` and then `allocate_slots(request, num_new_tokens)` take at
+        most (the blocks a sliding window would give back are not subtracted)."""
+        host_table = self._swapped[request.request_id]
+        held = sum(block is not None for block in host_table)
+        total = request.num_computed_tokens + num_new_tokens
+        grow = max(0, cdiv(total, self.block_size) - len(host_table) // self.num_groups)
+        return held + grow * self.num_groups
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Move a swapped request's blocks back into fresh device blocks (the caller checked
+        `num_swap_in_blocks` against the free blocks). Returns the (host block id, device block
+        id) copies for the runner; the host blocks are free again."""
+        request_id = request.request_id
+        host_table = self._swapped.pop(request_id)
+        held = [block for block in host_table if block is not None]
+        device_blocks = iter(self.block_pool.allocate(len(held)))
+        table: list[Block | None] = [
+            None if block is None else next(device_blocks) for block in host_table
+        ]
+        self._tables[request_id] = table
+        self._table_ids[request_id] = [
+            DROPPED_BLOCK_ID if block is None else block.block_id for block in table
+        ]
+        # The fresh blocks carry no hashes: offer them to the prefix cache again (a prefix
+        # another block holds by now stays with that one).
+        self._num_cached_blocks[request_id] = 0
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(
+                request, table, min(request.num_computed_tokens, request.num_tokens)
+            )
+        copies = [
+            (host.block_id, block.block_id)
+            for host, block in zip(host_table, table, strict=True)
+            if host is not None and block is not None
+        ]
+        self.host_pool.free(reversed(held))
+        self.num_swapped_in_blocks += len(copies)
+        return copies
+
+    def drop_swapped(self, request: Request) -> bool:
+        """Forget a swapped request's host blocks (it finished, or will be recomputed);
+        returns whether it had any."""
+        host_table = self._swapped.pop(request.request_id, None)
+        if host_table is None:
+            return False
+        self.host_pool.free(reversed([block for block in host_table if block is not None]))
+        self._num_dropped.pop(request.request_id, None)
+        self._block_hashes.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        return True
 
     # -------------------------------------------------------------------- internals
 

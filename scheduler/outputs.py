@@ -76,6 +76,14 @@ class SchedulerOutput:
     # layer) and sets the table entry of a request it already has; a new request's block_ids
     # hold the destination already.
     block_copies: tuple[tuple[str, int, int, int], ...] = ()
+    # Swap preemption, as (source block id, destination block id) pairs. `swap_out`: device
+    # blocks of requests preempted this step into host blocks; copied first, before anything
+    # of this step writes into the device blocks they leave. `swap_in`: host blocks into the
+    # device blocks of requests resumed this step (sent in full, the destinations in their
+    # block_ids); copied after the copy-on-write copies, before the forward pass. A step never
+    # has both: nothing is admitted in a step that preempts.
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -30,10 +30,13 @@ class Scheduler:
     1. Running requests, oldest first, each get min(tokens left, token budget left). When
        the pool cannot give one of them slots, the latest-admitted running request is
        preempted (blocks freed, progress reset, put at the front of the waiting queue) and
-       the allocation retried; a request may end up preempting itself.
+       the allocation retried; a request may end up preempting itself. In swap mode (a host
+       pool, `SchedulerConfig.num_host_blocks`) the victim's blocks move to the host pool
+       instead when it has room, and the victim keeps its progress.
     2. Only if nothing was preempted, waiting requests are admitted in FIFO order while a
-       sequence slot and budget remain, reusing prefix-cache hits; admission stops at the
-       first request that does not fit (no overtaking).
+       sequence slot and budget remain, reusing prefix-cache hits (a swapped request's blocks
+       come back from the host pool); admission stops at the first request that does not fit
+       (no overtaking).
 
     `num_computed_tokens` advances at schedule() time: the runner computes those tokens in
     this step. update_from_output() then appends sampled tokens and applies stop rules.
@@ -49,6 +52,7 @@ class Scheduler:
             config.block_size,
             config.enable_prefix_caching,
             config.kv_group_windows,
+            config.num_host_blocks,
         )
         # Live requests only (waiting, running, preempted); finished ones leave at once.
         self.requests: dict[str, Request] = {}
@@ -57,6 +61,12 @@ class Scheduler:
         # Admission order: the tail is the first to be preempted.
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Swap preemption: preemptions that moved the request's KV to the host pool (the rest
+        # recomputed), resumptions that moved it back, and this step's copies for the runner.
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self._swap_out_copies: list[tuple[int, int]] = []
+        self._swap_in_copies: list[tuple[int, int]] = []
         # Speculative decoding: drafts scheduled, and accepted, in the steps applied so far.
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -174,7 +184,7 @@ class Scheduler:
                     # Victims come from the tail, which lies after `index`: requests already
                     # scheduled this step are never preempted.
                     victim = running.pop()
-                    self._preempt(victim)
+                    self._preempt(victim, swap=True)
                     preempted.append(victim)
                     if victim is request:
                         break
@@ -207,6 +217,13 @@ class Scheduler:
                     # Preempted while its last token was being sampled: it resumes once that
                     # token is back (the next update_from_output), with all its tokens known.
                     break
+                if kv.is_swapped(request.request_id):
+                    if self._swap_in(request, token_budget, new_requests, num_scheduled, sampling):
+                        token_budget -= num_scheduled[request.request_id]
+                        continue
+                    if kv.is_swapped(request.request_id):
+                        break  # FIFO: it waits for room, and so does everyone behind it
+                    # Its KV was dropped (it could never fit back): admitted to recompute.
                 if request.sampling_params.prompt_logprobs is None:
                     computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(
                         request
@@ -237,6 +254,9 @@ class Scheduler:
         self._finished_since_schedule.clear()
         preempted_ids = (*self._preempted_since_schedule, *(r.request_id for r in preempted))
         self._preempted_since_schedule.clear()
+        swap_out, swap_in = tuple(self._swap_out_copies), tuple(self._swap_in_copies)
+        self._swap_out_copies.clear()
+        self._swap_in_copies.clear()
         return SchedulerOutput(
             step_id=self._step_id,
             new_requests=tuple(new_requests),
@@ -249,6 +269,8 @@ class Scheduler:
             finished_request_ids=finished_ids,
             spec_token_ids=spec_tokens,
             block_copies=tuple(self.kv_cache_manager.take_block_copies()),
+            swap_out=swap_out,
+            swap_in=swap_in,
         )
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -310,11 +332,48 @@ class Scheduler:
             request.num_output_placeholders += 1
             sampling.append(request)
 
-    def _preempt(self, request: Request) -> None:
-        """Free a running request's blocks and requeue it first; it recomputes later."""
-        self.kv_cache_manager.free(request)
+    def _swap_in(
+        self,
+        request: Request,
+        token_budget: int,
+        new_requests: list[NewRequestData],
+        num_scheduled: dict[str, int],
+        sampling: list[Request],
+    ) -> bool:
+        """Resume a swapped request at the head of the queue: its KV comes back from the host
+        pool into fresh device blocks, and it goes on from where it was preempted. Returns False
+        when the device pool cannot take it yet. Should it never fit (nothing else runs, so no
+        blocks will come free), its KV is dropped and it is recomputed like any other."""
+        kv = self.kv_cache_manager
+        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        if kv.num_swap_in_blocks(request, num_new_tokens) > kv.num_free_blocks:
+            if not self.running:
+                kv.drop_swapped(request)
+                request.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        self._swap_in_copies.extend(kv.swap_in(request))
+        new_block_ids = kv.allocate_slots(request, num_new_tokens)
+        assert new_block_ids is not None, f"swap-in of {request.request_id!r} found no room"
+        self.num_swap_ins += 1
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        new_requests.append(self._new_request_data(request))
+        self._advance(request, num_new_tokens, num_scheduled, sampling)
+        return True
+
+    def _preempt(self, request: Request, swap: bool = False) -> None:
+        """Take a running request's blocks and requeue it first. With `swap` (a preemption
+        for room, in swap mode) its KV moves to the host pool when that has room, and it
+        resumes where it was; otherwise its blocks are freed and it recomputes later."""
+        copies = self.kv_cache_manager.swap_out(request) if swap else None
+        if copies is None:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+        else:
+            self._swap_out_copies.extend(copies)
+            self.num_swap_outs += 1
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.send_in_full = False  # it will be, when readmitted
         request.spec_token_ids = ()  # a step undone: its drafts never come back
         request.num_preemptions += 1
@@ -337,6 +396,11 @@ class Scheduler:
             self.running.remove(request)
             self._preempt(request)
             self._preempted_since_schedule.append(request_id)
+        # The step's swap-out copies may not have run: no swapped KV is trusted, so every
+        # swapped request recomputes.
+        for request in self.waiting:
+            if self.kv_cache_manager.drop_swapped(request):
+                request.num_computed_tokens = 0
         self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------- results
@@ -486,8 +550,8 @@ class Scheduler:
         again, except the last kept token, whose logits give the next one (unless a sliding
         window already gave back blocks the new end needs: then it is all computed again). The
         runner gets the shortened request in full at its next step; a token it still has in
-        flight is dropped when it comes back. A waiting request holds no blocks: only its
-        tokens go back.
+        flight is dropped when it comes back. A waiting request holds no device blocks: only its
+        tokens go back (a swapped one drops its host copy and recomputes).
         """
         request = self.requests.get(request_id)
         if request is None:
@@ -506,6 +570,8 @@ class Scheduler:
         request.ngram_index = None  # indexes the tokens taken back too
         del request.output_token_ids[-num_tokens:]
         del request.all_token_ids[-num_tokens:]
+        if self.kv_cache_manager.drop_swapped(request):  # recomputed rather than cut
+            request.num_computed_tokens = 0
         if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens = self.kv_cache_manager.truncate(
                 request, min(request.num_computed_tokens, request.num_tokens - 1)

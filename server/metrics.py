@@ -48,11 +48,20 @@ class _EngineCollector(Collector):
             ("kv_blocks_used", "KV-cache blocks held by live requests", s.kv_blocks_used),
             ("kv_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total),
             ("kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)", s.kv_usage),
-        )
+            ("kv_host_blocks_used", "Swap preemption: host-pool blocks holding swapped KV",
+             s.kv_host_blocks_used),
+            ("kv_host_blocks_total", "Swap preemption: blocks in the host pool (0: recompute)",
+             s.kv_host_blocks_total),
+        )  # fmt: skip
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
         counters = (
-            ("num_preemptions", "Requests preempted (to recompute later)", s.num_preemptions),
+            ("num_preemptions", "Requests preempted (swapped out or to recompute later)",
+             s.num_preemptions),
+            ("num_swap_outs", "Preemptions that moved the request's KV to the host pool",
+             s.num_swap_outs),
+            ("num_swap_ins", "Swapped requests resumed with their KV moved back",
+             s.num_swap_ins),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
              s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),

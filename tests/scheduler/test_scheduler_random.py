@@ -100,6 +100,7 @@ class Driver:
     choices: Choices
     enable_prefix_caching: bool
     schedule_ahead: bool = False
+    swap: bool = False  # swap preemption, into a host pool of a random size
     in_flight: ExpandedOutput | None = None  # with schedule_ahead: planned, not yet applied
     written: dict[str, int] = field(default_factory=dict)  # positions whose KV was written
     # The table each request's last run step wrote through (a copy-on-write the scheduler has
@@ -108,6 +109,7 @@ class Driver:
     scheduler: Scheduler = field(init=False)
     config: SchedulerConfig = field(init=False)
     kv_slots: dict[int, int] = field(default_factory=dict)  # slot -> prefix fingerprint
+    host_slots: dict[int, int] = field(default_factory=dict)  # the host pool's, when swapping
     all_requests: dict[str, Request] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     truncated: set[str] = field(default_factory=set)  # aborted or finished early
@@ -137,6 +139,8 @@ class Driver:
             max_num_batched_tokens=(1, 3, 8, 16, 64)[pick(5)],
             max_model_len=max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            # From none to room for every victim: some preemptions swap, some recompute.
+            num_host_blocks=pick(2 * num_blocks + 1) if self.swap else 0,
         )
         self.scheduler = MirroredScheduler(self.config)
         self.shared_prefixes = [
@@ -250,7 +254,9 @@ class Driver:
             self.run_tables.pop(request_id, None)
         dropped: set[str] = set()
         if self.schedule_ahead:
-            output, self.in_flight = self.in_flight, output if output.scheduled else None
+            # (A step of swap-outs alone still runs, as the engine launches every step.)
+            runs = output.scheduled or output.output.swap_out
+            output, self.in_flight = self.in_flight, output if runs else None
             dropped, self.rewound_in_flight = self.rewound_in_flight, set()
             if output is None:
                 return
@@ -305,10 +311,18 @@ class Driver:
         step is computing.
         """
         block_size = self.config.block_size
-        for _, _, source, copy in output.output.block_copies:  # copy-on-write, before the step
-            for offset in range(block_size):
-                value = self.kv_slots.get(source * block_size + offset)
-                self.kv_slots[copy * block_size + offset] = value
+
+        def copy_blocks(pairs, source_slots: dict[int, int], target_slots: dict[int, int]):
+            for source, target in pairs:
+                for offset in range(block_size):
+                    value = source_slots.get(source * block_size + offset)
+                    target_slots[target * block_size + offset] = value
+
+        # Before the step, in the runner's order: swap-outs, copy-on-write, swap-ins.
+        copy_blocks(output.output.swap_out, self.kv_slots, self.host_slots)
+        copies = [(source, copy) for _, _, source, copy in output.output.block_copies]
+        copy_blocks(copies, self.kv_slots, self.kv_slots)
+        copy_blocks(output.output.swap_in, self.host_slots, self.kv_slots)
         for item in output.scheduled:
             request = self.all_requests[item.request_id]
             fingerprints = prefix_fingerprints(request.all_token_ids)
@@ -375,8 +389,12 @@ class Driver:
         for request_id in preempted:
             request = self.scheduler.requests[request_id]
             assert request.status is RequestStatus.PREEMPTED
-            assert request.num_computed_tokens == 0
+            # Swapped out: it keeps its progress; otherwise it recomputes.
+            assert (request.num_computed_tokens > 0) == kv.is_swapped(request_id)
             assert request_id not in scheduled_ids
+        assert not (output.output.swap_out and output.output.swap_in)
+        swapped_out = [host for _, host in output.output.swap_out]
+        assert len(set(swapped_out)) == len(swapped_out)
         copied = [copy for _, _, _, copy in output.output.block_copies]
         assert len(set(copied)) == len(copied)
         for request_id, index, source, copy in output.output.block_copies:
@@ -415,10 +433,17 @@ class Driver:
             assert request.num_output_placeholders <= (1 if self.schedule_ahead else 0)
             assert request.num_tokens < config.max_model_len or request.is_finished
             occurrences.update(self.check_table(request))
+        num_swapped = 0
         for request in scheduler.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert request.num_computed_tokens == 0
             assert kv.get_block_ids(request.request_id) == []
+            if kv.is_swapped(request.request_id):
+                assert request.status is RequestStatus.PREEMPTED
+                assert request.num_computed_tokens > 0
+                num_swapped += kv.swapped_block_count(request.request_id)
+            else:
+                assert request.num_computed_tokens == 0
+        assert kv.num_swapped_blocks == num_swapped
 
         for block in pool.blocks:
             assert block.ref_cnt == occurrences[block.block_id]
@@ -446,6 +471,7 @@ class Driver:
         kv = self.scheduler.kv_cache_manager
         assert kv.num_free_blocks == kv.num_total_blocks
         assert kv.num_used_blocks == 0
+        assert kv.num_swapped_blocks == 0
         assert all(block.ref_cnt == 0 for block in kv.block_pool.blocks)
         for request_id, request in self.all_requests.items():
             assert request.is_finished, request
@@ -480,6 +506,25 @@ def test_random_operations_keep_invariants(
         assert driver.scheduler.kv_cache_manager.num_block_copies > 0
 
 
+@pytest.mark.parametrize("schedule_ahead", [False, True], ids=["sync", "ahead"])
+# Seeds whose draws preempt (the others draw pools roomy enough not to); seed 4 draws a host
+# pool of 4 blocks, too small for some victims, which then recompute.
+@pytest.mark.parametrize("seed", [0, 2, 4])
+def test_random_operations_with_swap_preemption(seed: int, schedule_ahead: bool) -> None:
+    """Swapped-out blocks come back holding what the request wrote (the fingerprints are
+    copied to the host pool and back, as the runner copies KV), whatever else ran meanwhile."""
+    driver = Driver(Choices(rng=random.Random(seed)), True, schedule_ahead, swap=True)
+    while driver.num_ops < MIN_OPS:
+        driver.random_op()
+        driver.check_state()
+    driver.drain()
+    driver.check_final()
+    scheduler = driver.scheduler
+    assert 0 < scheduler.num_swap_ins <= scheduler.num_swap_outs <= scheduler.num_preemptions
+    if seed == 4:
+        assert scheduler.num_swap_outs < scheduler.num_preemptions
+
+
 def test_random_run_exercises_preemption_and_prefix_hits() -> None:
     # Seed 0 draws a pool of 9 blocks for 8 concurrent sequences: a run that never
     # preempted or never hit the prefix cache would leave those paths unchecked.
@@ -492,11 +537,16 @@ def test_random_run_exercises_preemption_and_prefix_hits() -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), enable_prefix_caching=st.booleans(), schedule_ahead=st.booleans())
+@given(
+    data=st.data(),
+    enable_prefix_caching=st.booleans(),
+    schedule_ahead=st.booleans(),
+    swap=st.booleans(),
+)
 def test_hypothesis_operations_keep_invariants(
-    data: st.DataObject, enable_prefix_caching: bool, schedule_ahead: bool
+    data: st.DataObject, enable_prefix_caching: bool, schedule_ahead: bool, swap: bool
 ) -> None:
-    driver = Driver(Choices(data=data), enable_prefix_caching, schedule_ahead)
+    driver = Driver(Choices(data=data), enable_prefix_caching, schedule_ahead, swap=swap)
     num_ops = data.draw(st.integers(1, 60))
     while driver.num_ops < num_ops:
         driver.random_op()
