@@ -26,6 +26,7 @@ queued and the engine thread frees its blocks before its next step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -109,6 +110,9 @@ class EngineClient(ABC):
         self._error: BaseException | None = None
         self.draining = False  # set by start_draining(): new requests are refused
         self.stats = EngineStats()
+        # kv_map() calls waiting for the core's answer: query id -> (event loop, future).
+        self._kv_queries: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._query_ids = itertools.count()
 
     # ---- what handlers may read ------------------------------------------------------------------
 
@@ -224,6 +228,35 @@ class EngineClient(ABC):
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine; requests in flight end with EngineDeadError."""
 
+    # ---- the live block map ----------------------------------------------------------------------
+
+    async def kv_map(self, timeout: float = 10.0) -> bytes:
+        """The core's live block map as JSON (`EngineCore.kv_map`), taken between two steps.
+        Raises EngineDeadError when the engine has stopped, TimeoutError when no answer comes."""
+        if not self.is_running:
+            raise EngineDeadError(self._dead_message())
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            query_id = next(self._query_ids)
+            self._kv_queries[query_id] = (loop, future)
+        try:
+            self._ask_kv_map(query_id)
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            with self._lock:
+                self._kv_queries.pop(query_id, None)
+
+    @abstractmethod
+    def _ask_kv_map(self, query_id: int) -> None:
+        """Have the core's map delivered to `_answer_kv_map(query_id, ...)`."""
+
+    def _answer_kv_map(self, query_id: int, kv_map: bytes | BaseException) -> None:
+        with self._lock:
+            waiting = self._kv_queries.get(query_id)
+        if waiting is not None:
+            _post(waiting[0], _resolve, waiting[1], kv_map)
+
     # ---- delivery (the delivering thread) --------------------------------------------------------
 
     def _finish(self, request_id: str, stream: RequestStream) -> None:
@@ -250,6 +283,10 @@ class EngineClient(ABC):
             self._finish(request_id, stream)
             _post(stream.loop, stream.queue.put_nowait, error)
         self._streams.clear()
+        with self._lock:
+            queries = list(self._kv_queries)
+        for query_id in queries:
+            self._answer_kv_map(query_id, error)
 
     def _dead_message(self) -> str:
         return f"the engine has stopped ({self._error!r}); restart the server"
@@ -318,6 +355,9 @@ class AsyncEngine(EngineClient):
                 raise ValueError(f"request {request_id!r} is unknown or finished")
         self._commands.put(("rewind", (request_id, num_tokens)))
 
+    def _ask_kv_map(self, query_id: int) -> None:
+        self._commands.put(("kv_map", query_id))
+
     # ---- engine thread ---------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -341,6 +381,8 @@ class AsyncEngine(EngineClient):
                         self._add(*payload)
                     elif kind == "rewind":
                         self._rewind(*payload)
+                    elif kind == "kv_map":
+                        self._answer_kv_map(payload, engine.kv_map())
                     else:
                         self._abort(payload)
                 self.stats = engine.stats()  # aborts show in /metrics before the step
@@ -389,6 +431,14 @@ def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
         pass
+
+
+def _resolve(future: asyncio.Future, value: object) -> None:
+    if not future.done():  # (its caller may have timed out)
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -13,6 +13,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import msgspec
 import torch
 
 import kernels
@@ -57,6 +58,7 @@ class EngineCore:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        self.kv_cache_dtype = self.dtype
         self.source: ModelSource = resolve_model(config.model)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
@@ -574,6 +576,19 @@ class EngineCore:
             num_swap_outs=scheduler.num_swap_outs,
             num_swap_ins=scheduler.num_swap_ins,
         )
+
+    def kv_map(self) -> bytes:
+        """The live block map as JSON (GET /v1/kv): the scheduler's view of every block and
+        request (`Scheduler.kv_map`) and what the cache is made of."""
+        kv_map = self.scheduler.kv_map()
+        kv_map.update(
+            time=time.time(),
+            model=self.config.model,
+            kv_cache_dtype=_dtype_name(self.kv_cache_dtype),
+            bytes_per_block=self.kv_plan.bytes_per_block,
+            max_model_len=self.max_model_len,
+        )
+        return msgspec.json.encode(kv_map)
 
     def describe(self) -> str:
         """Device, dtype and KV cache, as the server's start-up line gives them."""

@@ -49,6 +49,8 @@ from engine.messages import (
     CoreMessage,
     CoreOutputs,
     CoreReady,
+    GetKVMap,
+    KVMap,
     RewindSamples,
     Shutdown,
 )
@@ -225,6 +227,11 @@ class ProcessEngine(EngineClient):
             if self.is_running and not self._stopping:
                 self._input.send(self._encoder.encode(RewindSamples(sample_ids, num_tokens)))
 
+    def _ask_kv_map(self, query_id: int) -> None:
+        with self._state_lock:
+            if self.is_running and not self._stopping:
+                self._input.send(self._encoder.encode(GetKVMap(query_id)))
+
     def abort(self, request_id: str) -> None:
         with self._state_lock:
             output, sample_ids = self.output_processor.abort(request_id)
@@ -247,6 +254,9 @@ class ProcessEngine(EngineClient):
                     return
                 continue
             message = decoder.decode(self._output.recv())
+            if isinstance(message, KVMap):
+                self._answer_kv_map(message.query_id, message.kv_map)
+                continue
             if not isinstance(message, CoreOutputs):
                 logger.warning("unexpected message from the engine core: %r", message)
                 continue
@@ -324,6 +334,8 @@ def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encoder, parent: int) 
                 core.add_samples(message.samples)
             elif isinstance(message, AbortSamples):
                 core.abort_samples(message.request_ids, stopped=message.stopped)
+            elif isinstance(message, GetKVMap):  # answered at once, between two steps
+                outputs.send(encoder.encode(KVMap(message.query_id, core.kv_map())))
             elif isinstance(message, RewindSamples):
                 try:
                     rewound += core.rewind_samples(message.request_ids, message.num_tokens)

@@ -88,11 +88,15 @@ class RewindSamples(msgspec.Struct, tag=True, array_like=True):
     num_tokens: int  # output tokens each takes back, from where the core is when it applies it
 
 
+class GetKVMap(msgspec.Struct, tag=True, array_like=True):
+    query_id: int  # the KVMap reply carries it back
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-CoreInput = AddRequest | AbortSamples | RewindSamples | Shutdown
+CoreInput = AddRequest | AbortSamples | RewindSamples | GetKVMap | Shutdown
 
 
 # ---- core process -> front end ------------------------------------------------------------------
@@ -114,4 +118,9 @@ class CoreFailed(msgspec.Struct, tag=True, array_like=True):
     value_error: bool  # the config was refused (a ValueError), rather than a crash
 
 
-CoreMessage = CoreReady | CoreOutputs | CoreFailed
+class KVMap(msgspec.Struct, tag=True, array_like=True):
+    query_id: int
+    kv_map: bytes  # EngineCore.kv_map's JSON, served as it is
+
+
+CoreMessage = CoreReady | CoreOutputs | CoreFailed | KVMap

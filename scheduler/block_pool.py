@@ -7,6 +7,9 @@ from collections.abc import Iterable
 
 from scheduler.block_hash import BlockHash
 
+# A block's state in the live block map (`BlockPool.block_states`, GET /v1/kv).
+BLOCK_FREE, BLOCK_CACHED, BLOCK_USED = 0, 1, 2
+
 
 class Block:
     """Bookkeeping for one KV block (the KV tensors themselves live in the engine).
@@ -72,6 +75,18 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use (ref_cnt > 0), in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def block_states(self) -> tuple[list[int], list[int], list[bool]]:
+        """Per block, by id: its state (BLOCK_FREE, BLOCK_CACHED: free but still findable by
+        its prefix hash, BLOCK_USED: ref_cnt > 0), its ref count, and whether it holds a prefix
+        hash (in use or not). O(n), for the live block map."""
+        refs = [block.ref_cnt for block in self.blocks]
+        cached = [block.block_hash is not None for block in self.blocks]
+        states = [
+            BLOCK_USED if ref else BLOCK_CACHED if hashed else BLOCK_FREE
+            for ref, hashed in zip(refs, cached, strict=True)
+        ]
+        return states, refs, cached
 
     def free_block_ids(self) -> list[int]:
         """The free list from head (next to allocate) to tail; O(n), for tests and debugging."""

@@ -369,6 +369,25 @@ class KVCacheManager:
         self.free(request)
         return [block.block_id for block in owned]
 
+    def block_owners(self) -> dict[int, list[str]]:
+        """Block id -> the requests whose tables hold it (blocks in use only)."""
+        owners: dict[int, list[str]] = {}
+        for request_id, table in self._tables.items():
+            for block in table:
+                if block is not None:
+                    owners.setdefault(block.block_id, []).append(request_id)
+        return owners
+
+    def num_unused_slots(self, request: Request) -> int:
+        """Slots the request's table holds past its tokens: the unused tail of its last block
+        in each group (more after rejected speculative drafts). Fragmentation, in tokens."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return 0
+        capacity = len(table) // self.num_groups * self.block_size
+        num_tokens = min(request.num_computed_tokens, capacity)
+        return (capacity - num_tokens) * self.num_groups
+
     # ------------------------------------------------------------------------- swap
 
     def is_swapped(self, request_id: str) -> bool:

@@ -14,10 +14,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import EngineClient
+from server.dashboard import dashboard_html
 from server.errors import (
     APIError,
     BodySizeLimit,
@@ -145,7 +146,31 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(state, body, raw_request)
 
+    @v1.get("/kv")
+    async def kv_map() -> Response:
+        """The live block map (engine/core.py `EngineCore.kv_map`); /dashboard polls it."""
+        try:
+            body = await engine.kv_map()
+        except TimeoutError:
+            raise APIError(
+                503, "the engine core did not answer within 10 s", code="engine_busy"
+            ) from None
+        return Response(body, media_type="application/json")
+
     app.include_router(v1)
+
+    async def check_dashboard_key(request: Request) -> None:
+        # A browser cannot send a header when it opens a page: the key may come as
+        # ?api_key=..., which the page then sends to /v1/kv as its bearer token.
+        key = request.query_params.get("api_key")
+        if state.api_key is not None and key is not None:
+            if hmac.compare_digest(key.encode(), state.api_key.encode()):
+                return
+        await check_api_key(request)
+
+    @app.get("/dashboard", dependencies=[Depends(check_dashboard_key)])
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(dashboard_html())
 
     @app.get("/health")
     async def health() -> Response:
