@@ -15,6 +15,13 @@ permutation (the scatter a long-running server's block pool ends up with):
   decode   one new token per sequence, every sequence `context` tokens long. Memory-bound, so it
            is reported as K/V bytes read per second, against SDPA reading the same K/V from
            contiguous [B, Hkv, L, D] tensors (the best a paged kernel can hope to match).
+           For the Llama-3.1-8B cases also over an fp8 (e4m3) cache of the same K/V, scaled by
+           `kv_scale_from_amax` (a second "decode" record, kv_dtype "fp8"): bytes/s at one byte
+           per element, and its time against the kernel over the bf16 cache (`time_vs_base`;
+           `ratio` is the speed-up). Checked against the reference on the same fp8 cache, and
+           once more after the scales change in place (as the engine's calibration changes them),
+           through the same CUDA graph with --cuda-graph: the kernels must read the scales from
+           memory at every call.
   prefill  8 sequences of new tokens, with no prefix and on a 2048-token cached prefix.
            Compute-bound, so it is reported as TFLOP/s over the (query, key) pairs the causal mask
            lets through, against SDPA on contiguous tensors with the same causal mask.
@@ -79,6 +86,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from kernels.fp8 import FP8_KV_DTYPES, kv_scale_from_amax, quantize_kv
 from kernels.triton_attention import KernelConfig
 
 KERNELS_MODULE = "kernels.triton_attention"
@@ -88,6 +96,7 @@ FUSED_KERNELS_MODULE = "kernels.triton_fused"
 MOE_KERNELS_MODULE = "kernels.triton_moe"
 SWEEP_SCENARIOS = ("decode", "prefill")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP8_KV = "fp8"  # the fp8 decode cases' cache: FP8_KV_DTYPES["fp8"], e4m3
 BLOCK_SIZE = 16
 # bf16 outputs of magnitude 2..4 have an ulp of 0.0156: two correct kernels may differ by one ulp.
 ATOL = 2e-2
@@ -173,6 +182,9 @@ class Plan:
     decode_cases: tuple[DecodeCase, ...]
     # Sliding-window attention is checked (not timed) once, on this (shape, batch, context).
     window_case: tuple[HeadShape, int, int]
+    # Decode shapes also run over an fp8 cache (every decode case), against the kernel over the
+    # cache in --dtype.
+    fp8_decode_shapes: tuple[HeadShape, ...]
     sliding_window: int
     prefill_shapes: tuple[HeadShape, ...]
     prefill_cases: tuple[PrefillCase, ...]
@@ -205,6 +217,7 @@ FULL = Plan(
         DecodeCase(256, 1024, 0.90),
     ),
     window_case=(LLAMA_8B, 32, 2048),
+    fp8_decode_shapes=(LLAMA_8B,),
     sliding_window=1024,
     prefill_shapes=(LLAMA_8B, LLAMA_1B),
     prefill_cases=(PrefillCase(8, 2048, 0, 0.60), PrefillCase(8, 512, 2048, 0.60)),
@@ -264,6 +277,7 @@ SMOKE = Plan(
     decode_shapes=(TINY,),
     decode_cases=(DecodeCase(2, 64, None),),
     window_case=(TINY, 2, 64),
+    fp8_decode_shapes=(TINY,),
     sliding_window=32,
     prefill_shapes=(TINY,),
     prefill_cases=(PrefillCase(2, 32, 0, None), PrefillCase(2, 32, 32, None)),
@@ -512,9 +526,15 @@ def _checked_attention(
 
 
 def run_decode(
-    report: Report, setup: Setup, shape: HeadShape, case: DecodeCase, window: int | None
+    report: Report,
+    setup: Setup,
+    shape: HeadShape,
+    case: DecodeCase,
+    window: int | None,
+    fp8: bool = False,
 ) -> None:
-    """Check, then time, one decode step; with `window`, also check sliding-window attention."""
+    """Check, then time, one decode step; with `window`, also check sliding-window attention;
+    with `fp8`, the same step over an fp8 cache too (`run_decode_fp8`)."""
     label = decode_label(shape, case)
     kernels, device = setup.kernels, setup.device
     b = build_batch(setup, shape, case.batch, case.context, 1, seed=case.batch + case.context)
@@ -534,12 +554,76 @@ def run_decode(
     t, t_sdpa = time_us(call, device, setup.cuda_graph), time_us(sdpa, device, setup.cuda_graph)
     kv_bytes = b.k.numel() * b.k.element_size() * 2
     report.emit(
-        {"kind": "decode", **label, "kv_bytes": kv_bytes}
+        {"kind": "decode", **label, "kv_dtype": _dtype_name(setup.dtype), "kv_bytes": kv_bytes}
         | {"time_us": round(t, 2), "gbps": _sig(kv_bytes / t / 1e3)}
         | {"sdpa_time_us": round(t_sdpa, 2), "sdpa_gbps": _sig(kv_bytes / t_sdpa / 1e3)}
         | {"sdpa_max_abs_err": sdpa_err}
         | _speed_fields(t, t_sdpa, case.target)
     )
+    if fp8:
+        run_decode_fp8(report, setup, b, shape, label, t, out)
+
+
+def run_decode_fp8(
+    report: Report,
+    setup: Setup,
+    b: PagedBatch,
+    shape: HeadShape,
+    label: Record,
+    base_t: float,
+    base_out: torch.Tensor,
+) -> None:
+    """The decode step of `b` over an fp8 copy of its cache, scaled as the engine scales it
+    (`kv_scale_from_amax`): checked against the reference on the same fp8 cache; checked again
+    after the scales change in place, replaying the same call (the same CUDA graph with
+    --cuda-graph); then timed against the kernel over the cache in --dtype (`base_t`, its output
+    `base_out`)."""
+    kernels, device = setup.kernels, setup.device
+    fp8_dtype = FP8_KV_DTYPES[FP8_KV]
+    k_scale = kv_scale_from_amax(b.k_cache.abs().amax(), fp8_dtype)
+    v_scale = kv_scale_from_amax(b.v_cache.abs().amax(), fp8_dtype)
+    k_cache = quantize_kv(b.k_cache, k_scale, fp8_dtype)
+    v_cache = quantize_kv(b.v_cache, v_scale, fp8_dtype)
+    args = (b.q, k_cache, v_cache, b.block_tables, b.seq_lens, b.query_start_loc)
+    scale = shape.head_dim**-0.5
+    fp8_label = label | {"case": f"{label['case']} {FP8_KV}", "kv_dtype": FP8_KV}
+    out = torch.empty_like(b.q)
+
+    def call() -> object:
+        return kernels.paged_attention(*args, scale, out=out, k_scale=k_scale, v_scale=v_scale)
+
+    def want() -> torch.Tensor:
+        return reference.paged_attention(*args, scale, k_scale=k_scale, v_scale=v_scale)
+
+    call()
+    check(report, fp8_label | {"sliding_window": None}, [(out, want())])
+    quantization_err = max_abs_err(out, base_out)
+    replay = _graph_replay(call) if setup.cuda_graph else call
+    # Powers of two, so undoing them restores the calibrated scales exactly.
+    k_scale.mul_(0.5)
+    v_scale.mul_(2.0)
+    out.fill_(float("nan"))
+    replay()
+    rescaled = fp8_label | {"case": f"{fp8_label['case']} rescaled", "sliding_window": None}
+    check(report, rescaled | {"cuda_graph": setup.cuda_graph}, [(out, want())])
+    k_scale.mul_(2.0)
+    v_scale.mul_(0.5)
+    del replay
+
+    t = time_us(call, device, setup.cuda_graph)
+    kv_bytes = b.k.numel() * k_cache.element_size() * 2  # one byte per element, K and V
+    report.emit(
+        {"kind": "decode", **fp8_label, "kv_bytes": kv_bytes}
+        | {"time_us": round(t, 2), "gbps": _sig(kv_bytes / t / 1e3)}
+        | {"base_kv_dtype": _dtype_name(setup.dtype), "base_time_us": round(base_t, 2)}
+        | {"base_gbps": _sig(b.k.numel() * b.k.element_size() * 2 / base_t / 1e3)}
+        | {"time_vs_base": _sig(t / base_t), "base_max_abs_err": quantization_err}
+        | _speed_fields(t, base_t, None)
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _bool_lower_right(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -1077,6 +1161,8 @@ def format_table(records: list[Record]) -> str:
         if r["kind"] not in units:
             continue
         ours, base, unit = units[r["kind"]]
+        if r["kind"] == "decode" and r["kv_dtype"] == FP8_KV:
+            base = "base_gbps"  # the kernel over the cache in --dtype
         lines.append(
             row.format(
                 r["kind"],
@@ -1108,7 +1194,8 @@ def format_table(records: list[Record]) -> str:
     )
     lines += [f"error: {r['case']}: {r['error']}" for r in records if r["kind"] == "error"]
     lines.append(
-        "baseline: SDPA on contiguous K/V (decode, prefill); torch reference (cache, copy, fused, "
+        "baseline: SDPA on contiguous K/V (decode, prefill); the kernel over the --dtype cache "
+        "(decode fp8: GB/s at 1 byte per element); torch reference (cache, copy, fused, "
         'moe; "vs model": the model\'s unfused torch code; "vs dense": the dense layer of the same '
         "active size)"
     )
@@ -1134,7 +1221,8 @@ def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> N
             for case in plan.decode_cases:
                 checked = (shape, case.batch, case.context) == plan.window_case
                 window = plan.sliding_window if checked else None
-                run = functools.partial(run_decode, report, setup, shape, case, window)
+                fp8 = shape in plan.fp8_decode_shapes
+                run = functools.partial(run_decode, report, setup, shape, case, window, fp8)
                 run_case(report, device, decode_label(shape, case), run)
     if "prefill" in scenarios:
         for shape in plan.prefill_shapes:

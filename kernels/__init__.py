@@ -11,6 +11,10 @@ same signatures:
             tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, set before
             the module is first imported).
 
+The cache ops take keyword-only k_scale / v_scale for an fp8 KV cache; the fp8 facts (the
+dtypes by name, `is_fp8`, `quantize_kv` / `dequantize_kv`, `kv_scale_from_amax`) live in
+`kernels.fp8` and are exported here.
+
 The environment variable PAGEDSERVE_ATTENTION_BACKEND forces one by name; it is read per call, so
 tests can set it with monkeypatch and no module state changes. The engine resolves its backend
 once (`resolve_backend`) and calls the module directly. The Triton module is imported on first
@@ -28,17 +32,31 @@ from typing import Any
 import torch
 
 from kernels import reference
+from kernels.fp8 import (
+    FP8_KV_DTYPES,
+    MIN_KV_SCALE,
+    dequantize_kv,
+    is_fp8,
+    kv_scale_from_amax,
+    quantize_kv,
+)
 
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "FP8_KV_DTYPES",
+    "MIN_KV_SCALE",
     "copy_blocks",
+    "dequantize_kv",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",
     "get_backend",
+    "is_fp8",
+    "kv_scale_from_amax",
     "moe_route",
     "paged_attention",
+    "quantize_kv",
     "reference",
     "reshape_and_cache",
     "resolve_backend",

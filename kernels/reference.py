@@ -22,6 +22,11 @@ every key at a position <= its own (and > its position - sliding_window, when se
 
 Masked keys get exactly zero weight, but 0 * NaN is still NaN: cache slots that were never
 written must hold finite values (the engine allocates its caches with torch.zeros).
+
+fp8 caches (`kernels.fp8`): the writes quantize (`quantize_kv`, with k_scale / v_scale) and the
+attention gathers the fp8 blocks (one byte per element) and dequantizes only the gathered keys and
+values, to q's dtype (`dequantize_kv`). torch's CPU index_copy_ has no fp8 kernels, so fp8 caches
+are written and copied through a uint8 view of the same bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import validation
+from kernels.fp8 import dequantize_kv, is_fp8, quantize_kv
 from kernels.validation import (
     check_copy_blocks_args,
     check_fused_add_rms_norm_args,
@@ -67,16 +73,23 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write each token's key and value into its cache slot.
 
     key, value: [num_tokens, num_kv_heads, head_dim]
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place; in
+        key's dtype, or fp8 (then key / k_scale and value / v_scale are stored, saturated: see
+        `kernels.fp8`)
     slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; a token whose slot
         is negative is padding and is not written.
+    k_scale, v_scale: float32 [1] tensors for an fp8 cache (None: 1.0); refused with any other
+        cache by the argument checks
     """
     if validation.CHECK_ARGS:
-        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.shape[0] == 0:
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -89,6 +102,10 @@ def reshape_and_cache(
     if lowest < 0:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if is_fp8(k_cache.dtype):
+        key = quantize_kv(key, k_scale, k_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, v_scale, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     # The validation guarantees the block and offset dims merge into one slot dim without a copy.
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
@@ -99,7 +116,7 @@ def copy_blocks(caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Te
     blocks).
 
     caches: every layer's key and value cache, [num_blocks, block_size, num_kv_heads, head_dim],
-        all alike and contiguous, written in place
+        all alike and contiguous, written in place; fp8 caches are copied as their bytes
     src, dst: [num_copies] int64 block ids; no block is both a source and a destination, and
         none is a destination twice, so the copies are independent of their order.
     """
@@ -108,6 +125,8 @@ def copy_blocks(caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Te
     if src.numel() == 0:
         return
     for cache in caches:
+        if is_fp8(cache.dtype):
+            cache = cache.view(torch.uint8)
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
@@ -123,12 +142,15 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
     q: [num_tokens, num_heads, head_dim], the new tokens of all sequences, concatenated
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; the new tokens' K/V must
-        already be written (`reshape_and_cache`)
+        already be written (`reshape_and_cache`). In q's dtype, or fp8: then keys and values are
+        read as cache * k_scale (v_scale), rounded to q's dtype (`kernels.fp8`)
     block_tables: [num_seqs, max_blocks_per_seq] int32; entries past a sequence's last block are
         ignored and may hold anything
     seq_lens: [num_seqs] int32, context length including the new tokens
@@ -139,6 +161,8 @@ def paged_attention(
     softcap: when set, each score s = scale * q . k is capped to softcap * tanh(s / softcap)
         before the mask and the softmax (Gemma 2's attention-logit soft-capping)
     out: optional contiguous [num_tokens, num_heads, head_dim] tensor that receives the result
+    k_scale, v_scale: float32 [1] tensors for an fp8 cache (None: 1.0); refused with any other
+        cache by the argument checks
 
     Returns the attention output, [num_tokens, num_heads, head_dim] (`out` when given). Query head
     h reads kv head h // (num_heads // num_kv_heads).
@@ -152,7 +176,7 @@ def paged_attention(
     if validation.CHECK_ARGS:
         check_paged_attention_args(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            out, softcap,
+            out, softcap, k_scale, v_scale,
         )  # fmt: skip
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -179,6 +203,8 @@ def paged_attention(
                 sliding_window,
                 softcap,
                 out,
+                k_scale,
+                v_scale,
             )
     return out
 
@@ -246,15 +272,25 @@ def _softcapped_attention(
     return torch.matmul(probs, v)
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather_kv(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
     """[num_blocks, block_size, H, D] cache, [B, nb] block ids -> [B, H, nb * block_size, D].
 
     One copy (index_select, several times faster on CPU than advanced indexing); the result is a
-    transposed view, whose strides SDPA's CPU kernel takes as they are.
+    transposed view, whose strides SDPA's CPU kernel takes as they are. An fp8 cache is gathered
+    as bytes and only the gathered values are dequantized (times `scale`) to `dtype`, q's.
     """
     batch, num_blocks_per_seq = block_ids.shape
     _, block_size, num_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, block_ids.flatten())  # [B * nb, block_size, H, D]
+    fp8 = is_fp8(cache.dtype)
+    source = cache.view(torch.uint8) if fp8 else cache
+    gathered = source.index_select(0, block_ids.flatten())  # [B * nb, block_size, H, D]
+    if fp8:
+        gathered = dequantize_kv(gathered.view(cache.dtype), scale, dtype)
     return gathered.view(batch, num_blocks_per_seq * block_size, num_heads, head_dim).transpose(
         1, 2
     )
@@ -274,6 +310,8 @@ def _attend(
     sliding_window: int | None,
     softcap: float | None,
     out: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     """Attend the new tokens of sequences `seqs` in one SDPA call, writing their rows of `out`.
 
@@ -316,8 +354,8 @@ def _attend(
         < (lens[:, None] + block_size - 1) // block_size
     )
     block_ids = torch.where(used, block_ids, block_ids[:, :1])
-    k = _gather_kv(k_cache, block_ids)
-    v = _gather_kv(v_cache, block_ids)
+    k = _gather_kv(k_cache, block_ids, q.dtype, k_scale)
+    v = _gather_kv(v_cache, block_ids, q.dtype, v_scale)
 
     steps = torch.arange(max_q, device=device)
     if uniform:
@@ -446,6 +484,9 @@ def rotary_and_cache(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of q and k straight from the qkv projection, and the KV-cache write.
 
@@ -453,15 +494,16 @@ def rotary_and_cache(
     positions: [num_tokens] int64, each token's position (a row of the tables)
     cos_table, sin_table: [max_positions, head_dim] float32 in the Hugging Face "rotate half"
         layout (engine/rotary.py RotaryEmbedding.cos / .sin); cast to qkv's dtype before use
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in qkv's dtype; rotated k
-        and raw v are written to slot_mapping's slots (negative = padding, not written), as
-        `reshape_and_cache` does
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in qkv's dtype or fp8;
+        rotated k (rounded to qkv's dtype) and raw v are written to slot_mapping's slots
+        (negative = padding, not written), as `reshape_and_cache` does, quantized with k_scale /
+        v_scale into an fp8 cache
     Returns the rotated q, a new [num_tokens, num_heads, head_dim] tensor.
     """
     if validation.CHECK_ARGS:
         check_rotary_and_cache_args(
             qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
-            num_heads, num_kv_heads, head_dim,
+            num_heads, num_kv_heads, head_dim, k_scale, v_scale,
         )  # fmt: skip
     n = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -472,7 +514,7 @@ def rotary_and_cache(
     q = _rotate_half(qkv[:, :q_size].view(n, num_heads, head_dim), cos, sin)
     k = _rotate_half(qkv[:, q_size : q_size + kv_size].view(n, num_kv_heads, head_dim), cos, sin)
     v = qkv[:, q_size + kv_size :].view(n, num_kv_heads, head_dim)
-    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return q
 
 

@@ -29,6 +29,12 @@ block_size] * block_size + n % block_size`), so tiles need not align with blocks
 size works. Keys outside a sequence's context are never loaded (masked loads), so unlike the
 reference these kernels do not need unwritten cache slots to be finite.
 
+* fp8 KV caches (`kernels.fp8`): the attention kernels load fp8 K/V tiles (one byte per element)
+  and dequantize them in registers, tile * scale rounded to q's dtype, as the reference does
+  before its products; the cache writes quantize in registers (`_quantize_fp8`). The scales are
+  read from memory by every program (the engine calibrates them in place, after CUDA graphs are
+  captured). Constexprs switch fp8 on, so kernels for caches in q's dtype compile as before.
+
 Under TRITON_INTERPRET=1 (set before this module is imported) the same kernels run on CPU tensors
 with numpy; the tests use that to check them against the reference.
 """
@@ -44,6 +50,7 @@ import triton
 import triton.language as tl
 
 from kernels import validation
+from kernels.fp8 import is_fp8
 from kernels.validation import (
     check_copy_blocks_args,
     check_paged_attention_args,
@@ -78,12 +85,64 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def _quantize_fp8(
+    x,
+    scale,
+    dtype: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    """x / scale in fp8 `dtype`, saturated at +-FP8_MAX and rounded to nearest even: torch's
+    (x.float() / scale).clamp(-max, max).to(dtype) bit for bit (see `kernels.fp8`).
+
+    The rounding is done here, in float32 with integer ops, so the final conversion only ever
+    sees values the format holds exactly: the result does not depend on the conversion's own
+    rounding, which differs between the interpreter (it drops the carry of a round-up into the
+    exponent: 7.77 -> 4 in e4m3) and the GPU's cvt. MANTISSA is the format's mantissa bits,
+    MIN_EXP the float32 exponent field of its smallest normal; below it the step stays that of
+    the smallest normal (the fp8 subnormals). The division is IEEE (div_rn), as torch's. NaN is
+    passed to the conversion as it is: NaN on the GPU, a finite value under the interpreter,
+    whose conversion ignores NaN."""
+    y = x.to(tl.float32)
+    if HAS_SCALE:
+        y = tl.math.div_rn(y, scale)
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))  # NaN compares false
+    bits = y.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    significand = (bits & 0x7FFFFF) | 0x800000  # 24 bits with the leading one
+    # Bits below the fp8 step at y's binade; 25 or more leave 0 (also for zero and the float32
+    # subnormals, whose significand is then wrong but rounds to 0 all the same).
+    drop = tl.minimum((23 - MANTISSA) + tl.maximum(MIN_EXP - exp, 0), 25)
+    half = (1 << (drop - 1)) - 1
+    steps = (significand + half + ((significand >> drop) & 1)) >> drop  # ties to even
+    step = ((tl.maximum(exp, MIN_EXP) - MANTISSA) << 23).to(tl.float32, bitcast=True)
+    magnitude = steps.to(tl.float32) * step  # exact: a small integer times a power of two
+    rounded = tl.where(bits < 0, -magnitude, magnitude)
+    return tl.where(y == y, rounded, y).to(dtype)
+
+
+@triton.jit
+def _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES: tl.constexpr):
+    """The fp8 cache's K and V scales, read at every call (1.0 without them)."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if HAS_KV_SCALES:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_slots,
     key_stride_t,
     key_stride_h,
@@ -97,6 +156,10 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_KV_SCALES: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr,  # 0: the cache is in key's dtype
+    FP8_MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -109,6 +172,16 @@ def _reshape_and_cache_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d, mask=mask)
     v = tl.load(value_ptr + token * value_stride_t + h * value_stride_h + d, mask=mask)
+    if FP8_MANTISSA > 0:
+        k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
+        k = _quantize_fp8(
+            k, k_scale, k_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA, FP8_MIN_EXP,
+            FP8_MAX,
+        )  # fmt: skip
+        v = _quantize_fp8(
+            v, v_scale, v_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA, FP8_MIN_EXP,
+            FP8_MAX,
+        )  # fmt: skip
     tl.store(k_cache_ptr + slot * k_stride_slot + h * k_stride_h + d, k, mask=mask)
     tl.store(v_cache_ptr + slot * v_stride_slot + h * v_stride_h + d, v, mask=mask)
 
@@ -119,14 +192,18 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write each token's key and value into its cache slot; see `kernels.reference`.
+    """Write each token's key and value into its cache slot (quantized into an fp8 cache); see
+    `kernels.reference`.
 
     Unlike the reference, a slot past the end of the cache is skipped instead of raising: the
     check would need the slots on the host.
     """
     if validation.CHECK_ARGS:
-        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping)
+        check_reshape_and_cache_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         check_runnable(key.device)
         _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -139,6 +216,7 @@ def reshape_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        *_kv_scale_args(k_cache, k_scale, v_scale),
         k_cache.shape[0] * k_cache.shape[1],
         key.stride(0),
         key.stride(1),
@@ -152,6 +230,41 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **_fp8_write_constexprs(k_cache, k_scale, v_scale),
+    )
+
+
+def _kv_scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k_scale_ptr, v_scale_ptr) kernel arguments: the scales of an fp8 cache, a 1.0 tensor
+    in place of a missing one, or the cache itself (never read) where the kernel reads none
+    (HAS_KV_SCALES false: no scales, or a cache that is not fp8)."""
+    if not _has_kv_scales(k_cache, k_scale, v_scale):
+        return k_cache, k_cache
+    one = torch.ones(1, dtype=torch.float32, device=k_cache.device)  # only when one is missing
+    return (one if k_scale is None else k_scale), (one if v_scale is None else v_scale)
+
+
+def _has_kv_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    return is_fp8(k_cache.dtype) and (k_scale is not None or v_scale is not None)
+
+
+def _fp8_write_constexprs(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> dict[str, object]:
+    """The cache writes' fp8 constexprs (see `_quantize_fp8`); FP8_MANTISSA = 0 for a cache that
+    is not fp8, which compiles the plain copy."""
+    if not is_fp8(k_cache.dtype):
+        return dict(HAS_KV_SCALES=False, FP8_MANTISSA=0, FP8_MIN_EXP=0, FP8_MAX=0.0)
+    info = torch.finfo(k_cache.dtype)
+    return dict(
+        HAS_KV_SCALES=_has_kv_scales(k_cache, k_scale, v_scale),
+        FP8_MANTISSA=round(-math.log2(info.eps)),
+        FP8_MIN_EXP=127 + round(math.log2(info.smallest_normal)),
+        FP8_MAX=float(info.max),
     )
 
 
@@ -175,7 +288,13 @@ def _copy_blocks_kernel(
     tl.store(cache + dst * block_numel + offsets, values, mask=mask)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e5m2: tl.float8e5,
+}
 
 
 def copy_blocks(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -294,12 +413,19 @@ def _load_kv_tile(
     v_stride_h,
     d,
     d_ok,
+    k_scale,
+    v_scale,
+    dtype: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    HAS_KV_SCALES: tl.constexpr,
 ):
     """K (transposed, [BLOCK_D, TILE]) and V ([TILE, BLOCK_D]) of key positions `n` of sequence
     `seq`, read through its block table. With MASKED, positions not `valid` are neither looked up
-    nor loaded (they read as 0); without it every position must lie in the context."""
+    nor loaded (they read as 0); without it every position must lie in the context. With FP8_KV
+    the fp8 tiles are dequantized to `dtype` (q's): tile * scale, rounded as the reference
+    rounds."""
     if MASKED:
         block = tl.load(block_tables_ptr + seq * bt_stride + n // BLOCK_SIZE, mask=valid, other=0)
         k_mask = valid[None, :] & d_ok[:, None]
@@ -319,6 +445,14 @@ def _load_kv_tile(
         mask=v_mask,
         other=0.0,
     )
+    if FP8_KV:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        if HAS_KV_SCALES:
+            k = k * k_scale
+            v = v * v_scale
+        k = k.to(dtype)
+        v = v.to(dtype)
     return k, v
 
 
@@ -336,6 +470,8 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_seqs,
     qk_scale,
     softcap_log2,
@@ -360,6 +496,8 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    HAS_KV_SCALES: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -399,6 +537,7 @@ def _decode_kernel(
         other=0.0,
     )  # [GROUP_PAD, BLOCK_D]
 
+    k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
     m = tl.full([GROUP_PAD], _NEG_BIG, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -407,7 +546,8 @@ def _decode_kernel(
         valid = (n >= kv_lo) & (n < kv_end)
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, valid, kv_head,
-            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, True,
+            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, k_scale, v_scale,
+            q_ptr.dtype.element_ty, BLOCK_SIZE, True, FP8_KV, HAS_KV_SCALES,
         )  # fmt: skip
         s = _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)  # [GROUP_PAD, TILE]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -479,6 +619,8 @@ def _extend_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_seqs,
     qk_scale,
     softcap_log2,
@@ -502,6 +644,8 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    HAS_KV_SCALES: tl.constexpr,
 ):
     """Row r of a tile is new token first + r // GROUP, query head kv_head * GROUP + r % GROUP.
 
@@ -547,6 +691,7 @@ def _extend_kernel(
         unmasked_end = (first_pos + 1) // TILE * TILE  # keys <= first_pos: seen by every row
     tile_lo = kv_lo // TILE * TILE
 
+    k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
     m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -554,7 +699,8 @@ def _extend_kernel(
         n = start + tl.arange(0, TILE)
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, n >= 0, kv_head,
-            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, False,
+            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, k_scale, v_scale,
+            q_ptr.dtype.element_ty, BLOCK_SIZE, False, FP8_KV, HAS_KV_SCALES,
         )  # fmt: skip
         s = _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)
         m, row_sum, acc = _online_softmax_step(s, v, m, row_sum, acc, PRECISION)
@@ -563,7 +709,8 @@ def _extend_kernel(
         in_range = (n >= kv_lo) & (n < kv_end)
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, bt_stride, n, in_range, kv_head,
-            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, BLOCK_SIZE, True,
+            k_stride_slot, k_stride_h, v_stride_slot, v_stride_h, d, d_ok, k_scale, v_scale,
+            q_ptr.dtype.element_ty, BLOCK_SIZE, True, FP8_KV, HAS_KV_SCALES,
         )  # fmt: skip
         s = _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP, PRECISION)
         visible = in_range[None, :] & (n[None, :] <= pos[:, None])
@@ -598,8 +745,11 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged K/V; see `kernels.reference`.
+    """Causal attention of each sequence's new tokens over its paged K/V (fp8 or in q's dtype);
+    see `kernels.reference`.
 
     A step with one new token per sequence (num_tokens == num_seqs) runs the split-context decode
     kernel, anything else the tiled prefill/extend kernel. Both are correct for any layout (the
@@ -610,7 +760,7 @@ def paged_attention(
     if validation.CHECK_ARGS:
         check_paged_attention_args(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            out, softcap,
+            out, softcap, k_scale, v_scale,
         )  # fmt: skip
         check_runnable(q.device)
         _check_inner_contiguous(k_cache=k_cache, v_cache=v_cache)
@@ -638,11 +788,13 @@ def paged_attention(
             out,
             num_splits,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     else:
         extend(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-            out, softcap=softcap,
+            out, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     return out
 
@@ -679,10 +831,12 @@ def decode(
     config: KernelConfig | None = None,
     *,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """The decode kernel with a given number of context slices (tests force several) and
-    optionally a launch configuration (the benchmark sweeps them); `softcap` as in
-    `paged_attention`.
+    optionally a launch configuration (the benchmark sweeps them); `softcap`, `k_scale` and
+    `v_scale` as in `paged_attention`.
 
     Correct for any batch layout (each program handles one token), but it reads each token's
     keys on its own, so `paged_attention` uses it only when every sequence has one new token."""
@@ -709,6 +863,7 @@ def decode(
         out,
         part_out,
         part_lse,
+        *_kv_scale_args(k_cache, k_scale, v_scale),
         block_tables.shape[0],
         *_score_scales(scale, softcap),
         sliding_window or 0,
@@ -724,6 +879,8 @@ def decode(
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         PRECISION=_precision(q.dtype),
+        FP8_KV=is_fp8(k_cache.dtype),
+        HAS_KV_SCALES=_has_kv_scales(k_cache, k_scale, v_scale),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -756,10 +913,12 @@ def extend(
     config: KernelConfig | None = None,
     *,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """The prefill/extend kernel over any batch (tests also run decode steps through it), with
-    optionally a launch configuration (the benchmark sweeps them); `softcap` as in
-    `paged_attention`."""
+    optionally a launch configuration (the benchmark sweeps them); `softcap`, `k_scale` and
+    `v_scale` as in `paged_attention`."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = block_tables.shape[0]
@@ -776,6 +935,7 @@ def extend(
         seq_lens,
         query_start_loc,
         out,
+        *_kv_scale_args(k_cache, k_scale, v_scale),
         num_seqs,
         *_score_scales(scale, softcap),
         sliding_window or 0,
@@ -790,6 +950,8 @@ def extend(
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         PRECISION=_precision(q.dtype),
+        FP8_KV=is_fp8(k_cache.dtype),
+        HAS_KV_SCALES=_has_kv_scales(k_cache, k_scale, v_scale),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -6,7 +6,8 @@
     silu_and_mul        silu(gate) * up, from the stacked gate/up projection
     gelu_tanh_and_mul   gelu_tanh(gate) * up (Gemma's GeGLU), from the same kernel
     rotary_and_cache    RoPE on q and k straight from the stacked qkv projection; rotated k and
-                        raw v written to the paged KV cache, rotated q returned
+                        raw v written to the paged KV cache (quantized into an fp8 cache, with
+                        `triton_attention._quantize_fp8`), rotated q returned
 
 Each op reads its inputs once and writes its outputs once, where the torch reference makes
 float32 copies, rotated copies and temporaries. The arithmetic is float32 and results are
@@ -34,7 +35,13 @@ import triton
 import triton.language as tl
 
 from kernels import triton_attention, validation
-from kernels.triton_attention import _tanh
+from kernels.triton_attention import (
+    _fp8_write_constexprs,
+    _kv_scale_args,
+    _load_kv_scales,
+    _quantize_fp8,
+    _tanh,
+)
 from kernels.validation import (
     check_fused_add_rms_norm_args,
     check_rms_norm_args,
@@ -265,6 +272,8 @@ def _rotary_and_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     q_out_ptr,
     max_positions,
     num_slots,
@@ -281,9 +290,15 @@ def _rotary_and_cache_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HAS_KV_SCALES: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr,  # 0: the cache is in qkv's dtype
+    FP8_MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """One token: a qkv row is [q heads | k heads | v heads], each head [x1 | x2] of HEAD_DIM / 2
-    dims, rotated pairwise as (x1[i], x2[i]) with the angles in the table row of its position."""
+    dims, rotated pairwise as (x1[i], x2[i]) with the angles in the table row of its position.
+    Into an fp8 cache, the rotated k (rounded to qkv's dtype, as the reference's) and v are
+    quantized as `_quantize_fp8` does."""
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + token)
@@ -313,13 +328,33 @@ def _rotary_and_cache_kernel(
         kv_mask = (hk < NUM_KV_HEADS)[:, None] & half_ok[None, :]
         k_row = row + NUM_HEADS * HEAD_DIM
         k1, k2 = _rotate_heads(k_row, hk, half, kv_mask, cos1, sin1, cos2, sin2, HEAD_DIM)
+        v_src = k_row + NUM_KV_HEADS * HEAD_DIM + hk[:, None] * HEAD_DIM + half[None, :]
+        v1 = tl.load(v_src, mask=kv_mask)
+        v2 = tl.load(v_src + HEAD_DIM // 2, mask=kv_mask)
+        if FP8_MANTISSA > 0:
+            k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
+            k1 = _quantize_fp8(
+                k1, k_scale, k_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
+                FP8_MIN_EXP, FP8_MAX,
+            )  # fmt: skip
+            k2 = _quantize_fp8(
+                k2, k_scale, k_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
+                FP8_MIN_EXP, FP8_MAX,
+            )  # fmt: skip
+            v1 = _quantize_fp8(
+                v1, v_scale, v_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
+                FP8_MIN_EXP, FP8_MAX,
+            )  # fmt: skip
+            v2 = _quantize_fp8(
+                v2, v_scale, v_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
+                FP8_MIN_EXP, FP8_MAX,
+            )  # fmt: skip
         k_dst = k_cache_ptr + slot * k_stride_slot + hk[:, None] * k_stride_h + half[None, :]
         tl.store(k_dst, k1, mask=kv_mask)
         tl.store(k_dst + HEAD_DIM // 2, k2, mask=kv_mask)
-        v_src = k_row + NUM_KV_HEADS * HEAD_DIM + hk[:, None] * HEAD_DIM + half[None, :]
         v_dst = v_cache_ptr + slot * v_stride_slot + hk[:, None] * v_stride_h + half[None, :]
-        tl.store(v_dst, tl.load(v_src, mask=kv_mask), mask=kv_mask)
-        tl.store(v_dst + HEAD_DIM // 2, tl.load(v_src + HEAD_DIM // 2, mask=kv_mask), mask=kv_mask)
+        tl.store(v_dst, v1, mask=kv_mask)
+        tl.store(v_dst + HEAD_DIM // 2, v2, mask=kv_mask)
 
 
 def rotary_and_cache(
@@ -333,9 +368,13 @@ def rotary_and_cache(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotary embedding of q and k from the qkv projection and the KV-cache write, in one pass
-    over qkv; see `kernels.reference.rotary_and_cache`. One program per token.
+    """Rotary embedding of q and k from the qkv projection and the KV-cache write (quantized into
+    an fp8 cache), in one pass over qkv; see `kernels.reference.rotary_and_cache`. One program
+    per token.
 
     Unlike the reference, a position outside the tables is clamped into them and a slot past
     the end of the cache is skipped instead of raising: the checks would need the host.
@@ -343,7 +382,7 @@ def rotary_and_cache(
     if validation.CHECK_ARGS:
         check_rotary_and_cache_args(
             qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
-            num_heads, num_kv_heads, head_dim,
+            num_heads, num_kv_heads, head_dim, k_scale, v_scale,
         )  # fmt: skip
         triton_attention.check_runnable(qkv.device)
     num_tokens = qkv.shape[0]
@@ -358,6 +397,7 @@ def rotary_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        *_kv_scale_args(k_cache, k_scale, v_scale),
         q,
         cos_table.shape[0],
         k_cache.shape[0] * k_cache.shape[1],
@@ -376,6 +416,7 @@ def rotary_and_cache(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        **_fp8_write_constexprs(k_cache, k_scale, v_scale),
         num_warps=4,
     )
     return q

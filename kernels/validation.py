@@ -7,6 +7,11 @@ was expected.
 They run only when PAGEDSERVE_CHECK_KERNEL_ARGS=1 (read once, at import): an eager step calls
 the ops several times per layer, and the engine's own calls are right by construction. The tests
 turn them on (tests/conftest.py); turn them on when writing a new caller.
+
+fp8 caches (`kernels.fp8`): q, key, value and qkv may be any float dtype other than fp8 when the
+cache is fp8 (otherwise they must match the cache's dtype). The scales k_scale / v_scale must be
+float32 tensors of shape [1] on the cache's device, and are refused for a cache that is not fp8:
+there they would be ignored, and a caller passing them believes its cache is fp8.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import os
 from collections.abc import Sequence
 
 import torch
+
+from kernels.fp8 import is_fp8
 
 CHECK_ARGS_ENV = "PAGEDSERVE_CHECK_KERNEL_ARGS"
 CHECK_ARGS: bool = os.environ.get(CHECK_ARGS_ENV, "0") == "1"
@@ -51,6 +58,46 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             )
 
 
+def _check_kv_dtype(name: str, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """`name` (q, key, value, qkv) against the cache: the same dtype, or for an fp8 cache any
+    float dtype that is not fp8."""
+    if is_fp8(cache_dtype):
+        if not dtype.is_floating_point or is_fp8(dtype):
+            raise ValueError(
+                f"{name} must be float32, bfloat16 or float16 with an fp8 cache "
+                f"({cache_dtype}), got {dtype}"
+            )
+    elif dtype != cache_dtype:
+        raise ValueError(f"{name} dtype {dtype} differs from the cache dtype {cache_dtype}")
+
+
+def check_kv_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> None:
+    """Raise ValueError unless each scale is None, or a float32 [1] tensor on the cache's device
+    with an fp8 cache."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if not is_fp8(k_cache.dtype):
+            raise ValueError(
+                f"{name} is given but the cache is {k_cache.dtype}: scales apply to fp8 caches "
+                "only; pass None"
+            )
+        if not isinstance(scale, torch.Tensor):
+            raise ValueError(
+                f"{name} must be a float32 tensor of shape [1] (read by the kernels at every "
+                f"call), got {type(scale).__name__}"
+            )
+        if scale.dtype != torch.float32 or scale.shape != (1,):
+            raise ValueError(
+                f"{name} must be a float32 tensor of shape [1], got {scale.dtype} "
+                f"{tuple(scale.shape)}"
+            )
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device}, but the cache is on {k_cache.device}")
+
+
 def _check_index(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype) -> None:
     if t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
@@ -64,6 +111,8 @@ def check_reshape_and_cache_args(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the arguments fit `reshape_and_cache`'s signature."""
     if key.dim() != 3:
@@ -80,11 +129,16 @@ def check_reshape_and_cache_args(
             f"key has {key.shape[1]} kv heads of dim {key.shape[2]}, but k_cache holds "
             f"{k_cache.shape[2]} kv heads of dim {k_cache.shape[3]}"
         )
-    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+    if is_fp8(k_cache.dtype):
+        if value.dtype != key.dtype:
+            raise ValueError(f"value dtype {value.dtype} differs from key dtype {key.dtype}")
+        _check_kv_dtype("key", key.dtype, k_cache.dtype)
+    elif key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
         raise ValueError(
             f"key/value dtypes ({key.dtype}, {value.dtype}) must match the cache dtype "
             f"{k_cache.dtype}"
         )
+    check_kv_scales(k_cache, k_scale, v_scale)
     _check_index("slot_mapping", slot_mapping, 1, torch.int64)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
@@ -127,6 +181,8 @@ def check_paged_attention_args(
     sliding_window: int | None,
     out: torch.Tensor | None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the arguments fit `paged_attention`'s signature."""
     if q.dim() != 3:
@@ -142,8 +198,8 @@ def check_paged_attention_args(
         )
     if not q.dtype.is_floating_point:
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_kv_dtype("q", q.dtype, k_cache.dtype)
+    check_kv_scales(k_cache, k_scale, v_scale)
     _check_index("block_tables", block_tables, 2, torch.int32)
     _check_index("seq_lens", seq_lens, 1, torch.int32)
     _check_index("query_start_loc", query_start_loc, 1, torch.int32)
@@ -260,6 +316,8 @@ def check_rotary_and_cache_args(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the arguments fit `rotary_and_cache`'s signature."""
     for name, value in (
@@ -305,8 +363,8 @@ def check_rotary_and_cache_args(
             f"k_cache holds {k_cache.shape[2]} kv heads of dim {k_cache.shape[3]}, "
             f"expected {num_kv_heads} of dim {head_dim}"
         )
-    if k_cache.dtype != qkv.dtype:
-        raise ValueError(f"qkv dtype {qkv.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_kv_dtype("qkv", qkv.dtype, k_cache.dtype)
+    check_kv_scales(k_cache, k_scale, v_scale)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(3) != 1:
             raise ValueError(f"{name} must be contiguous along head_dim, got {cache.stride()}")

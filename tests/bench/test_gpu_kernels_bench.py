@@ -51,7 +51,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     records = _records(out.read_text())
     assert _records(done.stdout) == records  # stdout is JSON lines only; the table is on stderr
-    assert "checks: 17/17 ok" in done.stderr
+    assert "checks: 19/19 ok" in done.stderr
 
     env = records[0]
     assert env["kind"] == "env"
@@ -61,8 +61,8 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert env["moe_kernels"] == "kernels.triton_moe"
     assert Counter(r["kind"] for r in records) == {
         "env": 1,
-        "check": 17,
-        "decode": 1,
+        "check": 19,
+        "decode": 2,  # over the float16 cache, then over an fp8 one
         "prefill": 2,
         "cache": 1,
         "copy": 2,
@@ -71,25 +71,47 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     }
 
     checks = [r for r in records if r["kind"] == "check"]
-    assert [(r["scenario"], r["case"]) for r in checks[:5]] == [
+    assert [(r["scenario"], r["case"]) for r in checks[:7]] == [
         ("decode", "tiny b2 ctx64"),
         ("decode", "tiny b2 ctx64 window32"),
+        ("decode", "tiny b2 ctx64 fp8"),
+        ("decode", "tiny b2 ctx64 fp8 rescaled"),
         ("prefill", "tiny 2x32 +0"),
         ("prefill", "tiny 2x32 +32"),
         ("cache", "tiny 256 tokens"),
     ]
-    assert [(r["scenario"], r["case"]) for r in checks[5:7]] == [("copy", c) for c in COPY_CASES]
-    assert [r["case"] for r in checks[7:15]] == FUSED_CASES
-    assert [(r["scenario"], r["case"]) for r in checks[15:]] == [("moe", c) for c in MOE_CASES]
+    assert [(r["scenario"], r["case"]) for r in checks[7:9]] == [("copy", c) for c in COPY_CASES]
+    assert [r["case"] for r in checks[9:17]] == FUSED_CASES
+    assert [(r["scenario"], r["case"]) for r in checks[17:]] == [("moe", c) for c in MOE_CASES]
     assert all(r["ok"] is True for r in checks), checks
-    assert [r["sliding_window"] for r in checks[:2]] == [None, 32]
-    assert all(r["max_abs_err"] <= r["atol"] for r in checks[:4])
+    assert [r["sliding_window"] for r in checks[:4]] == [None, 32, None, None]
+    assert all(r["max_abs_err"] <= r["atol"] for r in checks[:6])
+    # The fp8 checks: the kernel and the reference over the same fp8 cache, then again after the
+    # scales changed in place (eager on CPU; the same CUDA graph replayed with --cuda-graph).
+    assert [r.get("kv_dtype") for r in checks[:4]] == [None, None, "fp8", "fp8"]
+    assert checks[3]["cuda_graph"] is False
     # The cache write and the block copies are copies: exact, in every cache.
-    assert all(r["max_abs_err"] == 0.0 and r["atol"] == r["rtol"] == 0.0 for r in checks[4:7])
+    assert all(r["max_abs_err"] == 0.0 and r["atol"] == r["rtol"] == 0.0 for r in checks[6:9])
 
-    # 2 seqs x 64 tokens x 2 kv heads x 64 dims x (K, V) x 2 bytes
-    (decode,) = [r for r in records if r["kind"] == "decode"]
+    # 2 seqs x 64 tokens x 2 kv heads x 64 dims x (K, V) x 2 bytes; 1 byte over the fp8 cache
+    decode, decode_fp8 = [r for r in records if r["kind"] == "decode"]
     assert decode["kv_bytes"] == 2 * 64 * 2 * 64 * 2 * 2
+    assert (decode["kv_dtype"], decode_fp8["kv_dtype"]) == ("float16", "fp8")
+    assert decode_fp8["case"] == "tiny b2 ctx64 fp8"
+    assert decode_fp8["kv_bytes"] == 2 * 64 * 2 * 64 * 2 * 1
+    # Against the kernel over the float16 cache, timed in the same run.
+    assert decode_fp8["base_kv_dtype"] == "float16"
+    assert decode_fp8["base_time_us"] == decode["time_us"]
+    assert decode_fp8["base_gbps"] == decode["gbps"]
+    assert decode_fp8["gbps"] == pytest.approx(decode_fp8["kv_bytes"] / decode_fp8["time_us"] / 1e3,
+                                               rel=1e-3)  # fmt: skip
+    assert decode_fp8["time_vs_base"] == pytest.approx(
+        decode_fp8["time_us"] / decode["time_us"], rel=1e-3
+    )
+    assert decode_fp8["ratio"] == pytest.approx(1 / decode_fp8["time_vs_base"], rel=2e-3)
+    # What quantization changes: a little (e4m3 keeps 4 significant bits), not nothing.
+    assert 0 < decode_fp8["base_max_abs_err"] < 0.5
+    assert "sdpa_gbps" not in decode_fp8
     # 4 * head_dim * heads * visible (query, key) pairs * seqs: 32 new tokens see 1..32 keys
     # (528 pairs), or 33..64 keys on a 32-token prefix (32 * 32 + 528 = 1552 pairs)
     prefill = [r for r in records if r["kind"] == "prefill"]
@@ -108,7 +130,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     assert [r["case"] for r in fused] == FUSED_CASES
     # float16 within 2 ulps (rtol 2 * 2^-10) of the reference; the model's own code is the
     # reference's math exactly.
-    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[7:15])
+    assert all(r["rtol"] == 2 * 2**-10 and r["atol"] == 1e-5 for r in checks[9:17])
     assert all(r["model_max_abs_err"] == 0.0 and r["model_ratio"] > 0 for r in fused)
     # Bytes each op moves, per token of the tiny layer (hidden 96, intermediate 160, 4 q and 2 kv
     # heads of 64): x and out (+ the weight once); x, residual in, residual out and out;
@@ -125,7 +147,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
 
     moe = [r for r in records if r["kind"] == "moe"]
     assert [r["case"] for r in moe] == MOE_CASES
-    assert all(r["max_abs_err"] <= r["atol"] for r in checks[15:])
+    assert all(r["max_abs_err"] <= r["atol"] for r in checks[17:])
     # 2 FLOPs x tokens x top 2 x (gate, up and down: 3 x 80 x 96); the distinct experts' three
     # 80 x 96 float16 matrices read (one token: its 2; 12 tokens x 2 hit all 8 here).
     assert [r["flops"] for r in moe] == [2 * n * 2 * 3 * 80 * 96 for n in (1, 12)]
@@ -137,6 +159,8 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     for r in [decode, *prefill, cache, *copy, *fused, *moe]:
         assert r["time_us"] > 0 and r["ratio"] > 0
         assert r["target"] is None and r["ok"] is None  # no speed claims on CPU
+    assert decode_fp8["time_us"] > 0 and decode_fp8["ratio"] > 0 and decode_fp8["ok"] is None
+    assert "tiny b2 ctx64 fp8" in done.stderr  # in the table
     for r in [decode, *prefill]:
         # The SDPA baseline attends over the same K/V as the paged kernel.
         assert r["sdpa_max_abs_err"] <= 2e-2
@@ -150,9 +174,10 @@ def test_only_selects_scenarios_in_run_order():
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
     assert [r["kind"] for r in records] == (
-        ["env", "check", "check", "decode", "check", "cache"] + ["check", "copy"] * 2
+        ["env", "check", "check", "decode", "check", "check", "decode", "check", "cache"]
+        + ["check", "copy"] * 2
     )
-    assert [r["case"] for r in records[6::2]] == COPY_CASES
+    assert [r["case"] for r in records[9::2]] == COPY_CASES
     assert records[0]["fused_kernels"] is None  # not imported without the fused scenario
 
 
