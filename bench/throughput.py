@@ -204,6 +204,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "model": config.model,
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+        "kv_blocks": engine.kv_plan.num_blocks,
+        "max_model_len": engine.max_model_len,
+        "max_concurrency": round(engine.kv_plan.max_concurrency, 2),
         "device": str(engine.device),
         "num_prompts": args.num_prompts,
         "input_len": None if args.input_len_range else args.input_len,

@@ -58,7 +58,7 @@ class EngineCore:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        self.kv_cache_dtype = self.dtype
+        self.kv_cache_dtype = config.torch_kv_cache_dtype(self.dtype)
         self.source: ModelSource = resolve_model(config.model)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
@@ -90,7 +90,7 @@ class EngineCore:
             kv_memory = self._profile_kv_cache_budget()
         self.kv_plan: KVCachePlan = plan_kv_cache(
             mc,
-            self.dtype,
+            self.kv_cache_dtype,
             config.block_size,
             self.max_model_len,
             memory_bytes=kv_memory,
@@ -107,7 +107,7 @@ class EngineCore:
                 self.num_host_blocks * self.kv_plan.bytes_per_block / GiB,
                 ", pinned" if self.device.type == "cuda" else "",
             )
-        kv_caches = allocate_kv_caches(mc, self.kv_plan, self.dtype, self.device)
+        kv_caches = allocate_kv_caches(mc, self.kv_plan, self.kv_cache_dtype, self.device)
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -151,6 +151,8 @@ class EngineCore:
             self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
         )
         self.runner.structured = self.structured
+        if config.calculate_kv_scales:  # now: start-up's own forward passes are not data
+            self.model.calibrate_kv_scales(self.kv_cache_dtype)
         self._compiling: list[tuple[list[CoreRequest], Future]] = []
         self.num_steps = 0
         self.step_seconds = 0.0
@@ -174,6 +176,7 @@ class EngineCore:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(load_weights(self.source, self.config.load_format))
+        model.use_kv_cache_dtype(self.kv_cache_dtype)
         if can_pack(self.device, self.dtype):
             model.pack_linear_weights()
         return model.eval()
@@ -197,7 +200,7 @@ class EngineCore:
         scratch = KVCachePlan(
             num_blocks,
             block_size,
-            bytes_per_block(mc, groups, self.dtype, block_size),
+            bytes_per_block(mc, groups, self.kv_cache_dtype, block_size),
             self.max_model_len,
             groups,
             self.max_num_batched_tokens,
@@ -206,7 +209,7 @@ class EngineCore:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
-        caches = allocate_kv_caches(mc, scratch, self.dtype, device)
+        caches = allocate_kv_caches(mc, scratch, self.kv_cache_dtype, device)
         runner = ModelRunner(
             self.model,
             caches,
@@ -593,8 +596,12 @@ class EngineCore:
     def describe(self) -> str:
         """Device, dtype and KV cache, as the server's start-up line gives them."""
         plan = self.kv_plan
+        kv_dtype = ""
+        if self.kv_cache_dtype != self.dtype:
+            kv_dtype = f", KV cache {_dtype_name(self.kv_cache_dtype)}"
         return (
-            f"device {self.device}, dtype {_dtype_name(self.dtype)}, {plan.num_blocks} KV blocks "
+            f"device {self.device}, dtype {_dtype_name(self.dtype)}{kv_dtype}, "
+            f"{plan.num_blocks} KV blocks "
             f"of {plan.block_size} tokens ({len(plan.groups)} layer groups), "
             f"{plan.bytes_per_block} bytes/block, max concurrency "
             f"{plan.max_concurrency:.1f} at {plan.max_model_len} tokens"

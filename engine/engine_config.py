@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels import BACKENDS
+from kernels import BACKENDS, FP8_KV_DTYPES
 
 DTYPES = {
     "float32": torch.float32,
@@ -78,6 +78,19 @@ class EngineConfig:
         "auto",
         "weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA",
         choices=("auto", *DTYPES),
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV-cache element type: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 keep one "
+        "byte per value, half of bf16's, so a memory budget holds twice the blocks; values are "
+        "divided by a per-layer K and V scale (1.0, the checkpoint's k_scale/v_scale, or "
+        "--calculate-kv-scales) on write and multiplied back on read",
+        choices=("auto", *FP8_KV_DTYPES),
+    )
+    calculate_kv_scales: bool = option(
+        False,
+        "fp8 KV cache: set each layer's K and V scales from the first step's values (largest "
+        "magnitude x 2 / the format's largest value) instead of the checkpoint's or 1.0",
     )
     block_size: int = option(16, "tokens per KV-cache block")
     max_num_seqs: int = option(256, "most sequences in one step")
@@ -196,6 +209,11 @@ class EngineConfig:
                 "need 1 <= speculative_ngram_min <= speculative_ngram_max, got "
                 f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
             )
+        if self.calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_DTYPES:
+            raise ValueError(
+                "calculate_kv_scales scales an fp8 KV cache: add --kv-cache-dtype fp8 "
+                f"(kv_cache_dtype is {self.kv_cache_dtype!r})"
+            )
         if self.speculative_ngram and self.async_scheduling:
             raise ValueError(
                 "speculative_ngram needs synchronous scheduling (each step's drafts come from "
@@ -233,6 +251,12 @@ class EngineConfig:
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
+
+    def torch_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type: the model's dtype, or the fp8 type asked for."""
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return FP8_KV_DTYPES[self.kv_cache_dtype]
 
     # ---- command line ----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class KVCachePlan:
     # The most tokens one step computes for a request: a sliding group holds its window plus
     # that many.
     max_chunk: int
+    dtype: torch.dtype | None = None  # the cache's element type, for describe()
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -74,8 +75,9 @@ class KVCachePlan:
                 for g in self.groups
             )
             layout = f" in {len(self.groups)} layer groups ({kinds})"
+        dtype = "" if self.dtype is None else f" ({str(self.dtype).removeprefix('torch.')})"
         return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens{layout}, "
+            f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens{layout}, "
             f"{self.bytes_per_block} bytes/block, {self.total_bytes / GiB:.2f} GiB; "
             f"max concurrency at {self.max_model_len} tokens: {self.max_concurrency:.2f}x"
         )
@@ -127,7 +129,7 @@ def plan_kv_cache(
         budget = default_cpu_kv_memory() if memory_bytes is None else memory_bytes
         num_blocks = budget // per_block
     plan = KVCachePlan(
-        num_blocks, block_size, per_block, max_model_len, groups, max_chunk or max_model_len
+        num_blocks, block_size, per_block, max_model_len, groups, max_chunk or max_model_len, dtype
     )
     # The scheduler relies on this: a request of max_model_len tokens must fit on its own, or it
     # could preempt everyone, itself included, and never finish.

@@ -100,6 +100,14 @@ class Attention(nn.Module):
         self.qkv_proj = _empty(self.q_size + 2 * self.kv_size, config.hidden_size)
         self.qkv_bias = _empty(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.o_proj = _empty(config.hidden_size, self.q_size)
+        # An fp8 KV cache's scales (kernels/fp8.py): float32 tensors the kernels read at every
+        # call, so that setting them in place (checkpoint, calibration) reaches captured CUDA
+        # graphs too. Passed to the kernels only with an fp8 cache (`use_kv_cache_dtype`).
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.kv_scales: dict[str, torch.Tensor] = {}
+        # Set for the first step: take the scales from its K and V (`calibrate_kv_scales`).
+        self.calibrate_dtype: torch.dtype | None = None
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, config.is_gemma)
@@ -118,11 +126,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         k_cache, v_cache = kv_cache
+        if self.calibrate_dtype is not None:
+            self._calibrate(qkv)
         # Rotate q and k and write this step's K/V first: the new tokens attend to themselves
         # through the cache.
         q = self.ops.rotary_and_cache(
             qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache,
             meta.slot_mapping[self.kv_group], self.num_heads, self.num_kv_heads, self.head_dim,
+            **self.kv_scales,
         )  # fmt: skip
         out = self.ops.paged_attention(
             q,
@@ -134,8 +145,18 @@ class Attention(nn.Module):
             self.scale,
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            **self.kv_scales,
         )
         return linear(out.reshape(n, self.q_size), self.o_proj)
+
+    def _calibrate(self, qkv: torch.Tensor) -> None:
+        """Set the K and V scales from this step's largest magnitudes (`kv_scale_from_amax`:
+        they land at half the format's range). K is taken before RoPE, which rotates pairs and
+        can grow an element by sqrt(2) at most: the range's other half covers that."""
+        k, v = qkv[:, self.q_size :].split(self.kv_size, dim=1)
+        self.k_scale.copy_(kernels.kv_scale_from_amax(k.abs().amax(), self.calibrate_dtype))
+        self.v_scale.copy_(kernels.kv_scale_from_amax(v.abs().amax(), self.calibrate_dtype))
+        self.calibrate_dtype = None
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's and Gemma 3's RMSNorm over each q and k head (before RoPE), v untouched."""
@@ -290,6 +311,21 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Give every layer's cache calls its K and V scales when the cache is fp8 (nothing
+        otherwise: the kernels' plain path)."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_scales = (
+                {"k_scale": attn.k_scale, "v_scale": attn.v_scale} if kernels.is_fp8(dtype) else {}
+            )
+
+    def calibrate_kv_scales(self, dtype: torch.dtype) -> None:
+        """Have each layer set its fp8 scales from the K and V of the next forward pass (the
+        first real step's; --calculate-kv-scales)."""
+        for layer in self.layers:
+            layer.self_attn.calibrate_dtype = dtype
+
     def pack_linear_weights(self) -> None:
         """Pre-pack every dense matmul weight for oneDNN (bf16 on CPU; see engine/cpu_linear.py).
         The experts' stacked weights are not matmul weights of `linear`, and stay as they are."""
@@ -307,11 +343,21 @@ class CausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (stacked) parameters; every parameter must be
         written exactly once or a ValueError names what is missing or unexpected."""
         targets = self._weight_targets()
+        kv_scales = self._kv_scale_targets()
         shapes = self.config.weight_shapes()
         filled = dict.fromkeys(shapes, 0)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding anyway
+            if name in kv_scales:
+                if tensor.numel() != 1:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}: a KV-cache "
+                        "scale is one number per layer (per-head scales are not supported)"
+                    )
+                for scale in kv_scales[name]:
+                    scale.copy_(tensor.reshape(1))
+                continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             target = targets.get(name)
@@ -332,6 +378,18 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def _kv_scale_targets(self) -> dict[str, list[torch.Tensor]]:
+        """Checkpoint name -> the fp8 KV-cache scales it sets, as quantized checkpoints store
+        them (vLLM's names): `self_attn.k_scale` / `v_scale`, or one `kv_scale` for both. A
+        checkpoint without them leaves 1.0; without an fp8 cache they are not used."""
+        targets: dict[str, list[torch.Tensor]] = {}
+        for i, layer in enumerate(self.layers):
+            p, attn = f"model.layers.{i}.self_attn.", layer.self_attn
+            targets[p + "k_scale"] = [attn.k_scale]
+            targets[p + "v_scale"] = [attn.v_scale]
+            targets[p + "kv_scale"] = [attn.k_scale, attn.v_scale]
+        return targets
 
     def _weight_targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Checkpoint name -> (the `ModelConfig.weight_shapes` name it is (part of), the view of

@@ -118,6 +118,11 @@ class KVCacheManager:
         group, DROPPED_BLOCK_ID for dropped entries."""
         return list(self._table_ids.get(request_id, ()))
 
+    def table_entries(self, request_id: str) -> list[int | None]:
+        """The request's block table with None for dropped entries (the live block map's view:
+        get_block_ids shows them as DROPPED_BLOCK_ID, itself a real block id)."""
+        return [None if b is None else b.block_id for b in self._tables.get(request_id, ())]
+
     def ref_counts(self, request_id: str) -> list[int]:
         """The ref count of each block of the request's table, 0 for dropped entries (for tests
         and debugging)."""

@@ -125,7 +125,8 @@ class Scheduler:
                     "num_prompt_tokens": request.num_prompt_tokens,
                     "num_output_tokens": request.num_output_tokens,
                     "num_computed_tokens": request.num_computed_tokens,
-                    "block_ids": kv.get_block_ids(request.request_id),
+                    # null: a sliding-window block given back
+                    "block_ids": kv.table_entries(request.request_id),
                     "num_swapped_blocks": kv.swapped_block_count(request.request_id),
                     "num_unused_slots": unused,
                     "num_preemptions": request.num_preemptions,

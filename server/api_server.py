@@ -10,6 +10,7 @@ within --shutdown-timeout; then the engine stops, then uvicorn.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import threading
 import time
@@ -28,6 +29,21 @@ from server.limits import (
 )
 
 logger = logging.getLogger("pagedserve")
+
+
+class RedactApiKey(logging.Filter):
+    """Keeps the key of `/dashboard?api_key=KEY` (a browser cannot send a header when it opens
+    a page) out of the access log, whose records carry the path with its query string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, str) and "api_key=" in a for a in args):
+            record.args = tuple(
+                re.sub(r"api_key=[^&\s]*", "api_key=***", a) if isinstance(a, str) else a
+                for a in args
+            )
+        return True
+
 
 # Whether the engine core runs in a process of its own, by device type (`--core-process`). On a
 # GPU the split keeps HTTP and detokenization off the host loop that feeds the device. On CPU it
@@ -95,17 +111,18 @@ def run_server(
             f"in process {client.pid}" if core_process else "in this process",
             ", API key required" if api_key else "",
         )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                log_level=log_level.lower(),
-                access_log=access_log,
-                timeout_keep_alive=30,
-                timeout_graceful_shutdown=5,
-            )
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level.lower(),
+            access_log=access_log,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,
         )
+        # After Config, which sets uvicorn's loggers up.
+        logging.getLogger("uvicorn.access").addFilter(RedactApiKey())
+        server = uvicorn.Server(config)
         http = threading.Thread(target=server.run, name="pagedserve-http", daemon=True)
         http.start()
         while not server.started:  # bind errors end the thread early

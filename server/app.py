@@ -162,11 +162,20 @@ def build_app(
     async def check_dashboard_key(request: Request) -> None:
         # A browser cannot send a header when it opens a page: the key may come as
         # ?api_key=..., which the page then sends to /v1/kv as its bearer token.
+        if state.api_key is None:
+            return
         key = request.query_params.get("api_key")
-        if state.api_key is not None and key is not None:
-            if hmac.compare_digest(key.encode(), state.api_key.encode()):
-                return
-        await check_api_key(request)
+        if key is not None and hmac.compare_digest(key.encode(), state.api_key.encode()):
+            return
+        try:
+            await check_api_key(request)
+        except APIError:
+            raise APIError(
+                401,
+                "Incorrect or missing API key: open /dashboard?api_key=<key>, or send "
+                "'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            ) from None
 
     @app.get("/dashboard", dependencies=[Depends(check_dashboard_key)])
     async def dashboard() -> HTMLResponse:

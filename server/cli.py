@@ -44,14 +44,22 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
     options = EngineConfig(
-        model=args.model, block_size=args.block_size, max_model_len=args.max_model_len
+        model=args.model,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     config = resolve_model(options.model).config
     # A plan is arithmetic: lengths past the model's context are planned too, with a note (a
     # server refuses them).
     max_model_len = options.max_model_len or config.max_position_embeddings
     report = kv_plan_report(
-        options.model, config, DTYPES[args.dtype], args.num_seqs, max_model_len, args.block_size
+        options.model,
+        config,
+        options.torch_kv_cache_dtype(DTYPES[args.dtype]),
+        args.num_seqs,
+        max_model_len,
+        args.block_size,
     )
     print(report)
     if max_model_len > config.max_position_embeddings:
@@ -203,7 +211,7 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
     gen.set_defaults(func=_cmd_generate)
 
     plan = sub.add_parser("kv-plan", help="KV-cache bytes for a model and workload")
-    config_cls.add_cli_args(plan, names=("model", "max_model_len", "block_size"))
+    config_cls.add_cli_args(plan, names=("model", "max_model_len", "block_size", "kv_cache_dtype"))
     plan.add_argument("--num-seqs", type=int, required=True, help="sequences held at once")
     plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     plan.set_defaults(func=_cmd_kv_plan)

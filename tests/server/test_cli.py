@@ -39,6 +39,20 @@ def test_kv_plan_prints_the_formula_and_exact_numbers():
     assert "blocks: 512 per sequence of block_size 16, 32768 in all" in res.stdout
 
 
+def test_kv_plan_with_an_fp8_cache_halves_bf16s_bytes(capsys):
+    args = ["kv-plan", "--model", "smollm2-135m-instruct", "--max-model-len", "8192",
+            "--num-seqs", "64", "--dtype", "bfloat16"]  # fmt: skip
+    assert main([*args, "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    # One byte per value: half of test_kv_plan_prints_the_formula_and_exact_numbers' bf16 plan.
+    assert "dtype float8_e4m3fn (1 bytes)" in out
+    assert "per layer per token: 2 x 3 x 64 x 1 = 384 bytes" in out
+    assert "per token: 30 layers x 384 = 11520 bytes" in out
+    assert "= 2*64*30*8192*3*64*1 = 6039797760 bytes" in out
+    assert main([*args, "--kv-cache-dtype", "fp8_e5m2"]) == 0
+    assert "dtype float8_e5m2 (1 bytes)" in capsys.readouterr().out
+
+
 def test_kv_plan_for_a_builtin_shape():
     res = _run(
         "kv-plan",
