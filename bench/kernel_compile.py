@@ -5,7 +5,8 @@
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile:
 a construct the interpreter accepts may still be rejected by Triton's compiler, and the compiled
 code may spill registers or need more shared memory than an SM has. This tool drives the real
-wrappers in `kernels.triton_attention` (paged attention, KV-cache write, KV-block copy),
+wrappers in `kernels.triton_attention` (paged attention, KV-cache write, KV-block copy, each
+also with an fp8 KV cache),
 `kernels.triton_fused` (norms, SwiGLU, rotary + cache write) and `kernels.triton_moe` (fused
 mixture of experts) with CPU tensors, swaps Triton's GPU driver for one that only names the
 target, and turns each launch into a compile (`JITFunction.run` with
@@ -59,6 +60,14 @@ class Variant:
     top_k: int = 0
     num_tokens: int = 0
     activation: str = "silu"
+    # The KV cache's dtype (attention, cache write, block copy, rotary + cache write); None: the
+    # activation dtype. An fp8 cache (float8_e4m3fn, float8_e5m2) is launched with both k_scale
+    # and v_scale given, the engine's calibrated path (HAS_KV_SCALES).
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
 
 # Fused-MoE layer shapes: (hidden, expert intermediate, experts, experts per token).
@@ -81,10 +90,11 @@ def _moe_variant(
 
 
 GEMMA2_ATTENTION: dict[str, Any] = dict(sliding_window=4096, softcap=50.0)
+FP8_E4M3, FP8_E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 # What the engine and the benchmark launch: Llama-3 8B/1B heads (32/8, D 128/64), SmolLM2 (9/3),
-# MHA and GQA 8, every dtype, split and unsplit decode, sliding windows, and a single sequence
-# (Triton specialises an int argument equal to 1 as a constant).
+# MHA and GQA 8, every dtype, split and unsplit decode, sliding windows, a single sequence
+# (Triton specialises an int argument equal to 1 as a constant), and fp8 KV caches.
 VARIANTS = [
     Variant("decode-8b", "decode", torch.bfloat16, 32, 8, 128),
     Variant("decode-8b-split8", "decode", torch.bfloat16, 32, 8, 128, num_splits=8),
@@ -92,21 +102,30 @@ VARIANTS = [
     Variant("decode-smollm2-window", "decode", torch.bfloat16, 9, 3, 64, sliding_window=64),
     Variant("decode-gqa8-split4-one-seq", "decode", torch.bfloat16, 64, 8, 128, 4, num_seqs=1),
     Variant("decode-mha-fp32", "decode", torch.float32, 8, 8, 128, num_splits=2),
+    # An fp8 KV cache at Llama-3 8B (bf16 activations, k_scale and v_scale given): the tiles are
+    # dequantized in registers after the load, so these are the decode variants to watch for
+    # spills; e5m2 once, as its conversion differs from e4m3's.
+    Variant("decode-8b-fp8", "decode", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
+    Variant("decode-8b-split8-fp8", "decode", torch.bfloat16, 32, 8, 128, 8, kv_dtype=FP8_E4M3),
+    Variant("decode-8b-fp8-e5m2", "decode", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E5M2),
     Variant("extend-8b", "extend", torch.bfloat16, 32, 8, 128),
     Variant("extend-1b", "extend", torch.bfloat16, 32, 8, 64),
     Variant("extend-smollm2-window", "extend", torch.bfloat16, 9, 3, 64, sliding_window=64),
     Variant("extend-mha-fp16-one-seq", "extend", torch.float16, 16, 16, 128, num_seqs=1),
     Variant("extend-gqa8-fp32", "extend", torch.float32, 16, 2, 64),
+    Variant("extend-8b-fp8", "extend", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
     # Gemma-2-9B: head_dim 256, GQA 2, a 4096-key window on every other layer, logits capped at 50.
     Variant("decode-gemma2-9b-softcap", "decode", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION),
     Variant("extend-gemma2-9b-softcap", "extend", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION),
     Variant("cache-8b", "cache", torch.bfloat16, 32, 8, 128),
     Variant("cache-smollm2-fp32", "cache", torch.float32, 9, 3, 64),
+    Variant("cache-8b-fp8", "cache", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
     # Copy-on-write of shared blocks in every dtype the engine runs: a Llama-3 8B block of
     # 16 x 8 x 128 elements, four programs of BLOCK 4096 each per block and cache.
     Variant("copy-blocks-8b", "copy_blocks", torch.bfloat16, 32, 8, 128),
     Variant("copy-blocks-8b-fp16", "copy_blocks", torch.float16, 32, 8, 128),
     Variant("copy-blocks-8b-fp32", "copy_blocks", torch.float32, 32, 8, 128),
+    Variant("copy-blocks-8b-fp8", "copy_blocks", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
     # The fused layer ops at Llama-3 1B / 8B / 70B, SmolLM2 and Qwen2-0.5B sizes: rows of 576 to
     # 8192 (1 to 16 warps), masked rows (576, 896, 1536) and GQA 1-8 head layouts.
     Variant("rms-norm-1b", "rms_norm", torch.bfloat16, hidden_size=2048),
@@ -130,6 +149,7 @@ VARIANTS = [
     Variant("rotary-cache-70b", "rotary_cache", torch.bfloat16, 64, 8, 128),
     Variant("rotary-cache-smollm2-fp32", "rotary_cache", torch.float32, 9, 3, 64),
     Variant("rotary-cache-qwen2-fp16", "rotary_cache", torch.float16, 14, 2, 64),
+    Variant("rotary-cache-8b-fp8", "rotary_cache", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
     # Fused MoE at Qwen3-30B-A3B and Mixtral-8x7B sizes, for a decode batch (16-row tiles) and a
     # prefill chunk (64-row tiles: more tokens than experts); GELU and top-1 (no top-k sum) once.
     _moe_variant("moe-qwen3-30b-a3b-n1", torch.bfloat16, QWEN3_30B_A3B_MOE, 1),
@@ -141,6 +161,8 @@ VARIANTS = [
 ]
 
 FUSED_KINDS = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_cache")
+# The kinds that read or write a KV cache, whose dtype `kv_dtype` sets.
+KV_CACHE_KINDS = ("decode", "extend", "cache", "copy_blocks", "rotary_cache")
 
 
 def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
@@ -185,11 +207,12 @@ def _launch(variant: Variant) -> None:
     block_size, context = 16, 40
     dtype, hq, hkv, d = variant.dtype, variant.num_heads, variant.num_kv_heads, variant.head_dim
     num_seqs = variant.num_seqs
-    k_cache = torch.zeros(num_seqs * 4, block_size, hkv, d, dtype=dtype)
+    k_cache = torch.zeros(num_seqs * 4, block_size, hkv, d, dtype=variant.cache_dtype)
     v_cache = torch.zeros_like(k_cache)
+    scales = _kv_scales(variant)
     if variant.kind == "cache":
         kv = torch.zeros(8, hkv, d, dtype=dtype)
-        triton_attention.reshape_and_cache(kv, kv, k_cache, v_cache, torch.arange(8))
+        triton_attention.reshape_and_cache(kv, kv, k_cache, v_cache, torch.arange(8), **scales)
         return
     if variant.kind == "copy_blocks":
         # Two layers' K and V caches; the block ids are runtime values, not constexprs.
@@ -205,12 +228,22 @@ def _launch(variant: Variant) -> None:
     if variant.kind == "decode":
         out = torch.empty_like(q)
         triton_attention.decode(
-            *args, variant.sliding_window, out, variant.num_splits, softcap=variant.softcap
-        )
+            *args, variant.sliding_window, out, variant.num_splits, softcap=variant.softcap,
+            **scales,
+        )  # fmt: skip
     else:
         triton_attention.paged_attention(
-            *args, sliding_window=variant.sliding_window, softcap=variant.softcap
+            *args, sliding_window=variant.sliding_window, softcap=variant.softcap, **scales
         )
+
+
+def _kv_scales(variant: Variant) -> dict[str, torch.Tensor]:
+    """k_scale and v_scale for an fp8 cache (float32 [1], as the engine passes them), else none."""
+    from kernels.fp8 import is_fp8
+
+    if not is_fp8(variant.cache_dtype):
+        return {}
+    return {"k_scale": torch.ones(1), "v_scale": torch.ones(1)}
 
 
 def _launch_fused(variant: Variant) -> None:
@@ -233,9 +266,12 @@ def _launch_fused(variant: Variant) -> None:
         hq, hkv, d = variant.num_heads, variant.num_kv_heads, variant.head_dim
         qkv = torch.zeros(num_tokens, (hq + 2 * hkv) * d, dtype=dtype)
         tables = torch.zeros(64, d), torch.zeros(64, d)
-        caches = torch.zeros(4, 16, hkv, d, dtype=dtype), torch.zeros(4, 16, hkv, d, dtype=dtype)
+        k_cache = torch.zeros(4, 16, hkv, d, dtype=variant.cache_dtype)
         positions = torch.arange(num_tokens)
-        triton_fused.rotary_and_cache(qkv, positions, *tables, *caches, positions, hq, hkv, d)
+        triton_fused.rotary_and_cache(
+            qkv, positions, *tables, k_cache, torch.zeros_like(k_cache), positions, hq, hkv, d,
+            **_kv_scales(variant),
+        )  # fmt: skip
 
 
 def _launch_moe(variant: Variant) -> None:
@@ -289,6 +325,12 @@ def compile_all(arch: int) -> list[dict[str, Any]]:
         for kernel_name, kernel in compiled[start:]:
             fields = asdict(variant)
             fields["dtype"] = str(variant.dtype).removeprefix("torch.")
+            # The cache's dtype where the kernel touches a KV cache, else None.
+            fields["kv_dtype"] = (
+                str(variant.cache_dtype).removeprefix("torch.")
+                if variant.kind in KV_CACHE_KINDS
+                else None
+            )
             records.append(
                 {
                     "variant": variant.name,
@@ -325,7 +367,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"shared {r['shared_bytes'] / 1024:6.1f} KiB"
             )
     if problems:
-        print(f"{len(problems)} kernels spill registers or exceed shared memory", file=sys.stderr)
+        print(f"{len(problems)} kernels spill registers or exceed shared memory:", file=sys.stderr)
+        for r in problems:
+            print(
+                f"  {r['variant']} {r['kernel']}: spill {r['local_bytes']} B, shared "
+                f"{r['shared_bytes']} B (max {MAX_SHARED_BYTES})",
+                file=sys.stderr,
+            )
         return 1
     return 0
 

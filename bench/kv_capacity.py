@@ -135,7 +135,9 @@ def run_swap(args: argparse.Namespace) -> dict[str, Any]:
                     "p99_ttft_ms": result["p99_ttft_ms"],
                     "median_tpot_ms": result["median_tpot_ms"],
                     "completed": result["completed"],
-                    **{k: after.get(k, 0) - before.get(k, 0) for k in after},
+                    # Counters as this run's increase; the host pool's gauge as it ends.
+                    **{k: after[k] - before.get(k, 0) for k in after if k != "kv_host_blocks_used"},
+                    "kv_host_blocks_used_after": after.get("kv_host_blocks_used"),
                 }
             run["throughput_ratio"] = (
                 run["swap"]["output_throughput"] / run["recompute"]["output_throughput"]
@@ -157,7 +159,7 @@ def run_swap(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(required=True)
     for name, func, prompts, input_len, output_len in (
@@ -180,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--num-kv-blocks", type=int, default=None,
                 help="the servers' pool (default: a quarter of the blocks the requests hold)",
             )  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result = args.func(args)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if args.json_path:

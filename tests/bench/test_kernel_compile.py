@@ -66,8 +66,26 @@ def test_every_variant_compiles_for_sm90_without_spills():
         assert kernels_by_variant[v.name] == want
     # Every variant compiled, and copy_blocks in each dtype the engine's caches take.
     assert list(kernels_by_variant) == [v.name for v in VARIANTS]
-    copy_dtypes = {r["dtype"] for r in records if r["kernel"] == "_copy_blocks_kernel"}
-    assert copy_dtypes == {"bfloat16", "float16", "float32"}
+    copy_dtypes = {r["kv_dtype"] for r in records if r["kernel"] == "_copy_blocks_kernel"}
+    assert copy_dtypes == {"bfloat16", "float16", "float32", "float8_e4m3fn"}
+    # The fp8 KV cache (k_scale and v_scale given) through every kernel that touches a cache:
+    # e4m3 everywhere, split and unsplit decode, and e5m2 decode once.
+    fp8 = {
+        (r["kind"], r["kernel"], r["num_splits"] > 1, r["kv_dtype"])
+        for r in records
+        if r["kv_dtype"] in ("float8_e4m3fn", "float8_e5m2")
+    }
+    assert {
+        ("decode", "_decode_kernel", False, "float8_e4m3fn"),
+        ("decode", "_decode_kernel", True, "float8_e4m3fn"),
+        ("decode", "_merge_splits_kernel", True, "float8_e4m3fn"),
+        ("decode", "_decode_kernel", False, "float8_e5m2"),
+        ("extend", "_extend_kernel", False, "float8_e4m3fn"),
+        ("cache", "_reshape_and_cache_kernel", False, "float8_e4m3fn"),
+        ("rotary_cache", "_rotary_and_cache_kernel", False, "float8_e4m3fn"),
+        ("copy_blocks", "_copy_blocks_kernel", False, "float8_e4m3fn"),
+    } <= fp8
+    assert all(r["kv_dtype"] is None for r in records if r["kind"] in ("moe", "rms_norm"))
     # Fused MoE at the Qwen3-30B-A3B and Mixtral-8x7B shapes, in decode and prefill tiles.
     moe = {
         (r["hidden_size"], r["num_experts"], r["num_tokens"]) for r in records if r["kind"] == "moe"
