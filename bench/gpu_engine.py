@@ -54,11 +54,11 @@ from scheduler.utils import cdiv
 REPO = Path(__file__).resolve().parents[1]
 STEPS = (
     "env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "structured",
-    "summary",
+    "kvcap", "summary",
 )  # fmt: skip
 # Steps the default run of bench/gpu_engine.sh leaves out (its limits fill one device command):
 # `ONLY=moe bash bench/gpu_engine.sh` runs them; the summary lists them when they have records.
-OPTIONAL_STEPS = ("moe", "structured")
+OPTIONAL_STEPS = ("moe", "structured", "kvcap")
 
 # H200: ~4.3 TB/s measured copy bandwidth (GPU.md); the roofline of a decode step is the bytes it
 # must read (weights and the KV cache) at this rate.
@@ -1084,6 +1084,121 @@ STRUCTURED_SPECS: dict[str, dict[str, Any]] = {
 STRUCTURED_THROUGHPUT_REGEX = r"([a-z]{1,8} ){16,400}[a-z]{1,8}\."
 
 
+def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
+    """KV capacity on the device (issue 18): the tiny Llama's fp32 greedy tokens with swap
+    preemption (4-token blocks, a pool too small for all at once, pinned host pool) equal the
+    CPU engine's with a roomy pool, graphs and eager; with an fp8 cache calibrated on the first
+    step (scales set in place after the graphs were captured), the share of positions that
+    agree with the fp32 cache on the device; then the 1B shape, offline throughput with the fp8
+    cache against bf16's in the same run."""
+    from engine import LLM, SamplingParams
+
+    tiny = write_tiny_model(args.scratch / "tiny-llama")
+    vocab = TINY_LLAMA["vocab_size"]
+    prompts = [random_ids(1, n, vocab, i)[0] for i, n in enumerate(sizes.correctness_prompt_lens)]
+    params = SamplingParams(temperature=0, max_tokens=sizes.correctness_tokens, ignore_eos=True)
+    lengths = [len(p) + sizes.correctness_tokens for p in prompts]
+    max_model_len = cdiv(max(lengths), 16) * 16  # the longest fits; the pool is sized by it
+    roomy = kv_blocks_for(lengths, max_model_len)
+    # 4-token blocks (many block boundaries to cross), a quarter of what all hold at once or
+    # the longest alone: preemptions either way.
+    block = 4
+    tight = max(sum(cdiv(n, block) for n in lengths) // 4, cdiv(max_model_len, block))
+
+    def run(device: str, eager: bool, **kwargs) -> tuple[list[list[int]], dict[str, Any]]:
+        llm = LLM(
+            tiny, device=device, dtype="float32", load_format="dummy", enforce_eager=eager,
+            max_num_seqs=len(prompts), max_model_len=max_model_len, **kwargs,
+        )  # fmt: skip
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        s = llm.engine.scheduler
+        info = {
+            **engine_info(llm),
+            "num_kv_blocks": llm.engine.kv_plan.num_blocks,
+            "preemptions": s.num_preemptions,
+            "swap_outs": s.num_swap_outs,
+            "swap_ins": s.num_swap_ins,
+            "swapped_blocks_left": s.kv_cache_manager.num_swapped_blocks,
+        }
+        del llm
+        free_memory()
+        return tokens, info
+
+    with rec.part(model="tiny", check="fp32_swap_greedy"):
+        expected, _ = run("cpu", True, num_kv_blocks=roomy)
+        for eager in (False, True):
+            got, info = run(
+                sizes.device, eager, block_size=block, num_kv_blocks=tight,
+                preemption_mode="swap", swap_space=1 << 30,
+            )  # fmt: skip
+            rec.write(
+                {
+                    "model": "tiny",
+                    "check": "fp32_swap_greedy",
+                    "engine": "eager" if eager else "default",
+                    **compare_tokens(expected, got),
+                    **info,
+                }
+            )
+    with rec.part(model="tiny", check="fp8_greedy_agreement"):
+        exact, _ = run(sizes.device, False, num_kv_blocks=roomy)
+        got, info = run(
+            sizes.device, False, num_kv_blocks=roomy, kv_cache_dtype="fp8",
+            calculate_kv_scales=True,
+        )  # fmt: skip
+        pairs = [(a, b) for g, e in zip(got, exact, strict=True) for a, b in zip(g, e, strict=True)]
+        same = sum(a == b for a, b in pairs)
+        rec.write(
+            {
+                "model": "tiny",
+                "check": "fp8_greedy_agreement",
+                "engine": "default",
+                "agreement": round(same / len(pairs), 3),
+                **info,
+            }
+        )
+
+    model = model_path(args.model, args.scratch)
+    num, input_len = sizes.offline_prompts, sizes.offline_input_len
+    max_tokens = sizes.offline_output_len
+    model_len = cdiv(input_len + max_tokens, 256) * 256
+    throughput = {}
+    for kv in ("auto", "fp8"):
+        with (
+            rec.part(model=args.model, kind="throughput", kv_cache_dtype=kv),
+            reuse_dummy_weights(),
+        ):
+            llm = LLM(
+                model, device=sizes.device, dtype=sizes.dtype, load_format="dummy",
+                max_num_seqs=num, max_model_len=model_len, kv_cache_dtype=kv,
+                num_kv_blocks=kv_blocks_for([input_len + max_tokens] * num, model_len),
+            )  # fmt: skip
+            ids = random_ids(num, input_len, llm.engine.model_config.vocab_size, 11)
+            run_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            llm.generate(ids[:8], run_params.clone(max_tokens=4))  # compiles out of the timing
+            sync(sizes.device)
+            start = time.perf_counter()
+            llm.generate(ids, run_params)
+            sync(sizes.device)
+            throughput[kv] = num * max_tokens / (time.perf_counter() - start)
+            del llm
+            free_memory()
+    if len(throughput) == 2:
+        rec.write(
+            {
+                "model": args.model,
+                "kind": "throughput",
+                "dtype": sizes.dtype,
+                "num_prompts": num,
+                "input_len": input_len,
+                "output_len": max_tokens,
+                "bf16_tok_s": round(throughput["auto"], 1),
+                "fp8_tok_s": round(throughput["fp8"], 1),
+                "ratio": round(throughput["fp8"] / throughput["auto"], 3),
+            }
+        )
+
+
 def step_structured(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """Structured outputs on the device (xgrammar's Triton mask kernel, matchers on the host):
     the tiny Llama's fp32 constrained greedy tokens, one constraint of each kind, equal the CPU
@@ -1684,6 +1799,19 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
             f"{r['model']} ({r['num_hidden_layers']} layers, {r['num_active_params']} of "
             f"{r['num_params']} parameters per token) {r.get('output_tokens_per_s')} output tok/s"
         )
+    if step == "kvcap":
+        if r.get("check") == "fp32_swap_greedy":
+            return (
+                f"tiny fp32_swap_greedy {r['engine']} equal={r['equal']} prompts "
+                f"{r['num_equal_prompts']}/{r['num_prompts']} swap outs/ins "
+                f"{r['swap_outs']}/{r['swap_ins']} of {r['preemptions']} preemptions"
+            )
+        if r.get("check"):
+            return f"tiny fp8_greedy_agreement {r['agreement']}"
+        return (
+            f"{r['model']} {r['dtype']} cache {r['bf16_tok_s']} tok/s, fp8 cache "
+            f"{r['fp8_tok_s']} tok/s ({r['ratio']}x)"
+        )
     if step == "structured":
         if r.get("check"):
             return (
@@ -1806,6 +1934,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec": step_spec,
         "moe": step_moe,
         "structured": step_structured,
+        "kvcap": step_kvcap,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

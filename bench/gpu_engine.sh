@@ -52,6 +52,15 @@
 #                                graphs and eager; then the 1B shape bf16, 256 x 512 in, a regex
 #                                constraint against free generation of the same token counts.
 #
+# and KV capacity (issue 18): swap preemption and the fp8 cache in the engine:
+#
+#     run(command="ONLY=kvcap bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=150)
+#
+#   kvcap        120 s / ~60 s   tiny Llama fp32 greedy with swap preemption (a pool too small
+#                                for all, pinned host pool) = the CPU engine's, graphs and eager; fp8
+#                                cache calibrated after capture: agreement with fp32; then the
+#                                1B shape bf16, 256 x 512 in, fp8 cache against bf16 cache.
+#
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
 # summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
@@ -107,6 +116,7 @@ step spec 45 spec
 if [ -n "${ONLY:-}" ]; then
     step moe 120 moe
     step structured 120 structured
+    step kvcap 120 kvcap
 fi
 "$PY" -m bench.gpu_engine summary --out "$OUT"
 exit $failed

@@ -356,14 +356,16 @@ class ModelRunner:
         pairs: tuple[tuple[int, int], ...], sources: list[torch.Tensor], targets: list[torch.Tensor]
     ) -> None:
         """Copy block pairs[i][0] of each source tensor into block pairs[i][1] of its target
-        (swap preemption, between the device and the host pool), every layer. On CUDA the
-        device-to-host copy waits for the steps before it; host-to-device is queued."""
+        (swap preemption, between the device and the host pool), every layer. On CUDA a swap-out
+        waits for the steps queued before it (a blocking copy: the host reads its result at
+        once); a swap-in is queued ahead of the step's kernels."""
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         src, dst = src.to(sources[0].device), dst.to(targets[0].device)
+        to_device = targets[0].device.type != "cpu"
         for source, target in zip(sources, targets, strict=True):
-            blocks = _raw(source).index_select(0, src)
-            _raw(target).index_copy_(0, dst, blocks.to(target.device, non_blocking=True))
+            blocks = _raw(source).index_select(0, src).to(target.device, non_blocking=to_device)
+            _raw(target).index_copy_(0, dst, blocks)
 
     @torch.inference_mode()
     def clear_blocks(self, block_ids: list[int]) -> None:

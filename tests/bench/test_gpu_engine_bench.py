@@ -433,3 +433,25 @@ def test_kernel_summary_of_cuda_events():
     assert summary["top_cpu_ops"] == [
         {"name": "aten::mm", "self_cpu_ms_per_step": 0.45, "calls_per_step": 2.0}
     ]
+
+
+def test_the_kvcap_step_runs_alone_and_checks_swap_and_fp8(tmp_path):
+    done = _run_script(tmp_path, ONLY="kvcap")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("kvcap: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "kvcap")
+    _no_errors(records)
+    swaps = [r for r in records if r.get("check") == "fp32_swap_greedy"]
+    assert [(r["engine"], r["equal"], r["swapped_blocks_left"]) for r in swaps] == [
+        ("default", True, 0),
+        ("eager", True, 0),
+    ]
+    # The pool is too small for all at once: requests were preempted, every one swapped out and
+    # back in.
+    assert all(r["swap_outs"] == r["swap_ins"] == r["preemptions"] > 0 for r in swaps)
+    (fp8,) = [r for r in records if r.get("check") == "fp8_greedy_agreement"]
+    assert 0 < fp8["agreement"] <= 1
+    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
+    assert throughput["bf16_tok_s"] > 0 and throughput["fp8_tok_s"] > 0
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "kvcap: tiny fp32_swap_greedy eager equal=True prompts 8/8" in summary
