@@ -175,6 +175,7 @@ class BeamSearch:
             beam = scheduler.requests[beam_id]
             if beam_id not in kept and beam.output_token_ids[-1] == token:
                 kept.add(beam_id)  # the runner appended this very token: the beam goes on
+                beam.awaiting_choice = False
                 self.beams[beam_id] = ([*old[beam_id][0], token], cum)
             else:
                 child = self.new_beam([*old[beam_id][0], token], cum)

@@ -76,6 +76,7 @@ class Request:
         "fork_children",
         "send_in_full",
         "pause_after_sample",
+        "awaiting_choice",
     )
 
     def __init__(
@@ -120,6 +121,10 @@ class Request:
         # Not scheduled again while a token of it is being sampled (a beam waits for the beam
         # search's choice, which may replace that token).
         self.pause_after_sample = False
+        # A paused request whose token came back: it computes nothing more (running or queued)
+        # until its owner decides (a beam search keeps it and clears this, or ends it). Beams of
+        # one search report in different steps once preemption has split them up.
+        self.awaiting_choice = False
 
     @property
     def num_prompt_tokens(self) -> int:

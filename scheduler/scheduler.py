@@ -226,6 +226,9 @@ class Scheduler:
         # inlined rather than going through Request's properties.
         while index < len(running) and token_budget > 0:
             request = running[index]
+            if request.awaiting_choice:
+                index += 1
+                continue
             pending = request.num_output_placeholders
             target = len(request.all_token_ids) + pending
             if pending and (
@@ -279,10 +282,16 @@ class Scheduler:
 
         # Admitting while preempting would hand the blocks just freed to newer requests.
         if not preempted:
+            position = 0  # requests before it in the queue await a choice (beams): skipped
             while (
-                self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs
+                position < len(self.waiting)
+                and token_budget > 0
+                and len(self.running) < self.config.max_num_seqs
             ):
-                request = self.waiting[0]
+                request = self.waiting[position]
+                if request.awaiting_choice:
+                    position += 1
+                    continue
                 if request.num_output_placeholders:
                     # Preempted while its last token was being sampled: it resumes once that
                     # token is back (the next update_from_output), with all its tokens known.
@@ -292,6 +301,8 @@ class Scheduler:
                         token_budget -= num_scheduled[request.request_id]
                         continue
                     if kv.is_swapped(request.request_id):
+                        if self._preempt_idle(preempted):
+                            continue
                         break  # FIFO: it waits for room, and so does everyone behind it
                     # Its KV was dropped (it could never fit back): admitted to recompute.
                 if request.sampling_params.prompt_logprobs is None:
@@ -308,8 +319,10 @@ class Scheduler:
                     self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
                     is None
                 ):
+                    if self._preempt_idle(preempted):
+                        continue  # room from a request awaiting a choice; try again
                     break  # FIFO: nobody overtakes the head of the queue
-                self.waiting.popleft()
+                del self.waiting[position]
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached_tokens
                 self.running.append(request)
@@ -421,7 +434,7 @@ class Scheduler:
                 kv.drop_swapped(request)
                 request.num_computed_tokens = 0
             return False
-        self.waiting.popleft()
+        self.waiting.remove(request)
         self._swap_in_copies.extend(kv.swap_in(request))
         new_block_ids = kv.allocate_slots(request, num_new_tokens)
         assert new_block_ids is not None, f"swap-in of {request.request_id!r} found no room"
@@ -431,6 +444,19 @@ class Scheduler:
         new_requests.append(self._new_request_data(request))
         self._advance(request, num_new_tokens, num_scheduled, sampling)
         return True
+
+    def _preempt_idle(self, preempted: list[Request]) -> bool:
+        """Preempt the latest-admitted running request that awaits a choice (a beam whose
+        search waits for its other beams), to recompute later: it holds blocks it computes
+        nothing with, and without this a pool full of such beams would admit nobody, their
+        searches' other beams included. Returns False when there is none."""
+        for request in reversed(self.running):
+            if request.awaiting_choice:
+                self.running.remove(request)
+                self._preempt(request)
+                preempted.append(request)
+                return True
+        return False
 
     def _preempt(self, request: Request, swap: bool = False) -> None:
         """Take a running request's blocks and requeue it first. With `swap` (a preemption
@@ -516,6 +542,8 @@ class Scheduler:
             output_token_ids = request.output_token_ids
             output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
+            if request.pause_after_sample:
+                request.awaiting_choice = True
             if request.fork_children and status == RequestStatus.RUNNING:
                 self._fork_children(request, share=True)
             if token_id in request.finishing_token_ids:

@@ -127,3 +127,30 @@ def test_beam_search_refuses_what_it_cannot_honour():
         SamplingParams(n=2, use_beam_search=True, stop=["."])
     with pytest.raises(ValueError, match="best_of is not supported with use_beam_search"):
         SamplingParams(n=2, best_of=3, use_beam_search=True)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_searches_in_a_pool_too_small_for_them_give_the_same_beams(tiny_llama_dir, mode):
+    """Eight searches of width 2 in 24 blocks: beams are preempted and come back in different
+    steps, so a search's beams report their tokens apart. A beam whose token is in waits for its
+    search's choice (`Request.awaiting_choice`) and computes nothing meanwhile: once it ran on
+    alone and its search ended early, with beams of 2 to 5 tokens instead of 12. Idle beams are
+    preempted to make room for the beams their searches wait for."""
+    import random
+
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 7, 12, 17, 25, 31, 40)]
+    params = SamplingParams(
+        temperature=0, use_beam_search=True, n=2, max_tokens=12, ignore_eos=True
+    )
+    roomy = LLM(str(tiny_llama_dir), **{**ENGINE, "max_model_len": 96})
+    want = [[c.token_ids for c in out.outputs] for out in roomy.generate(prompts, params)]
+    swap = dict(preemption_mode="swap", swap_space=1 << 22) if mode == "swap" else {}
+    tight = LLM(str(tiny_llama_dir), **{**ENGINE, "max_model_len": 96, "num_kv_blocks": 24}, **swap)
+    got = [[c.token_ids for c in out.outputs] for out in tight.generate(prompts, params)]
+    assert got == want
+    assert all(len(tokens) == 12 for beams in got for tokens in beams)
+    scheduler = tight.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    assert (scheduler.num_swap_outs > 0) == (mode == "swap")
+    assert scheduler.kv_cache_manager.num_used_blocks == 0
