@@ -8,6 +8,7 @@ are the scheduler's; a stop string found by the front end comes back as `finish_
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -35,6 +36,7 @@ from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
 from engine.model_source import ModelSource, resolve_model
+from engine.parallel import TPEndpoint, TPGroup, describe_shards, free_port, plan_shards
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.weights import load_weights
@@ -52,23 +54,78 @@ logger = logging.getLogger("pagedserve")
 
 class EngineCore:
     """The model side of the engine: weights, KV cache, scheduler and runner. Takes samples
-    (`add_samples`), steps them, returns what each step produced (`step_samples`)."""
+    (`add_samples`), steps them, returns what each step produced (`step_samples`).
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `tensor_parallel_size` N > 1 this is rank 0 of N (engine/parallel.py): it starts ranks
+    1..N-1 (engine/tp_worker.py), or joins those torchrun started, and sends them each step.
+    `endpoint` makes it another rank instead, which only runs `serve_as_worker()`."""
+
+    def __init__(self, config: EngineConfig, endpoint: TPEndpoint | None = None) -> None:
         self.config = config
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
-        self.kv_cache_dtype = config.torch_kv_cache_dtype(self.dtype)
         self.source: ModelSource = resolve_model(config.model)
         self.model_config: ModelConfig = self.source.config
         mc = self.model_config
         self.max_model_len = config.model_len(mc.max_position_embeddings)
+        self.tp: TPGroup | None = None
+        self._workers = None  # rank 0 on one node: the worker processes it started
+        self.shard = None
+        self.kv_config = mc  # the KV heads this rank holds: all of them without a shard
+        size = config.tensor_parallel_size
+        if size > 1:
+            self.shard = plan_shards(mc, size)[0 if endpoint is None else endpoint.rank]
+            self.kv_config = self.shard.local_config(mc)
+        self.device = config.torch_device()
+        try:
+            if size > 1:
+                self.tp = self._join_ranks(endpoint)
+            self._build(config, mc)
+        except BaseException:
+            self.close()
+            raise
+
+    def _join_ranks(self, endpoint: TPEndpoint | None) -> TPGroup:
+        """Find the other ranks (starting them when this is rank 0 on its own), set this rank's
+        device and CPU share, and connect."""
+        config, size = self.config, self.config.tensor_parallel_size
+        if endpoint is None:
+            endpoint = TPEndpoint.from_torchrun()
+            if endpoint is not None and endpoint.rank != 0:
+                raise ValueError(
+                    f"torchrun rank {endpoint.rank} must run the worker (`pagedserve serve` does)"
+                )
+        if endpoint is not None and endpoint.size != size:
+            raise ValueError(
+                f"--tensor-parallel-size {size} but torchrun started {endpoint.size} ranks "
+                "(WORLD_SIZE): they must be equal"
+            )
+        if endpoint is None:  # rank 0 on one node: start the others
+            threads = max(1, torch.get_num_threads() // size)
+            endpoint = TPEndpoint(0, size, "127.0.0.1", free_port(), 0, threads)
+            from engine.tp_worker import start_workers
+
+            self._workers = start_workers(config, endpoint)
+            self._workers.watch()
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", endpoint.local_rank)
+            torch.cuda.set_device(self.device)
+        elif endpoint.num_threads is not None:
+            torch.set_num_threads(endpoint.num_threads)
+        tp = TPGroup(endpoint, self.device)
+        if tp.is_driver:
+            logger.info(describe_shards(self.model_config, plan_shards(self.model_config, size)))
+        return tp
+
+    def _build(self, config: EngineConfig, mc: ModelConfig) -> None:
+        self.dtype = config.torch_dtype(self.device)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype(self.dtype)
         self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.attention_ops = kernels.get_backend(self.attention_backend)
         if self.attention_backend == "triton":  # refuse now, not at the first step after loading
             self.attention_ops.check_runnable(self.device)
-        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
+        # Ranks 1..N-1 of a tensor-parallel engine see token ids only.
+        self.is_driver = self.tp is None or self.tp.is_driver
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer) if self.is_driver else None
+        self.eos_token_ids = eos_token_ids(self.tokenizer, mc) if self.is_driver else ()
 
         start = time.perf_counter()
         self.model = self._build_model()
@@ -89,7 +146,7 @@ class EngineCore:
         if self.device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
             kv_memory = self._profile_kv_cache_budget()
         self.kv_plan: KVCachePlan = plan_kv_cache(
-            mc,
+            self.kv_config,
             self.kv_cache_dtype,
             config.block_size,
             self.max_model_len,
@@ -97,7 +154,11 @@ class EngineCore:
             num_blocks=config.num_kv_blocks,
             max_chunk=self.max_num_batched_tokens,
         )
-        logger.info(self.kv_plan.describe())
+        if self.tp is not None:  # one block table for all ranks: the fewest blocks any has room for
+            num_blocks = self.tp.min_int(self.kv_plan.num_blocks)
+            self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=num_blocks)
+        if self.tp is None or self.tp.is_driver:
+            logger.info(self.kv_plan.describe())
         self.num_host_blocks = 0
         if config.preemption_mode == "swap":
             self.num_host_blocks = config.swap_space // self.kv_plan.bytes_per_block
@@ -107,7 +168,9 @@ class EngineCore:
                 self.num_host_blocks * self.kv_plan.bytes_per_block / GiB,
                 ", pinned" if self.device.type == "cuda" else "",
             )
-        kv_caches = allocate_kv_caches(mc, self.kv_plan, self.kv_cache_dtype, self.device)
+        kv_caches = allocate_kv_caches(
+            self.kv_config, self.kv_plan, self.kv_cache_dtype, self.device
+        )
         self.runner = ModelRunner(
             self.model,
             kv_caches,
@@ -120,6 +183,7 @@ class EngineCore:
             ops=self.attention_ops,
             windows=self.kv_plan.windows,
             num_host_blocks=self.num_host_blocks,
+            tp=self.tp,
         )
         # Off with speculative decoding: a step's drafts come from the tokens the previous
         # step accepted, so it cannot be scheduled before those are back.
@@ -147,8 +211,12 @@ class EngineCore:
         )
         # Structured outputs: grammars compiling (their samples wait here, not in the
         # scheduler) and the matchers of the constrained samples.
-        self.structured = StructuredOutputManager(
-            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
+        self.structured = (
+            StructuredOutputManager(
+                self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
+            )
+            if self.is_driver
+            else None
         )
         self.runner.structured = self.structured
         if config.calculate_kv_scales:  # now: start-up's own forward passes are not data
@@ -172,10 +240,15 @@ class EngineCore:
                     self.model_config,
                     self.max_model_len,
                     attention_ops=self.attention_ops,
+                    shard=self.shard,
+                    tp=self.tp,
                 )
         finally:
             torch.set_default_dtype(previous)
-        model.load_weights(load_weights(self.source, self.config.load_format))
+        weights = load_weights(self.source, self.config.load_format)
+        if self.shard is not None:
+            weights = self.shard.slice_weights(weights, self.model_config)
+        model.load_weights(weights)
         model.use_kv_cache_dtype(self.kv_cache_dtype)
         if can_pack(self.device, self.dtype):
             model.pack_linear_weights()
@@ -200,7 +273,7 @@ class EngineCore:
         scratch = KVCachePlan(
             num_blocks,
             block_size,
-            bytes_per_block(mc, groups, self.kv_cache_dtype, block_size),
+            bytes_per_block(self.kv_config, groups, self.kv_cache_dtype, block_size),
             self.max_model_len,
             groups,
             self.max_num_batched_tokens,
@@ -209,7 +282,7 @@ class EngineCore:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
-        caches = allocate_kv_caches(mc, scratch, self.kv_cache_dtype, device)
+        caches = allocate_kv_caches(self.kv_config, scratch, self.kv_cache_dtype, device)
         runner = ModelRunner(
             self.model,
             caches,
@@ -219,6 +292,7 @@ class EngineCore:
             self.max_model_len,
             self.config.seed,
             windows=scratch.windows,
+            tp=self.tp,
         )
         runner.execute(step)
         torch.cuda.synchronize(device)
@@ -446,10 +520,13 @@ class EngineCore:
         synchronous = synchronous or not self.async_scheduling
         result = None
         try:
+            if self.tp is not None:
+                self.tp.send(("step", sched_out))
             handle = self.runner.launch(sched_out)  # also when empty: drops finished requests
             result = handle.result() if synchronous and scheduled else None
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            # Tensor parallel: the ranks would not agree on what the step did.
+            if not is_out_of_memory(exc) or self.tp is not None:
                 raise
             failed, handle, scheduled = self._fail_step(sched_out, exc), None, False
         else:
@@ -497,6 +574,8 @@ class EngineCore:
         block_ids = []
         for request_id in request_ids:
             block_ids += self.scheduler.fail_request(request_id)
+        if self.tp is not None:
+            self.tp.send(("clear", block_ids))
         self.runner.clear_blocks(block_ids)
         message = (
             "the model produced non-finite logits (NaN or infinity) for this request, so it was "
@@ -558,6 +637,44 @@ class EngineCore:
         structured.retain(self.scheduler.requests)
         return outputs
 
+    # ---- tensor parallel -------------------------------------------------------------------------
+
+    def serve_as_worker(self) -> None:
+        """Ranks 1..N-1: run what rank 0 sends (its steps and block clears) until it says stop.
+        Each step's ids are read after the next step is launched, as rank 0 does with async
+        scheduling, and before it otherwise (drafts: the next step builds on what they kept)."""
+        assert self.tp is not None and not self.tp.is_driver
+        previous: StepHandle | None = None
+        while True:
+            message = self.tp.receive()
+            kind = message[0]
+            if kind == "stop":
+                return
+            if kind == "clear":
+                self.runner.clear_blocks(message[1])
+                continue
+            if previous is not None and not self.async_scheduling:
+                previous.result()
+            handle = self.runner.launch(message[1])
+            if previous is not None:
+                previous.result()
+            previous = None if handle.done else handle
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel engine: stop the workers it started. Safe to call more
+        than once, and for any engine."""
+        workers, self._workers = self._workers, None
+        if workers is None:
+            return
+        told = False
+        if self.tp is not None and hasattr(self, "runner"):  # the workers are in their loop
+            try:
+                self.tp.send(("stop",))
+                told = True
+            except RuntimeError:  # a worker already gone
+                pass
+        workers.stop(timeout=10.0 if told else 0.0)
+
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         kv = scheduler.kv_cache_manager
@@ -599,8 +716,11 @@ class EngineCore:
         kv_dtype = ""
         if self.kv_cache_dtype != self.dtype:
             kv_dtype = f", KV cache {_dtype_name(self.kv_cache_dtype)}"
+        tp = ""
+        if self.tp is not None:
+            tp = f", tensor parallel over {self.tp.size} ranks (rank 0's share of the KV cache)"
         return (
-            f"device {self.device}, dtype {_dtype_name(self.dtype)}{kv_dtype}, "
+            f"device {self.device}, dtype {_dtype_name(self.dtype)}{kv_dtype}{tp}, "
             f"{plan.num_blocks} KV blocks "
             f"of {plan.block_size} tokens ({len(plan.groups)} layer groups), "
             f"{plan.bytes_per_block} bytes/block, max concurrency "

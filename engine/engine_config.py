@@ -167,6 +167,12 @@ class EngineConfig:
         "default) instead of one space after ':' and ','; small models can loop on whitespace",
     )
     seed: int = option(0, "seed of the sampler for requests without their own")
+    tensor_parallel_size: int = option(
+        1,
+        "split the model over this many ranks (processes; GPUs on CUDA), each holding its share "
+        "of the heads, MLP and vocabulary and of the KV cache; rank 0 starts the others on this "
+        "node, or torchrun starts them across nodes (README)",
+    )
 
     def __post_init__(self) -> None:
         # Every field: its type (None only where the type allows it), then its choices.
@@ -196,6 +202,7 @@ class EngineConfig:
             "num_kv_blocks",
             "swap_space",
             "max_cuda_graph_batch_size",
+            "tensor_parallel_size",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

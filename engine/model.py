@@ -41,6 +41,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.cpu_linear import linear, pack
 from engine.kv_cache import kv_cache_groups
 from engine.model_config import ModelConfig
+from engine.parallel import TPGroup, TPShard
 from engine.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
@@ -48,6 +49,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, 
 # ModelConfig.hidden_act -> the backend op of the gated MLP (and the experts' activation name).
 _ACT_AND_MUL = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 _EXPERT_ACTIVATION = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _reduce(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """A row-parallel matmul's output: each rank holds a partial sum, the all-reduce the total."""
+    return x if tp is None else tp.all_reduce(x)
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -84,10 +90,16 @@ class Attention(nn.Module):
     dispatcher itself): `rotary_and_cache` and `paged_attention` here."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, kv_group: int, ops: ModuleType = kernels
+        self,
+        config: ModelConfig,
+        layer: int,
+        kv_group: int,
+        ops: ModuleType = kernels,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp  # tensor parallel: this rank's heads (config is its slice), o row-parallel
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -147,7 +159,7 @@ class Attention(nn.Module):
             softcap=self.softcap,
             **self.kv_scales,
         )
-        return linear(out.reshape(n, self.q_size), self.o_proj)
+        return _reduce(linear(out.reshape(n, self.q_size), self.o_proj), self.tp)
 
     def _calibrate(self, qkv: torch.Tensor) -> None:
         """Set the K and V scales from this step's largest magnitudes (`kv_scale_from_amax`:
@@ -171,16 +183,19 @@ class MLP(nn.Module):
     """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or GELU-tanh (Gemma's
     GeGLU)."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: ModuleType = kernels, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp  # tensor parallel: this rank's share of the width, down row-parallel
         self.act_and_mul = _ACT_AND_MUL[config.hidden_act]
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_and_mul = getattr(self.ops, self.act_and_mul)
-        return linear(act_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return _reduce(linear(act_and_mul(linear(x, self.gate_up_proj)), self.down_proj), self.tp)
 
 
 class MoE(nn.Module):
@@ -210,16 +225,21 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, kv_group: int, ops: ModuleType = kernels
+        self,
+        config: ModelConfig,
+        layer: int,
+        kv_group: int,
+        ops: ModuleType = kernels,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         h, eps, gemma = config.hidden_size, config.rms_norm_eps, config.is_gemma
         self.input_layernorm = RMSNorm(h, eps, ops, gemma)
-        self.self_attn = Attention(config, layer, kv_group, ops)
+        self.self_attn = Attention(config, layer, kv_group, ops, tp)
         self.post_attention_layernorm = RMSNorm(h, eps, ops, gemma)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, ops, gemma) if gemma else None
         self.post_feedforward_layernorm = RMSNorm(h, eps, ops, gemma) if gemma else None
-        self.mlp = MoE(config, ops) if config.is_moe_layer(layer) else MLP(config, ops)
+        self.mlp = MoE(config, ops) if config.is_moe_layer(layer) else MLP(config, ops, tp)
 
     def forward(
         self,
@@ -250,12 +270,26 @@ class CausalLM(nn.Module):
     only the rows the sampler needs (one per sequence that samples this step) and, for requests
     that asked for prompt logprobs, the rows of the prompt positions they score.
 
-    `attention_ops` is the backend module every layer calls (see the module docstring)."""
+    `attention_ops` is the backend module every layer calls (see the module docstring).
+
+    Tensor parallel (`shard` and `tp`, engine/parallel.py): the layers are this rank's slice
+    (`config` becomes `shard.local_config`), the embedding and lm_head its `shard.vocab_rows`
+    rows of the vocabulary; the other ranks must run the same calls at the same time."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, attention_ops: ModuleType = kernels
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        attention_ops: ModuleType = kernels,
+        shard: TPShard | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        self.vocab_size = config.vocab_size
+        self.shard, self.tp = shard, tp
+        if shard is not None:
+            config = shard.local_config(config)
+        vocab_rows = config.vocab_size if shard is None else shard.vocab_rows
         self.config = config
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling_dict()
@@ -266,19 +300,19 @@ class CausalLM(nn.Module):
             self.local_rotary = RotaryEmbedding(
                 config.head_dim, max_positions, config.local_rope_theta
             )
-        self.embed_tokens = _empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _empty(vocab_rows, config.hidden_size)
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype first.
         self.embed_scale = math.sqrt(config.hidden_size) if config.is_gemma else None
         group_of = {
             layer: g for g, group in enumerate(kv_cache_groups(config)) for layer in group.layers
         }
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, group_of[i], attention_ops)
+            DecoderLayer(config, i, group_of[i], attention_ops, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attention_ops, config.is_gemma)
         self.lm_head = (
-            None if config.tie_word_embeddings else _empty(config.vocab_size, config.hidden_size)
+            None if config.tie_word_embeddings else _empty(vocab_rows, config.hidden_size)
         )
 
     def _rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
@@ -293,7 +327,7 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self._embed(input_ids)
         if self.embed_scale is not None:
             x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
@@ -303,12 +337,26 @@ class CausalLM(nn.Module):
             return self.norm(x)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: ids outside this rank's rows look up zeros; the sum over the ranks
+        # holds each id's one real row.
+        local = input_ids - self.shard.vocab[0]
+        outside = (local < 0) | (local >= self.shard.vocab[1] - self.shard.vocab[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab]. Tensor parallel: every rank scores its vocabulary rows,
+        rank 0 gets the whole and the other ranks None."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = linear(hidden, weight)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2, in the model's dtype as transformers caps
             logits = torch.tanh(logits / cap) * cap
+        if self.tp is not None:
+            return self.tp.gather_logits(logits.float(), self.vocab_size)
         return logits.float()
 
     def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
@@ -345,6 +393,10 @@ class CausalLM(nn.Module):
         targets = self._weight_targets()
         kv_scales = self._kv_scale_targets()
         shapes = self.config.weight_shapes()
+        for name, param in (("model.embed_tokens.weight", self.embed_tokens),
+                            ("lm_head.weight", self.lm_head)):  # fmt: skip
+            if name in shapes:  # a rank's vocabulary rows (the whole, without a shard)
+                shapes[name] = tuple(param.shape)
         filled = dict.fromkeys(shapes, 0)
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:

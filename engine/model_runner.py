@@ -17,6 +17,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.cuda_graph import DecodeGraphs
 from engine.input_batch import Batch, InputBatch
 from engine.model import CausalLM, KVCache
+from engine.parallel import TPGroup
 from engine.sampler import (
     DeviceSample,
     LogprobTensors,
@@ -184,8 +185,13 @@ class ModelRunner:
         ops: ModuleType = kernels,
         windows: tuple[int | None, ...] = (None,),
         num_host_blocks: int = 0,
+        tp: TPGroup | None = None,
     ) -> None:
         self.model = model
+        # Tensor parallel: every rank runs the same steps; rank 0 (the driver) samples and
+        # broadcasts the ids, which the other ranks record as their inputs.
+        self.tp = tp
+        self.samples = tp is None or tp.is_driver
         self.kv_caches = kv_caches
         self.ops = ops  # the kernels' backend (kernels.reference or kernels.triton_ops)
         # Each tensor once: the layers of different KV-cache groups share theirs.
@@ -245,7 +251,7 @@ class ModelRunner:
         sampling_rows = self._sampling_rows(batch)
         plan = (
             self.sampler.plan(sampling_rows, self.device, self._allowed_tokens(batch, out))
-            if sampling_rows
+            if sampling_rows and self.samples
             else None
         )
         prompt_targets = batch.prompt_logprob_targets
@@ -269,17 +275,33 @@ class ModelRunner:
         prompt_logprobs = None
         if prompt_target_ids is not None:
             logits = self.model.compute_logits(hidden[inputs.prompt_logprob_indices])
-            prompt_logprobs = LogprobTensors.compute(logits, prompt_target_ids, prompt_ks)
+            if self.samples:
+                prompt_logprobs = LogprobTensors.compute(logits, prompt_target_ids, prompt_ks)
         sample = None
         if sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            sample = self.sampler.sample(logits, plan)
+            if self.samples:
+                sample = self.sampler.sample(logits, plan)
+            if self.tp is not None:
+                sample = self._share_sample(sample, len(sampling_rows))
         handle = StepHandle(
             self, batch, _DeviceResult(sample, prompt_logprobs), drafts=out.spec_token_ids
         )
         if sampling_rows:
             self._last = handle
         return handle
+
+    def _share_sample(self, sample: DeviceSample | None, num_rows: int) -> DeviceSample:
+        """Tensor parallel: rank 0's sampled ids reach every rank (on the device, so the next
+        step's placeholders fill from them as rank 0's do); the other ranks' samples carry no
+        logprobs and are finite (rank 0 fails a non-finite row and has its blocks cleared)."""
+        if sample is not None:
+            self.tp.broadcast(sample.token_ids)
+            return sample
+        ids = torch.empty(num_rows, dtype=torch.long, device=self.device)
+        self.tp.broadcast(ids)
+        finite = torch.ones(num_rows, dtype=torch.bool, device=self.device)
+        return DeviceSample(ids, finite, [], None)
 
     def _finish(self, batch: Batch, host: _DeviceResult, handle: StepHandle) -> RunnerOutput:
         """A step's results on the host: record the sampled ids in the batch, key by request."""
