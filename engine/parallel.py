@@ -151,12 +151,8 @@ def plan_shards(config: ModelConfig, size: int) -> list[TPShard]:
         else:  # replicate: the ranks sharing a KV head split its query heads
             head = rank * nkv // size
             sharing = [r for r in range(size) if r * nkv // size == head]
-            if len(sharing) > group:
-                raise ValueError(
-                    f"--tensor-parallel-size {size} puts {len(sharing)} ranks on a KV head with "
-                    f"{group} query heads ({nh} heads, {nkv} KV heads): use a size that divides "
-                    f"{nh} into groups of whole query heads per KV head, e.g. {nkv}"
-                )
+            # At most ceil(size / nkv) <= group ranks share a head, since size <= nh.
+            assert len(sharing) <= group, (size, nh, nkv)
             start, end = _split(group, len(sharing), sharing.index(rank))
             kv = (head, head + 1)
             q = (head * group + start, head * group + end)

@@ -142,6 +142,12 @@ def run_worker(config: EngineConfig, endpoint: TPEndpoint) -> None:
     from engine.core import EngineCore  # torch and the model: only once the process is set up
 
     EngineCore(config, endpoint).serve_as_worker()
+    # Skip the interpreter's teardown: destroying the process groups while other ranks are still
+    # connected aborts (std::terminate in gloo's threads), and there is nothing left to save.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:
