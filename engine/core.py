@@ -71,12 +71,14 @@ class EngineCore:
         self.shard = None
         self.kv_config = mc  # the KV heads this rank holds: all of them without a shard
         size = config.tensor_parallel_size
-        if size > 1:
+        # An endpoint of one rank takes the distributed path alone (its cost, measured).
+        distributed = size > 1 or endpoint is not None
+        if distributed:
             self.shard = plan_shards(mc, size)[0 if endpoint is None else endpoint.rank]
             self.kv_config = self.shard.local_config(mc)
         self.device = config.torch_device()
         try:
-            if size > 1:
+            if distributed:
                 self.tp = self._join_ranks(endpoint)
             self._build(config, mc)
         except BaseException:

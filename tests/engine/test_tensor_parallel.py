@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core import EngineCore
+from engine.engine_config import EngineConfig
+from engine.messages import CoreRequest
 from engine.model_config import ModelConfig
-from engine.parallel import TPShard, plan_shards
+from engine.parallel import TPEndpoint, TPShard, free_port, plan_shards
 from tests.families import COMMON, build_family
 from tests.helpers import tiny_config
 
@@ -275,3 +278,27 @@ def test_smollm2_on_two_ranks_splits_its_3_kv_heads_unevenly_and_equals_one_rank
     assert _tokens(got) == _tokens(want)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     llm.engine.close()
+
+
+def _core_tokens(core, prompts, params) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        core.add_samples([CoreRequest(f"r{i}", prompt, params, 0.0)])
+    tokens: dict[str, list[int]] = {}
+    while core.has_work():
+        for out in core.step_samples():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_one_rank_through_the_distributed_path_equals_the_plain_engine(tiny_llama_dir):
+    """What the H200 check measures at one rank (bench/gpu_engine.sh ONLY=tp): the same engine
+    with its collectives, the logits' gather and the ids' broadcast over a group of one."""
+    config = EngineConfig(
+        str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(512)
+    want = _core_tokens(EngineCore(config), prompts, params)
+    core = EngineCore(config, TPEndpoint(0, 1, "127.0.0.1", free_port(), 0))
+    assert core.tp is not None and core.tp.size == 1
+    assert _core_tokens(core, prompts, params) == want

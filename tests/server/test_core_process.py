@@ -52,15 +52,15 @@ class Server:
 
 
 @contextmanager
-def _server(tmp_path) -> Iterator[Server]:
-    """`pagedserve serve` in a session of its own (so a test can signal its process group as a
-    terminal's Ctrl-C does); killed at the end whatever the test did."""
+def _server(tmp_path, *extra: str) -> Iterator[Server]:
+    """`pagedserve serve` (with flags `extra`) in a session of its own (so a test can signal its
+    process group as a terminal's Ctrl-C does); killed at the end whatever the test did."""
     port = free_port()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [PAGEDSERVE, "serve", "--port", str(port), "--no-access-log", *SMOLLM2_ARGS,
-             "--kv-cache-memory", "0.5", "--core-process"],
+             "--kv-cache-memory", "0.5", "--core-process", *extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )  # fmt: skip
