@@ -68,6 +68,7 @@ class EngineCore:
         self.max_model_len = config.model_len(mc.max_position_embeddings)
         self.tp: TPGroup | None = None
         self._workers = None  # rank 0 on one node: the worker processes it started
+        self._stop_ranks = False  # whether close() has other ranks to tell
         self.shard = None
         self.kv_config = mc  # the KV heads this rank holds: all of them without a shard
         size = config.tensor_parallel_size
@@ -84,6 +85,7 @@ class EngineCore:
         except BaseException:
             self.close()
             raise
+        self._stop_ranks = self.tp is not None  # the other ranks are in their loop now
 
     def _join_ranks(self, endpoint: TPEndpoint | None) -> TPGroup:
         """Find the other ranks (starting them when this is rank 0 on its own), set this rank's
@@ -663,19 +665,19 @@ class EngineCore:
             previous = None if handle.done else handle
 
     def close(self) -> None:
-        """Rank 0 of a tensor-parallel engine: stop the workers it started. Safe to call more
-        than once, and for any engine."""
-        workers, self._workers = self._workers, None
-        if workers is None:
-            return
+        """Rank 0 of a tensor-parallel engine: tell the other ranks to stop, and wait for those
+        it started. Safe to call more than once, and for any engine."""
         told = False
-        if self.tp is not None and hasattr(self, "runner"):  # the workers are in their loop
+        tp, self._stop_ranks = (self.tp if self._stop_ranks else None), False
+        if tp is not None and tp.is_driver:
             try:
-                self.tp.send(("stop",))
+                tp.send(("stop",))
                 told = True
-            except RuntimeError:  # a worker already gone
+            except RuntimeError:  # a rank already gone
                 pass
-        workers.stop(timeout=10.0 if told else 0.0)
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.stop(timeout=10.0 if told else 0.0)
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

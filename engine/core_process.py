@@ -66,24 +66,40 @@ _PARENT_CHECK_MS = 1000  # how often an idle core checks that its parent is aliv
 _PR_SET_PDEATHSIG = 1
 
 
+def front_end_inputs(config: EngineConfig) -> InputProcessor:
+    """The API server's InputProcessor for `config`: the tokenizer and the limits, from the
+    model's config (not its weights)."""
+    source = resolve_model(config.model)
+    model_config = source.config
+    return InputProcessor(
+        load_tokenizer(source, config.tokenizer),
+        config.model_len(model_config.max_position_embeddings),
+        model_config.vocab_size,
+    )
+
+
 class ProcessEngine(EngineClient):
     """The server's engine when the core runs in a child process: tokenizer, input checks and
     output processing here, the model there."""
 
-    def __init__(self, config: EngineConfig, max_queue_len: int | None = None) -> None:
-        source = resolve_model(config.model)  # reads the config, not the weights
-        tokenizer = load_tokenizer(source, config.tokenizer)
-        model_config = source.config
-        inputs = InputProcessor(
-            tokenizer,
-            config.model_len(model_config.max_position_embeddings),
-            model_config.vocab_size,
-        )
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_queue_len: int | None = None,
+        inputs: InputProcessor | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """`inputs`: the InputProcessor (tokenizer) to use, when the caller already has one for
+        this config (several cores behind one server share it: engine/data_parallel.py).
+        `num_threads`: torch's intra-op threads in the core process (None: torch's default)."""
+        if inputs is None:
+            inputs = front_end_inputs(config)
         super().__init__(inputs, max_queue_len)
         self.config = config
+        self.num_threads = num_threads
         self.description = ""  # the core's device, dtype and KV cache, once started
         self.on_dead: Callable[[], None] | None = None  # called on the receiver thread
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(inputs.tokenizer)
         # Guards the output processor, the streams and the input socket, which the event loop
         # (add, abort) and the receiver thread (outputs, stop strings) both use.
         self._state_lock = threading.Lock()
@@ -103,9 +119,19 @@ class ProcessEngine(EngineClient):
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
+    @property
+    def core_pids(self) -> list[int | None]:
+        return [self.pid]
+
     def start(self) -> None:
         """Start the core process and wait until its model is loaded. Raises ValueError when the
         core refuses the config, RuntimeError when it dies while starting."""
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Start the core process without waiting for it (`wait_started` does): several cores
+        load their models at the same time."""
         if self._process is not None:
             raise RuntimeError("ProcessEngine was already started")
         self._folder = tempfile.mkdtemp(prefix="pagedserve-")
@@ -120,17 +146,23 @@ class ProcessEngine(EngineClient):
         # spawn, not fork: the parent may hold threads and an initialised torch.
         self._process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(self.config, input_address, output_address, level),
+            args=(self.config, input_address, output_address, level, self.num_threads),
             name="pagedserve-core",
             daemon=True,  # multiprocessing ends it if this process exits without shutdown()
         )
         try:
             self._process.start()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def wait_started(self) -> None:
+        """Wait for the launched core's CoreReady; then requests are accepted. Raises as
+        `start` does (the core is stopped first)."""
+        try:
             ready = self._wait_ready()
         except BaseException:  # includes Ctrl-C while the model loads
-            if self._process.pid is not None:  # it started
-                self._stop_process(timeout=5.0)
-            self._close()
+            self.abandon()
             raise
         if ready.max_model_len != self.max_model_len:
             raise AssertionError(
@@ -144,6 +176,20 @@ class ProcessEngine(EngineClient):
             target=self._receive, name="pagedserve-core-outputs", daemon=True
         )
         self._receiver.start()
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Stop a launched core that is not ready (yet): wait up to `timeout` seconds for it to
+        exit by itself, then terminate it; close the sockets."""
+        if self._process is not None and self._process.pid is not None:  # it started
+            self._stop_process(timeout)
+        self._close()
+
+    def terminate(self) -> None:
+        """SIGTERM the core process, from any thread: a `wait_started` in progress then raises
+        and cleans up. (Stopping a running core is `shutdown`'s job.)"""
+        process = self._process
+        if process is not None and process.pid is not None and process.is_alive():
+            process.terminate()
 
     def _wait_ready(self) -> CoreReady:
         decoder = msgspec.msgpack.Decoder(CoreMessage)
@@ -188,12 +234,13 @@ class ProcessEngine(EngineClient):
             process.kill()
             process.join()
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # (more than once is fine)
         for socket in (self._input, self._output):
             if socket is not None:
                 socket.close(linger=0)
         if self._context is not None:
             self._context.term()
+            self._context = None
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
 
@@ -243,6 +290,19 @@ class ProcessEngine(EngineClient):
                 if output is not None:
                     _post(stream.loop, stream.queue.put_nowait, output)
 
+    def fail_requests(self, error: BaseException) -> None:
+        """End every open request with `error` and abort it in the core, which goes on running
+        (a sibling core died: engine/data_parallel.py)."""
+        with self._state_lock:
+            sample_ids = [
+                sample_id
+                for request_id in list(self._streams)
+                for sample_id in self.output_processor.abort(request_id)[1]
+            ]
+            if sample_ids and self.is_running and not self._stopping:
+                self._input.send(self._encoder.encode(AbortSamples(sample_ids)))
+            self._fail_all(error)
+
     # ---- receiver thread -------------------------------------------------------------------------
 
     def _receive(self) -> None:
@@ -282,18 +342,27 @@ class ProcessEngine(EngineClient):
 
 
 def run_engine_core(
-    config: EngineConfig, input_address: str, output_address: str, log_level: int
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    log_level: int,
+    num_threads: int | None = None,
 ) -> None:
     """The engine core process: load the model, say CoreReady, then loop (take inputs, step,
-    send outputs) until Shutdown, SIGTERM or the parent's death."""
+    send outputs) until Shutdown, SIGTERM or the parent's death. `num_threads`: torch's
+    intra-op threads, set before the model is built (None: torch's default, every CPU)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_now)
     parent = _die_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
     from engine.core import EngineCore  # torch and the model code: only in this process
     from engine.cpu_allocator import keep_large_allocations_in_heap
 
     keep_large_allocations_in_heap()  # the process's own entry point sets it (why: there)
+    if num_threads is not None:  # this process's share of the CPUs (engine/data_parallel.py)
+        torch.set_num_threads(num_threads)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -309,7 +378,10 @@ def run_engine_core(
             outputs.send(encoder.encode(CoreFailed(str(e), isinstance(e, ValueError))))
             return
         outputs.send(encoder.encode(CoreReady(core.max_model_len, core.describe(), core.stats())))
-        _serve(core, inputs, outputs, encoder, parent)
+        try:
+            _serve(core, inputs, outputs, encoder, parent)
+        finally:
+            core.close()  # tensor parallel: the workers stop with it
     finally:
         inputs.close(linger=0)
         outputs.close(linger=1000)  # let the last message out
