@@ -150,11 +150,13 @@ def kv_plan_report(
     num_seqs: int,
     max_model_len: int,
     block_size: int,
+    tensor_parallel_size: int = 1,
 ) -> str:
     """What `pagedserve kv-plan` prints: the bytes one token takes, worked out step by step, and
     the memory and blocks that num_seqs sequences of max_model_len tokens need; for a model with
     sliding-window layers, also what they hold with their windows (decode steps: a window plus
-    one token), layer by layer and as the engine's groups allocate it."""
+    one token), layer by layer and as the engine's groups allocate it; with tensor parallelism,
+    each rank's share (its KV heads)."""
     L, H, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     s = dtype.itemsize
     per_token = config.kv_bytes_per_token(s)
@@ -197,7 +199,29 @@ def kv_plan_report(
             f"layers [{kinds}], {group_blocks} blocks per sequence, {B * group_blocks} in all: "
             f"{engine_bytes} bytes ({engine_bytes / GiB:.3f} GiB)"
         )
+    if tensor_parallel_size > 1:
+        lines += _tensor_parallel_lines(config, tensor_parallel_size, B * T, s)
     return "\n".join(lines)
+
+
+def _tensor_parallel_lines(
+    config: ModelConfig, size: int, num_tokens: int, dtype_bytes: int
+) -> list[str]:
+    """Each rank's KV heads and bytes for `num_tokens` tokens; every rank's pool has as many
+    blocks as the one with the most heads has room for."""
+    from engine.parallel import describe_shards, plan_shards  # torch.distributed: only here
+
+    shards = plan_shards(config, size)
+    lines = [describe_shards(config, shards)]
+    for shard in shards:
+        per_token = shard.local_config(config).kv_bytes_per_token(dtype_bytes)
+        total = num_tokens * per_token
+        lines.append(
+            f"rank {shard.rank}: KV heads {shard.kv_heads[0]}..{shard.kv_heads[1] - 1} "
+            f"({shard.num_kv_heads}): {per_token} bytes per token, {total} bytes "
+            f"({total / GiB:.3f} GiB) for the workload"
+        )
+    return lines
 
 
 def allocate_kv_caches(

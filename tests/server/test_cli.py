@@ -53,6 +53,23 @@ def test_kv_plan_with_an_fp8_cache_halves_bf16s_bytes(capsys):
     assert "dtype float8_e5m2 (1 bytes)" in capsys.readouterr().out
 
 
+def test_kv_plan_splits_the_kv_heads_over_tensor_parallel_ranks(capsys):
+    args = ["kv-plan", "--model", "smollm2-135m-instruct", "--max-model-len", "8192",
+            "--num-seqs", "64", "--dtype", "bfloat16", "--tensor-parallel-size"]  # fmt: skip
+    assert main([*args, "2"]) == 0
+    out = capsys.readouterr().out
+    # 3 KV heads: 2 + 1; rank 0's share is 2/3 of the 12079595520 bytes of the whole.
+    assert "query/KV heads per rank 6/2, 3/1 (3 KV heads do not divide by 2: uneven split)" in out
+    assert "rank 0: KV heads 0..1 (2): 15360 bytes per token, 8053063680 bytes (7.500 GiB)" in out
+    assert "rank 1: KV heads 2..2 (1): 7680 bytes per token, 4026531840 bytes (3.750 GiB)" in out
+    assert main([*args, "4"]) == 0  # fewer KV heads than ranks: one each, replicated
+    out = capsys.readouterr().out
+    assert "per rank 2/1, 1/1, 3/1, 3/1 (3 KV heads replicated over 4 ranks)" in out
+    assert "rank 1: KV heads 0..0 (1): 7680 bytes per token" in out
+    assert main([*args, "10"]) == 2
+    assert "exceeds the model's 9 attention heads" in capsys.readouterr().err
+
+
 def test_kv_plan_for_a_builtin_shape():
     res = _run(
         "kv-plan",
