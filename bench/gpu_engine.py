@@ -54,11 +54,11 @@ from scheduler.utils import cdiv
 REPO = Path(__file__).resolve().parents[1]
 STEPS = (
     "env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "structured",
-    "kvcap", "summary",
+    "kvcap", "tp", "summary",
 )  # fmt: skip
 # Steps the default run of bench/gpu_engine.sh leaves out (its limits fill one device command):
 # `ONLY=moe bash bench/gpu_engine.sh` runs them; the summary lists them when they have records.
-OPTIONAL_STEPS = ("moe", "structured", "kvcap")
+OPTIONAL_STEPS = ("moe", "structured", "kvcap", "tp")
 
 # H200: ~4.3 TB/s measured copy bandwidth (GPU.md); the roofline of a decode step is the bytes it
 # must read (weights and the KV cache) at this rate.
@@ -1199,6 +1199,102 @@ def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
         )
 
 
+def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
+    """Tensor parallelism on the device (issue 19). With one GPU: the tiny Llama's fp32 greedy
+    tokens through the distributed path at one rank (its all-reduces, the logits' gather and the
+    ids' broadcast over an NCCL group of one, captured in the CUDA graphs) equal the plain
+    engine's, graphs and eager; then the 1B shape's offline throughput both ways in the same run
+    (target: the distributed path < 3% slower). Two ranks when there are two devices (on CPU,
+    the --smoke run, always): the tiny Llama's greedy tokens equal one rank's."""
+    from engine import LLM, SamplingParams
+    from engine.engine_config import EngineConfig
+    from engine.parallel import TPEndpoint, free_port
+
+    def build(distributed: bool, model: str, **kwargs) -> LLM:
+        config = EngineConfig(model, device=sizes.device, load_format="dummy", **kwargs)
+        endpoint = TPEndpoint(0, 1, "127.0.0.1", free_port(), 0) if distributed else None
+        return LLM.from_config(config, endpoint)
+
+    tiny = write_tiny_model(args.scratch / "tiny-llama")
+    vocab = TINY_LLAMA["vocab_size"]
+    prompts = [random_ids(1, n, vocab, i)[0] for i, n in enumerate(sizes.correctness_prompt_lens)]
+    params = SamplingParams(temperature=0, max_tokens=sizes.correctness_tokens, ignore_eos=True)
+    lengths = [len(p) + sizes.correctness_tokens for p in prompts]
+    max_model_len = cdiv(max(lengths), 16) * 16
+    tiny_args = dict(
+        dtype="float32", max_num_seqs=len(prompts), max_model_len=max_model_len,
+        num_kv_blocks=kv_blocks_for(lengths, max_model_len),
+    )  # fmt: skip
+
+    def tokens_of(llm: LLM) -> list[list[int]]:
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        llm.engine.close()
+        return tokens
+
+    with rec.part(model="tiny", check="fp32_tp1_greedy"):
+        expected = tokens_of(build(False, tiny, **tiny_args))
+        free_memory()
+        for eager in (False, True):
+            got = tokens_of(build(True, tiny, enforce_eager=eager, **tiny_args))
+            free_memory()
+            rec.write(
+                {
+                    "model": "tiny",
+                    "check": "fp32_tp1_greedy",
+                    "engine": "eager" if eager else "default",
+                    **compare_tokens(expected, got),
+                }
+            )
+    with rec.part(model="tiny", check="fp32_tp2_greedy"):
+        import torch
+
+        record = {"model": "tiny", "check": "fp32_tp2_greedy", "engine": "default"}
+        if sizes.device == "cuda" and torch.cuda.device_count() < 2:
+            rec.write({**record, "skipped": "one device: two ranks need two"})
+        else:
+            got = tokens_of(build(False, tiny, tensor_parallel_size=2, **tiny_args))
+            free_memory()
+            rec.write({**record, **compare_tokens(expected, got)})
+
+    model = model_path(args.model, args.scratch)
+    num, input_len = sizes.offline_prompts, sizes.offline_input_len
+    max_tokens = sizes.offline_output_len
+    model_len = cdiv(input_len + max_tokens, 256) * 256
+    throughput = {}
+    for path in ("plain", "distributed"):
+        with rec.part(model=args.model, kind="throughput", path=path), reuse_dummy_weights():
+            llm = build(
+                path == "distributed", model, dtype=sizes.dtype, max_num_seqs=num,
+                max_model_len=model_len,
+                num_kv_blocks=kv_blocks_for([input_len + max_tokens] * num, model_len),
+            )  # fmt: skip
+            ids = random_ids(num, input_len, llm.engine.model_config.vocab_size, 11)
+            run_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            llm.generate(ids[:8], run_params.clone(max_tokens=4))  # compiles out of the timing
+            sync(sizes.device)
+            start = time.perf_counter()
+            llm.generate(ids, run_params)
+            sync(sizes.device)
+            throughput[path] = num * max_tokens / (time.perf_counter() - start)
+            llm.engine.close()
+            del llm
+            free_memory()
+    if len(throughput) == 2:
+        rec.write(
+            {
+                "model": args.model,
+                "kind": "throughput",
+                "dtype": sizes.dtype,
+                "num_prompts": num,
+                "input_len": input_len,
+                "output_len": max_tokens,
+                "plain_tok_s": round(throughput["plain"], 1),
+                "tp1_tok_s": round(throughput["distributed"], 1),
+                "ratio": round(throughput["distributed"] / throughput["plain"], 3),
+            }
+        )
+
+
 def step_structured(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """Structured outputs on the device (xgrammar's Triton mask kernel, matchers on the host):
     the tiny Llama's fp32 constrained greedy tokens, one constraint of each kind, equal the CPU
@@ -1812,6 +1908,18 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
             f"{r['model']} {r['dtype']} cache {r['bf16_tok_s']} tok/s, fp8 cache "
             f"{r['fp8_tok_s']} tok/s ({r['ratio']}x)"
         )
+    if step == "tp":
+        if r.get("skipped"):
+            return f"tiny {r['check']} skipped: {r['skipped']}"
+        if r.get("check"):
+            return (
+                f"tiny {r['check']} {r['engine']} equal={r['equal']} prompts "
+                f"{r['num_equal_prompts']}/{r['num_prompts']}"
+            )
+        return (
+            f"{r['model']} {r['dtype']} plain {r['plain_tok_s']} tok/s, one rank through the "
+            f"distributed path {r['tp1_tok_s']} tok/s ({r['ratio']}x; target >= 0.97)"
+        )
     if step == "structured":
         if r.get("check"):
             return (
@@ -1935,6 +2043,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe": step_moe,
         "structured": step_structured,
         "kvcap": step_kvcap,
+        "tp": step_tp,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

@@ -61,6 +61,16 @@
 #                                cache calibrated after capture: agreement with fp32; then the
 #                                1B shape bf16, 256 x 512 in, fp8 cache against bf16 cache.
 #
+# and tensor parallelism (issue 19) through its distributed path:
+#
+#     run(command="ONLY=tp bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=150)
+#
+#   tp           120 s / ~60 s   tiny Llama fp32 greedy through the distributed path at one rank
+#                                (NCCL group of one, collectives in the CUDA graphs) = the plain
+#                                engine's, graphs and eager; two ranks when two GPUs are there;
+#                                then the 1B shape bf16, 256 x 512 in, both paths' throughput
+#                                (target: the distributed path < 3% slower).
+#
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
 # summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
@@ -117,6 +127,7 @@ if [ -n "${ONLY:-}" ]; then
     step moe 120 moe
     step structured 120 structured
     step kvcap 120 kvcap
+    step tp 120 tp
 fi
 "$PY" -m bench.gpu_engine summary --out "$OUT"
 exit $failed

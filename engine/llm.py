@@ -12,6 +12,7 @@ from engine.beam_search import BeamSearchParams, beam_score
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from engine.parallel import TPEndpoint
 from engine.tokenizer import apply_chat_template
 from scheduler import SamplingParams
 
@@ -30,14 +31,15 @@ class LLM:
         self._start(EngineConfig(model=model, **kwargs))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
-        """An LLM whose engine runs `config` (an EngineConfig, or a subclass of it)."""
+    def from_config(cls, config: EngineConfig, endpoint: TPEndpoint | None = None) -> LLM:
+        """An LLM whose engine runs `config` (an EngineConfig, or a subclass of it); `endpoint`:
+        rank 0 of a tensor-parallel group found there (EngineCore)."""
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(config, endpoint)
         return llm
 
-    def _start(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def _start(self, config: EngineConfig, endpoint: TPEndpoint | None = None) -> None:
+        self.engine = LLMEngine(config, endpoint)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -16,14 +16,15 @@ from engine.engine_config import EngineConfig
 from engine.inputs import InputProcessor, Prompt
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.parallel import TPEndpoint
 from scheduler import SamplingParams
 
 
 class LLMEngine(EngineCore):
     """The synchronous engine: an EngineCore plus input checks and output processing."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, endpoint: TPEndpoint | None = None) -> None:
+        super().__init__(config, endpoint)
         self.inputs = InputProcessor(
             self.tokenizer, self.max_model_len, self.model_config.vocab_size
         )

@@ -455,3 +455,22 @@ def test_the_kvcap_step_runs_alone_and_checks_swap_and_fp8(tmp_path):
     assert throughput["bf16_tok_s"] > 0 and throughput["fp8_tok_s"] > 0
     summary = (tmp_path / "summary.txt").read_text()
     assert "kvcap: tiny fp32_swap_greedy eager equal=True prompts 8/8" in summary
+
+
+def test_the_tp_step_runs_alone_and_checks_the_distributed_path(tmp_path):
+    done = _run_script(tmp_path, ONLY="tp")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("tp: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "tp")
+    _no_errors(records)
+    checks = [(r["check"], r["engine"], r["equal"]) for r in records if r.get("check")]
+    # On CPU two ranks run too (gloo): the H200 has one GPU and records that check as skipped.
+    assert checks == [
+        ("fp32_tp1_greedy", "default", True),
+        ("fp32_tp1_greedy", "eager", True),
+        ("fp32_tp2_greedy", "default", True),
+    ]
+    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
+    assert throughput["plain_tok_s"] > 0 and throughput["tp1_tok_s"] > 0
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "tp: tiny fp32_tp2_greedy default equal=True prompts 8/8" in summary
