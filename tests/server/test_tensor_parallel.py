@@ -8,12 +8,18 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
+import pytest
 
+from server.launch import free_port
 from tests.helpers import child_pids
+from tests.server.conftest import SMOLLM2_ARGS
 from tests.server.test_core_process import _server, _Stream, _wait_gone
+from tests.server.util import PAGEDSERVE
 
 COMPLETION = {
     "model": "smollm2-135m-instruct",
@@ -53,3 +59,46 @@ def test_two_ranks_answer_as_one_and_a_dead_rank_stops_the_server(tmp_path, serv
         assert events[-1]["error"]["code"] == "engine_dead"
         assert "the engine core process exited with code 1" in events[-1]["error"]["message"]
         assert _wait_gone(processes) == []
+
+
+@pytest.mark.slow  # two torchrun agents, two model loads and a server (~30 s): make test-slow
+def test_torchrun_starts_the_ranks_as_two_nodes_and_rank_0_serves(tmp_path, server):
+    """Two nodes on one machine: each torchrun agent starts one rank of `pagedserve serve`;
+    rank 0 serves HTTP (its engine core joins torchrun's store), rank 1 runs its steps."""
+    master, port = free_port(), free_port()
+    logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
+    agents = []
+    for rank, log_path in enumerate(logs):
+        with open(log_path, "w") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                 "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr",
+                 "127.0.0.1", "--master-port", str(master), "--no-python", PAGEDSERVE, "serve",
+                 "--port", str(port), "--no-access-log", *SMOLLM2_ARGS, "--kv-cache-memory",
+                 "0.5", "--tensor-parallel-size", "2"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            ))  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert all(a.poll() is None for a in agents), logs[0].read_text() + logs[1].read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        want = httpx.post(f"{server.v1}/completions", json=COMPLETION, timeout=60).json()
+        got = httpx.post(f"{base}/v1/completions", json=COMPLETION, timeout=60).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert "query/KV heads per rank 6/2, 3/1" in logs[0].read_text()
+        agents[0].send_signal(signal.SIGTERM)  # as a scheduler stops a job: rank 0's node first
+        assert agents[0].wait(30) == 1  # torchrun reports the signal
+        assert agents[1].wait(30) == 0  # rank 0 told rank 1 to stop: a clean exit
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
