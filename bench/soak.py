@@ -514,10 +514,13 @@ def parse_metrics(text: str) -> ServerSnapshot:
     memory: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == RESIDENT_MEMORY:
-                memory[sample.labels.get("process", "")] = int(sample.value)
+            if sample.name == RESIDENT_MEMORY:  # one per process; "core1": engine core 1's
+                process = sample.labels.get("process", "") + sample.labels.get("engine", "")
+                memory[process] = int(sample.value)
             elif not sample.labels:
                 values[sample.name] = sample.value
+            elif set(sample.labels) == {"engine"}:  # one per engine core: the server's is the sum
+                values[sample.name] = values.get(sample.name, 0) + sample.value
     missing = [n for n in ENGINE_GAUGES if n not in values]
     if missing:
         raise ValueError(f"/metrics lacks {', '.join(missing)}; is this a pagedserve server?")

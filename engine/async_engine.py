@@ -146,6 +146,23 @@ class EngineClient(ABC):
         with self._lock:
             return len(self._ids_in_use)
 
+    @property
+    def num_cores(self) -> int:
+        """Engine cores behind this client, each with its own scheduler and KV cache (more than
+        one: engine/data_parallel.py)."""
+        return 1
+
+    @property
+    def core_stats(self) -> list[EngineStats]:
+        """Each core's stats, by index (`stats` is their sum)."""
+        return [self.stats]
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        """The ids of the cores' own processes, by index (None: not running); empty when the
+        core runs in this process."""
+        return []
+
     def start_draining(self) -> None:
         """Refuse new requests (DrainingError) from now on; those accepted go on."""
         self.draining = True
@@ -230,9 +247,11 @@ class EngineClient(ABC):
 
     # ---- the live block map ----------------------------------------------------------------------
 
-    async def kv_map(self, timeout: float = 10.0) -> bytes:
-        """The core's live block map as JSON (`EngineCore.kv_map`), taken between two steps.
-        Raises EngineDeadError when the engine has stopped, TimeoutError when no answer comes."""
+    async def kv_map(self, timeout: float = 10.0, engine: int = 0) -> bytes:
+        """Core `engine`'s live block map as JSON (`EngineCore.kv_map`), taken between two
+        steps. Raises ValueError for an index outside [0, num_cores), EngineDeadError when the
+        engine has stopped, TimeoutError when no answer comes."""
+        check_core_index(engine, self.num_cores)
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
         loop = asyncio.get_running_loop()
@@ -290,6 +309,15 @@ class EngineClient(ABC):
 
     def _dead_message(self) -> str:
         return f"the engine has stopped ({self._error!r}); restart the server"
+
+
+def check_core_index(engine: int, num_cores: int) -> None:
+    """ValueError unless `engine` names one of `num_cores` cores."""
+    if not 0 <= engine < num_cores:
+        raise ValueError(
+            f"engine {engine} does not exist: this server has {num_cores} engine "
+            f"core{'s' if num_cores > 1 else ''} (0 to {num_cores - 1})"
+        )
 
 
 _STOP = object()

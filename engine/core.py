@@ -109,8 +109,8 @@ class EngineCore:
 
             self._workers = start_workers(config, endpoint)
             self._workers.watch()
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", endpoint.local_rank)
+        if self.device.type == "cuda":  # the ranks count from the configured GPU
+            self.device = torch.device("cuda", (self.device.index or 0) + endpoint.local_rank)
             torch.cuda.set_device(self.device)
         elif endpoint.num_threads is not None:
             torch.set_num_threads(endpoint.num_threads)

@@ -1,7 +1,8 @@
 """`pagedserve serve`: build the engine (weights, KV cache), then serve it over HTTP.
 
-With the engine core in its own process (`--core-process`, the default on CUDA;
-engine/core_process.py), the main thread supervises it and uvicorn runs on a second thread;
+With the engine core in its own process (`--core-process`, the default;
+engine/core_process.py), or several cores each in one (`--data-parallel-size M`;
+engine/data_parallel.py), the main thread supervises them and uvicorn runs on a second thread;
 in-process, the engine loop runs on the main thread instead (why: engine/async_engine.py).
 Ctrl-C or SIGTERM drains (`_Drain`): new requests are refused while those in flight finish,
 within --shutdown-timeout; then the engine stops, then uvicorn.
@@ -19,6 +20,7 @@ import uvicorn
 
 from engine.async_engine import AsyncEngine, EngineClient
 from engine.core_process import ProcessEngine
+from engine.data_parallel import DataParallelEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from server.app import build_app
@@ -72,17 +74,32 @@ def run_server(
     access_log: bool = True,
     core_process: bool | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    data_parallel_size: int = 1,
 ) -> None:
     """Load the model and serve until interrupted (Ctrl-C / SIGTERM: see _Drain).
     `core_process`: run the engine core in a process of its own (None: the default for the
-    device, DEFAULT_CORE_PROCESS)."""
+    device, DEFAULT_CORE_PROCESS). `data_parallel_size`: engine cores, each a process of its own
+    with its own KV cache (engine/data_parallel.py); more than one needs `core_process`."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
+    if data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if data_parallel_size > 1:
+        if core_process is False:
+            raise ValueError(
+                f"--data-parallel-size {data_parallel_size} runs each engine core in a process "
+                "of its own: drop --no-core-process"
+            )
+        core_process = True
     if core_process is None:
         core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
     names = served_model_names or [config.model]
-    if core_process:
-        client: EngineClient = ProcessEngine(config, max_queue_len=max_queue_len)
+    if data_parallel_size > 1:
+        client: EngineClient = DataParallelEngine(config, data_parallel_size, max_queue_len)
+        client.start()  # loads the model in every core process at once
+        description = client.description
+    elif core_process:
+        client = ProcessEngine(config, max_queue_len=max_queue_len)
         client.start()  # loads the model in the core process; logs its plan there
         description = client.description
     else:
@@ -103,12 +120,12 @@ def run_server(
             allowed_origins=allowed_origins,
         )
         logger.info(
-            "serving %s on http://%s:%d/v1 (%s, engine core %s%s)",
+            "serving %s on http://%s:%d/v1 (%s, %s%s)",
             names[0],
             host,
             port,
             description,
-            f"in process {client.pid}" if core_process else "in this process",
+            _where(client) if core_process else "engine core in this process",
             ", API key required" if api_key else "",
         )
         config = uvicorn.Config(
@@ -164,8 +181,17 @@ def run_server(
         raise SystemExit(1)
 
 
-def _wait_for_core(client: ProcessEngine) -> None:
-    """Return when the core process dies (after DEAD_CORE_GRACE_S) or uvicorn stops;
+def _where(client: EngineClient) -> str:
+    """Where the engine runs, for the startup line: "engine core in process 123", "2 engine
+    cores in processes 123, 456"."""
+    pids = client.core_pids
+    if len(pids) == 1:
+        return f"engine core in process {pids[0]}"
+    return f"{len(pids)} engine cores in processes {', '.join(str(p) for p in pids)}"
+
+
+def _wait_for_core(client: ProcessEngine | DataParallelEngine) -> None:
+    """Return when a core process dies (after DEAD_CORE_GRACE_S) or uvicorn stops;
     KeyboardInterrupt on Ctrl-C/SIGTERM."""
     died = threading.Event()
     client.on_dead = died.set

@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.async_engine import EngineClient
+from engine.async_engine import EngineClient, check_core_index
 from server.dashboard import dashboard_html
 from server.errors import (
     APIError,
@@ -65,7 +65,11 @@ def build_app(
         raise ValueError("served_model_names must name at least one model")
     state = ServerState(
         engine=engine,
-        metrics=Metrics(lambda: engine.stats, core_pid=lambda: getattr(engine, "pid", None)),
+        metrics=Metrics(
+            lambda: engine.stats,
+            read_core_stats=lambda: engine.core_stats,
+            core_pids=lambda: engine.core_pids,
+        ),
         served_model_names=tuple(served_model_names),
         model_root=model_root,
         api_key=api_key or None,
@@ -147,10 +151,15 @@ def build_app(
         return await create_chat_completion(state, body, raw_request)
 
     @v1.get("/kv")
-    async def kv_map() -> Response:
-        """The live block map (engine/core.py `EngineCore.kv_map`); /dashboard polls it."""
+    async def kv_map(engine_index: int = Query(0, alias="engine")) -> Response:
+        """The live block map (engine/core.py `EngineCore.kv_map`) of engine core `?engine=i`
+        (default 0; several with --data-parallel-size); /dashboard polls it."""
         try:
-            body = await engine.kv_map()
+            check_core_index(engine_index, engine.num_cores)
+        except ValueError as e:
+            raise APIError(400, str(e), param="engine") from None
+        try:
+            body = await engine.kv_map(engine=engine_index)
         except TimeoutError:
             raise APIError(
                 503, "the engine core did not answer within 10 s", code="engine_busy"

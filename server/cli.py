@@ -14,6 +14,7 @@ import sys
 
 from engine.cpu_allocator import keep_large_allocations_in_heap
 from engine.engine_config import DTYPES, EngineConfig
+from engine.parallel import TPEndpoint
 from server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -48,6 +49,7 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     config = resolve_model(options.model).config
     # A plan is arithmetic: lengths past the model's context are planned too, with a note (a
@@ -60,6 +62,7 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
         args.num_seqs,
         max_model_len,
         args.block_size,
+        options.tensor_parallel_size,
     )
     print(report)
     if max_model_len > config.max_position_embeddings:
@@ -85,8 +88,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    config = args.config_cls.from_cli_args(args)
+    endpoint = TPEndpoint.from_torchrun()
+    if endpoint is not None:  # every rank of a tensor-parallel engine started by torchrun
+        if args.data_parallel_size != 1:
+            raise ValueError("--data-parallel-size is not for torchrun: its ranks are one engine")
+        if endpoint.rank != 0:  # only rank 0 serves HTTP; the others run its steps
+            from engine.tp_worker import run_worker
+
+            run_worker(config, endpoint)
+            return 0
     run_server(
-        args.config_cls.from_cli_args(args),
+        config,
         host=args.host,
         port=args.port,
         served_model_names=args.served_model_name,
@@ -101,6 +114,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         core_process=args.core_process,
         shutdown_timeout=args.shutdown_timeout,
+        data_parallel_size=args.data_parallel_size,
     )
     return 0
 
@@ -200,6 +214,15 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
         "tokenization and detokenization (default: on; --no-core-process runs the engine loop "
         "in the server's process)",
     )
+    srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="M",
+        help="engine cores, each in a process of its own with its own KV cache (and on CPU "
+        "1/M of the CPUs), behind this one server; requests go to the least loaded core, or to "
+        "one whose prefix cache holds their prompt's beginning (default: %(default)s)",
+    )
     srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -211,7 +234,10 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
     gen.set_defaults(func=_cmd_generate)
 
     plan = sub.add_parser("kv-plan", help="KV-cache bytes for a model and workload")
-    config_cls.add_cli_args(plan, names=("model", "max_model_len", "block_size", "kv_cache_dtype"))
+    config_cls.add_cli_args(
+        plan,
+        names=("model", "max_model_len", "block_size", "kv_cache_dtype", "tensor_parallel_size"),
+    )
     plan.add_argument("--num-seqs", type=int, required=True, help="sequences held at once")
     plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     plan.set_defaults(func=_cmd_kv_plan)

@@ -10,6 +10,12 @@ Three sources:
   process, of that one (`pagedserve_resident_memory_bytes{process="server"|"core"}`), read from
   /proc at scrape time (Linux only: elsewhere the samples are left out).
 
+With several engine cores (`--data-parallel-size M`, engine/data_parallel.py) every engine-state
+family is labelled `engine="0"`..`"M-1"`, one sample per core (sum them for the server:
+`sum(pagedserve_kv_blocks_used)`), and each core's memory is `{process="core", engine="i"}`.
+With one core the families stay unlabelled, as they always were, so that a scrape of a
+single-core server reads the same; a family never mixes labelled and unlabelled samples.
+
 Each app owns its registry (no module-level state), so several apps can live in one process.
 """
 
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -36,44 +42,66 @@ _ITL_BUCKETS = (
 )  # fmt: skip
 
 
+# The engine-state families: (name, help, the value in an EngineStats).
+_ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("num_requests_running", "Sequences in the running batch", lambda s: s.num_running),
+    ("num_requests_waiting", "Sequences waiting to be admitted", lambda s: s.num_waiting),
+    ("kv_blocks_used", "KV-cache blocks held by live requests", lambda s: s.kv_blocks_used),
+    ("kv_blocks_total", "KV-cache blocks in the pool", lambda s: s.kv_blocks_total),
+    ("kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)", lambda s: s.kv_usage),
+    ("kv_host_blocks_used", "Swap preemption: host-pool blocks holding swapped KV",
+     lambda s: s.kv_host_blocks_used),
+    ("kv_host_blocks_total", "Swap preemption: blocks in the host pool (0: recompute)",
+     lambda s: s.kv_host_blocks_total),
+)  # fmt: skip
+_ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("num_preemptions", "Requests preempted (swapped out or to recompute later)",
+     lambda s: s.num_preemptions),
+    ("num_swap_outs", "Preemptions that moved the request's KV to the host pool",
+     lambda s: s.num_swap_outs),
+    ("num_swap_ins", "Swapped requests resumed with their KV moved back",
+     lambda s: s.num_swap_ins),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     lambda s: s.prefix_cache_queries),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+     lambda s: s.prefix_cache_hits),
+    ("engine_steps", "Engine steps run", lambda s: s.num_steps),
+    ("engine_step_seconds", "Time spent in engine steps", lambda s: s.step_seconds),
+    ("spec_decode_draft_tokens", "Speculative decoding: draft tokens proposed",
+     lambda s: s.spec_draft_tokens),
+    ("spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted",
+     lambda s: s.spec_accepted_tokens),
+)  # fmt: skip
+
+
 class _EngineCollector(Collector):
-    def __init__(self, read_stats: Callable[[], EngineStats]) -> None:
+    """The engine-state families: one unlabelled sample each, or with several engine cores one
+    sample per core, labelled `engine="0"`... (their sum is the whole server's)."""
+
+    def __init__(
+        self,
+        read_stats: Callable[[], EngineStats],
+        read_core_stats: Callable[[], Sequence[EngineStats]] | None,
+    ) -> None:
         self._read_stats = read_stats
+        self._read_core_stats = read_core_stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self._read_stats()
-        gauges = (
-            ("num_requests_running", "Sequences in the running batch", s.num_running),
-            ("num_requests_waiting", "Sequences waiting to be admitted", s.num_waiting),
-            ("kv_blocks_used", "KV-cache blocks held by live requests", s.kv_blocks_used),
-            ("kv_blocks_total", "KV-cache blocks in the pool", s.kv_blocks_total),
-            ("kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)", s.kv_usage),
-            ("kv_host_blocks_used", "Swap preemption: host-pool blocks holding swapped KV",
-             s.kv_host_blocks_used),
-            ("kv_host_blocks_total", "Swap preemption: blocks in the host pool (0: recompute)",
-             s.kv_host_blocks_total),
-        )  # fmt: skip
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(f"pagedserve_{name}", doc, value=value)
-        counters = (
-            ("num_preemptions", "Requests preempted (swapped out or to recompute later)",
-             s.num_preemptions),
-            ("num_swap_outs", "Preemptions that moved the request's KV to the host pool",
-             s.num_swap_outs),
-            ("num_swap_ins", "Swapped requests resumed with their KV moved back",
-             s.num_swap_ins),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             s.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
-            ("engine_steps", "Engine steps run", s.num_steps),
-            ("engine_step_seconds", "Time spent in engine steps", s.step_seconds),
-            ("spec_decode_draft_tokens", "Speculative decoding: draft tokens proposed",
-             s.spec_draft_tokens),
-            ("spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted",
-             s.spec_accepted_tokens),
-        )  # fmt: skip
-        for name, doc, value in counters:
-            yield CounterMetricFamily(f"pagedserve_{name}", doc, value=value)
+        cores = list(self._read_core_stats()) if self._read_core_stats is not None else []
+        per_core = len(cores) > 1
+        stats = cores if per_core else [self._read_stats()]
+        for kind, table in (
+            (GaugeMetricFamily, _ENGINE_GAUGES),
+            (CounterMetricFamily, _ENGINE_COUNTERS),
+        ):
+            for name, doc, read in table:
+                if not per_core:
+                    yield kind(f"pagedserve_{name}", doc, value=read(stats[0]))
+                    continue
+                family = kind(f"pagedserve_{name}", doc, labels=["engine"])
+                for index, s in enumerate(stats):
+                    family.add_metric([str(index)], read(s))
+                yield family
 
 
 def resident_memory_bytes(pid: int) -> int | None:
@@ -89,22 +117,29 @@ def resident_memory_bytes(pid: int) -> int | None:
 
 class _MemoryCollector(Collector):
     """`pagedserve_resident_memory_bytes`, one sample per process: "server" (this one) and
-    "core" (the engine core's, while `core_pid` returns one)."""
+    "core" (the engine core's, while `core_pids` returns one), or with several engine cores
+    `process="core", engine="i"` for each."""
 
-    def __init__(self, core_pid: Callable[[], int | None]) -> None:
-        self._core_pid = core_pid
+    def __init__(self, core_pids: Callable[[], Sequence[int | None]]) -> None:
+        self._core_pids = core_pids
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            "pagedserve_resident_memory_bytes",
+        name = "pagedserve_resident_memory_bytes"
+        family = Metric(
+            name,
             "Resident memory (RSS) of the API server's process and of the engine core's",
-            labels=["process"],
+            "gauge",
         )
-        pids = (("server", os.getpid()), ("core", self._core_pid()))
-        for process, pid in pids:
+        core_pids = list(self._core_pids())
+        pids = [({"process": "server"}, os.getpid())]
+        if len(core_pids) == 1:
+            pids.append(({"process": "core"}, core_pids[0]))
+        else:
+            pids += [({"process": "core", "engine": str(i)}, p) for i, p in enumerate(core_pids)]
+        for labels, pid in pids:
             rss = resident_memory_bytes(pid) if pid is not None else None
             if rss is not None:
-                family.add_metric([process], rss)
+                family.add_sample(name, labels, rss)
         if family.samples:
             yield family
 
@@ -112,17 +147,25 @@ class _MemoryCollector(Collector):
 class Metrics:
     """The registry of one server and the per-request instruments.
 
+    `read_stats` returns the whole engine's stats. `read_core_stats`, when given, each core's
+    (EngineClient.core_stats): with more than one, the engine-state families get an `engine`
+    label, one sample per core, instead of the single unlabelled one.
     `core_pid` returns the id of the engine core's process when the core runs in one of its own
-    (ProcessEngine.pid), else None; without it only the server's memory is reported."""
+    (ProcessEngine.pid), else None; `core_pids` (EngineClient.core_pids), when given, the ids of
+    every core's instead. Without either only the server's memory is reported."""
 
     def __init__(
         self,
         read_stats: Callable[[], EngineStats],
         core_pid: Callable[[], int | None] = lambda: None,
+        read_core_stats: Callable[[], Sequence[EngineStats]] | None = None,
+        core_pids: Callable[[], Sequence[int | None]] | None = None,
     ) -> None:
+        if core_pids is None:
+            core_pids = lambda: [core_pid()]  # noqa: E731
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(read_stats))
-        self.registry.register(_MemoryCollector(core_pid))
+        self.registry.register(_EngineCollector(read_stats, read_core_stats))
+        self.registry.register(_MemoryCollector(core_pids))
         r = self.registry
         self.prompt_tokens = Counter(
             "pagedserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r
