@@ -355,8 +355,9 @@ class CausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2, in the model's dtype as transformers caps
             logits = torch.tanh(logits / cap) * cap
-        if self.tp is not None:
-            return self.tp.gather_logits(logits.float(), self.vocab_size)
+        if self.tp is not None:  # gathered in the model's dtype: half the bytes of float32
+            gathered = self.tp.gather_logits(logits, self.vocab_size)
+            return None if gathered is None else gathered.float()
         return logits.float()
 
     def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
