@@ -161,7 +161,7 @@ class EngineCore:
         if self.tp is not None:  # one block table for all ranks: the fewest blocks any has room for
             num_blocks = self.tp.min_int(self.kv_plan.num_blocks)
             self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=num_blocks)
-        if self.tp is None or self.tp.is_driver:
+        if self.is_driver:
             logger.info(self.kv_plan.describe())
         self.num_host_blocks = 0
         if config.preemption_mode == "swap":

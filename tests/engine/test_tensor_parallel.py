@@ -7,6 +7,7 @@ real worker processes it starts."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from engine.engine_config import EngineConfig
 from engine.messages import CoreRequest
 from engine.model_config import ModelConfig
 from engine.parallel import TPEndpoint, TPShard, free_port, plan_shards
+from scheduler import StructuredOutputs
 from tests.families import COMMON, build_family
 from tests.helpers import tiny_config
 
@@ -267,7 +269,8 @@ SMOLLM2_PROMPTS = [
 def test_smollm2_on_two_ranks_splits_its_3_kv_heads_unevenly_and_equals_one_rank(caplog):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     options = dict(dtype="float32", kv_cache_memory=1 << 28, max_model_len=2048)
-    want = LLM(**options).generate(SMOLLM2_PROMPTS, params)
+    reference = LLM(**options)
+    want = reference.generate(SMOLLM2_PROMPTS, params)
     with caplog.at_level("INFO", logger="pagedserve"):
         llm = LLM(**options, tensor_parallel_size=2)
     assert (
@@ -277,6 +280,16 @@ def test_smollm2_on_two_ranks_splits_its_3_kv_heads_unevenly_and_equals_one_rank
     got = llm.generate(SMOLLM2_PROMPTS, params)
     assert _tokens(got) == _tokens(want)
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    # Grammars are rank 0's alone (its sampler masks the logits); the other ranks take its ids.
+    pattern = r"[a-f]{2,4}-[0-9]{3}"
+    regex = SamplingParams(
+        temperature=0, max_tokens=24, structured_outputs=StructuredOutputs(regex=pattern)
+    )
+    constrained = llm.generate(SMOLLM2_PROMPTS[:2], regex)
+    assert [o.outputs[0].text for o in constrained] == [
+        o.outputs[0].text for o in reference.generate(SMOLLM2_PROMPTS[:2], regex)
+    ]
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in constrained)
     llm.engine.close()
 
 
