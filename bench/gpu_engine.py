@@ -1084,6 +1084,34 @@ STRUCTURED_SPECS: dict[str, dict[str, Any]] = {
 STRUCTURED_THROUGHPUT_REGEX = r"([a-z]{1,8} ){16,400}[a-z]{1,8}\."
 
 
+def offline_tok_s(llm, sizes: Sizes) -> float:
+    """Output tokens per second of `sizes.offline_*` random prompts, greedy, after a short run
+    that compiles out of the timing."""
+    from engine import SamplingParams
+
+    num, max_tokens = sizes.offline_prompts, sizes.offline_output_len
+    ids = random_ids(num, sizes.offline_input_len, llm.engine.model_config.vocab_size, 11)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(ids[:8], params.clone(max_tokens=4))
+    sync(sizes.device)
+    start = time.perf_counter()
+    llm.generate(ids, params)
+    sync(sizes.device)
+    return num * max_tokens / (time.perf_counter() - start)
+
+
+def throughput_record(model: str, sizes: Sizes) -> dict[str, Any]:
+    """What every A-against-B throughput record starts with: the model and the workload."""
+    return {
+        "model": model,
+        "kind": "throughput",
+        "dtype": sizes.dtype,
+        "num_prompts": sizes.offline_prompts,
+        "input_len": sizes.offline_input_len,
+        "output_len": sizes.offline_output_len,
+    }
+
+
 def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """KV capacity on the device (issue 18): the tiny Llama's fp32 greedy tokens with swap
     preemption (4-token blocks, a pool too small for all at once, pinned host pool) equal the
@@ -1173,25 +1201,13 @@ def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
                 max_num_seqs=num, max_model_len=model_len, kv_cache_dtype=kv,
                 num_kv_blocks=kv_blocks_for([input_len + max_tokens] * num, model_len),
             )  # fmt: skip
-            ids = random_ids(num, input_len, llm.engine.model_config.vocab_size, 11)
-            run_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            llm.generate(ids[:8], run_params.clone(max_tokens=4))  # compiles out of the timing
-            sync(sizes.device)
-            start = time.perf_counter()
-            llm.generate(ids, run_params)
-            sync(sizes.device)
-            throughput[kv] = num * max_tokens / (time.perf_counter() - start)
+            throughput[kv] = offline_tok_s(llm, sizes)
             del llm
             free_memory()
     if len(throughput) == 2:
         rec.write(
             {
-                "model": args.model,
-                "kind": "throughput",
-                "dtype": sizes.dtype,
-                "num_prompts": num,
-                "input_len": input_len,
-                "output_len": max_tokens,
+                **throughput_record(args.model, sizes),
                 "bf16_tok_s": round(throughput["auto"], 1),
                 "fp8_tok_s": round(throughput["fp8"], 1),
                 "ratio": round(throughput["fp8"] / throughput["auto"], 3),
@@ -1268,26 +1284,14 @@ def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
                 max_model_len=model_len,
                 num_kv_blocks=kv_blocks_for([input_len + max_tokens] * num, model_len),
             )  # fmt: skip
-            ids = random_ids(num, input_len, llm.engine.model_config.vocab_size, 11)
-            run_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            llm.generate(ids[:8], run_params.clone(max_tokens=4))  # compiles out of the timing
-            sync(sizes.device)
-            start = time.perf_counter()
-            llm.generate(ids, run_params)
-            sync(sizes.device)
-            throughput[path] = num * max_tokens / (time.perf_counter() - start)
+            throughput[path] = offline_tok_s(llm, sizes)
             llm.engine.close()
             del llm
             free_memory()
     if len(throughput) == 2:
         rec.write(
             {
-                "model": args.model,
-                "kind": "throughput",
-                "dtype": sizes.dtype,
-                "num_prompts": num,
-                "input_len": input_len,
-                "output_len": max_tokens,
+                **throughput_record(args.model, sizes),
                 "plain_tok_s": round(throughput["plain"], 1),
                 "tp1_tok_s": round(throughput["distributed"], 1),
                 "ratio": round(throughput["distributed"] / throughput["plain"], 3),
