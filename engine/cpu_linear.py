@@ -19,6 +19,27 @@ from torch import nn
 _PACKED = "_pagedserve_onednn_packed"
 
 
+# /proc/cpuinfo flags of CPUs that compute bf16 in hardware (dot products, AMX tiles).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (`NATIVE_BF16_FLAGS`): then bf16 is faster than
+    float32 (BENCHMARKS.md); elsewhere oneDNN emulates it and float32 is the better default.
+    `cpuinfo`: the text of /proc/cpuinfo (read when None; no file: False)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """True where packing applies: bf16 on a CPU whose oneDNN build has bf16 kernels."""
     if device.type != "cpu" or dtype != torch.bfloat16:

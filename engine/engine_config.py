@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_linear import cpu_computes_bf16
 from kernels import BACKENDS, FP8_KV_DTYPES
 
 DTYPES = {
@@ -76,7 +77,8 @@ class EngineConfig:
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     dtype: str = option(
         "auto",
-        "weights, activations and KV cache; auto = float32 on CPU, bfloat16 on CUDA",
+        "weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs that compute "
+        "it natively (AVX512-BF16 or AMX), float32 on other CPUs",
         choices=("auto", *DTYPES),
     )
     kv_cache_dtype: str = option(
@@ -253,7 +255,8 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            native = device.type == "cuda" or cpu_computes_bf16()
+            return torch.bfloat16 if native else torch.float32
         dtype = DTYPES[self.dtype]
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from engine import model_source
+from engine.cpu_linear import cpu_computes_bf16
+from engine.engine_config import EngineConfig
 from engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
 from engine.model_source import embedded_model_path, resolve_model
 from engine.weights import load_weights
@@ -632,3 +634,17 @@ def test_a_multimodal_gemma3_config_is_read_as_its_language_model():
     other = {**published, "text_config": {"model_type": "siglip_vision_model"}}
     with pytest.raises(ValueError, match="language model 'siglip_vision_model' is not supported"):
         ModelConfig.from_hf_dict(other)
+
+
+CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbogomips\t: 4000\n"
+
+
+def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():
+    assert cpu_computes_bf16(CPUINFO.format(extra="avx512_bf16"))
+    assert cpu_computes_bf16(CPUINFO.format(extra="amx_tile amx_bf16"))
+    assert not cpu_computes_bf16(CPUINFO.format(extra="avx512_vnni"))  # emulated there
+    assert not cpu_computes_bf16("")
+    cpu = torch.device("cpu")
+    want = torch.bfloat16 if cpu_computes_bf16() else torch.float32  # this machine's answer
+    assert EngineConfig().torch_dtype(cpu) == want
+    assert EngineConfig(dtype="float32").torch_dtype(cpu) == torch.float32

@@ -307,8 +307,8 @@ def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path):
     # TRITON_INTERPRET=1 (tests/conftest.py, inherited) lets the Triton kernels run on CPU.
     res = _run(
         "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
-        "--attention-backend", "triton", "--num-prompts", "2", "--input-len", "6",
-        "--output-len", "3", "--json", str(tmp_path / "tp.json"),
+        "--dtype", "float32", "--attention-backend", "triton", "--num-prompts", "2",
+        "--input-len", "6", "--output-len", "3", "--json", str(tmp_path / "tp.json"),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "float32 on cpu, triton attention" in res.stderr  # the default on CPU is torch
