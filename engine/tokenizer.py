@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from engine.model_source import (
     gguf_files_for_everyone,
     resolve_model,
 )
+from kernels.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +82,6 @@ def load_tokenizer(
                 "or pass --tokenizer DIR"
             ) from None
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
-
-
-def cache_dir() -> Path | None:
-    """pagedserve's cache folder: $PAGEDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pagedserve, else
-    ~/.cache/pagedserve. PAGEDSERVE_CACHE_DIR set to the empty string turns the cache off."""
-    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    if explicit is not None:
-        return Path(explicit).expanduser() if explicit else None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pagedserve"
 
 
 def _gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerBase:

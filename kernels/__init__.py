@@ -5,7 +5,10 @@
 mixture-of-experts ops (`moe_route`, `fused_moe`) route each call to a backend module with the
 same signatures:
 
-    torch   `kernels.reference`, pure torch, any device; the default for CPU tensors
+    cpu     `kernels.cpu_ops`: paged attention compiled from C++ for this machine's CPU (built
+            once and cached), the other ops from the reference; the default for CPU tensors
+            when it builds (a machine without a C++ compiler falls back to torch, warning once)
+    torch   `kernels.reference`, pure torch, any device; the oracle the others are tested against
     triton  `kernels.triton_ops` (the kernels of `kernels.triton_attention` and
             `kernels.triton_fused`); the default for CUDA tensors. On CPU
             tensors they run only under Triton's interpreter (TRITON_INTERPRET=1, set before
@@ -18,7 +21,7 @@ dtypes by name, `is_fp8`, `quantize_kv` / `dequantize_kv`, `kv_scale_from_amax`)
 The environment variable PAGEDSERVE_ATTENTION_BACKEND forces one by name; it is read per call, so
 tests can set it with monkeypatch and no module state changes. The engine resolves its backend
 once (`resolve_backend`) and calls the module directly. The Triton module is imported on first
-use, so CPU-only runs never import Triton.
+use, so CPU-only runs never import Triton; the CPU kernel is built or loaded on first use.
 """
 
 from __future__ import annotations
@@ -67,27 +70,37 @@ __all__ = [
 ]
 
 BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
-BACKENDS = ("torch", "triton")
+BACKENDS = ("cpu", "torch", "triton")
 
 
 def select_backend(device: torch.device) -> str:
     """Name of the backend used for tensors on `device`: $PAGEDSERVE_ATTENTION_BACKEND, or the
-    device's default (triton on CUDA, torch elsewhere)."""
+    device's default (triton on CUDA, cpu on CPU where its kernel builds, torch elsewhere)."""
     return resolve_backend("auto", device)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """`name` when it is a backend; for "auto", $PAGEDSERVE_ATTENTION_BACKEND or the device's
-    default. Raises ValueError for anything else."""
+    default. Raises ValueError for anything else, and for cpu on a device that is not the CPU."""
     source = "attention backend"
     if name == "auto":
         name = os.environ.get(BACKEND_ENV, "").strip().lower()
         source = BACKEND_ENV
         if not name:
-            return "triton" if device.type == "cuda" else "torch"
+            if device.type == "cuda":
+                return "triton"
+            if device.type == "cpu":
+                from kernels import cpu_ops
+
+                return "cpu" if cpu_ops.available() else "torch"
+            return "torch"
     if name not in BACKENDS:
         raise ValueError(
             f"{source}={name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS)
+        )
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(
+            f"{source}=cpu runs on CPU tensors only, not on {device.type}; choose triton or torch"
         )
     return name
 
@@ -96,6 +109,10 @@ def get_backend(name: str) -> ModuleType:
     """The module implementing backend `name` (imported on first use)."""
     if name == "torch":
         return reference
+    if name == "cpu":
+        from kernels import cpu_ops
+
+        return cpu_ops
     if name == "triton":
         from kernels import triton_ops
 

@@ -183,7 +183,7 @@ def paged_attention(
     num_seqs = block_tables.shape[0]
     host = torch.cat([seq_lens, query_start_loc]).tolist()
     seq_lens_h, query_start_h = host[:num_seqs], host[num_seqs:]
-    q_lens = _check_lengths(seq_lens_h, query_start_h, q.shape[0], block_tables, k_cache.shape[1])
+    q_lens = check_lengths(seq_lens_h, query_start_h, q.shape[0], block_tables, k_cache.shape[1])
 
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     extend = [i for i, n in enumerate(q_lens) if n > 1]
@@ -209,7 +209,7 @@ def paged_attention(
     return out
 
 
-def _check_lengths(
+def check_lengths(
     seq_lens: list[int],
     query_start_loc: list[int],
     num_tokens: int,

@@ -110,8 +110,8 @@ def test_correctness_fp32_equals_transformers_and_eager_equals_default(smoke):
         if r["check"].startswith("float32") or r["check"].endswith("eager_vs_default"):
             assert r["equal"] is True, r["mismatches"]
             assert r["prefix_match"] == [n] * len(lens) and r["mismatches"] == []
-        if "engine" in r:  # CPU: the torch backend, no graphs
-            assert r["attention_backend"] == "torch" and r["cuda_graphs"] is False
+        if "engine" in r:  # CPU: the compiled CPU backend, no graphs
+            assert r["attention_backend"] == "cpu" and r["cuda_graphs"] is False
 
 
 def _tiny_weight_bytes_fp32() -> int:
@@ -136,7 +136,7 @@ def test_decode_records(smoke):
     }
     kv_bytes_per_token = 2 * 4 * 2 * 32 * 4  # K and V x layers x kv heads x head_dim x fp32
     for r in records:
-        assert r["cuda_graphs"] is False and r["attention_backend"] == "torch"
+        assert r["cuda_graphs"] is False and r["attention_backend"] == "cpu"
         if r["kind"] == "step_time":
             assert r["num_steps"] == SMOKE_SIZES.decode_steps
             assert r["all_steps_pure_decode"] is True and r["prefill_steps"] >= 1
@@ -257,7 +257,7 @@ def test_spec_records(smoke):
         assert r["plain_steps"] == -(-s.spec_prompts // r["batch_size"]) * s.spec_output_len
         assert r["spec_steps"] <= r["plain_steps"]
         for engine in (r["plain_engine"], r["spec_engine"]):
-            assert engine["async_scheduling"] is False and engine["attention_backend"] == "torch"
+            assert engine["async_scheduling"] is False and engine["attention_backend"] == "cpu"
     assert shared["kind"] == "shared_blocks" and shared["n"] == 4
     assert shared["prompt_len"] % shared["block_size"] != 1  # the shared last block is partial
     assert shared["same_tokens"] is True and shared["samples_equal"] == [True] * 4

@@ -129,8 +129,9 @@ def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
 
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
     default = engine()
-    assert default.attention_backend == "torch"  # CPU default
-    assert default.model.layers[0].self_attn.ops is kernels.reference
+    assert default.attention_backend == "cpu"  # CPU default: the compiled kernel
+    assert default.model.layers[0].self_attn.ops is kernels.get_backend("cpu")
+    assert engine(attention_backend="torch").model.layers[0].self_attn.ops is kernels.reference
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     from_env = engine()
     assert from_env.attention_backend == "triton"
@@ -140,5 +141,5 @@ def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="PAGEDSERVE_ATTENTION_BACKEND='flash' is not an"):
         engine()
-    with pytest.raises(ValueError, match=r"attention_backend must be one of \['auto', 'torch'"):
+    with pytest.raises(ValueError, match=r"must be one of \['auto', 'cpu', 'torch', 'triton'\]"):
         EngineConfig(attention_backend="flash")

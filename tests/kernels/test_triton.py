@@ -450,8 +450,10 @@ def test_copy_blocks_refuses_caches_that_differ():
 def test_backend_switch(monkeypatch):
     batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=11)
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
-    assert kernels.select_backend(torch.device("cpu")) == "torch"
+    assert kernels.select_backend(torch.device("cpu")) == "cpu"
     assert kernels.select_backend(torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="cpu runs on CPU tensors only, not on cuda"):
+        kernels.resolve_backend("cpu", torch.device("cuda"))
     assert kernels.resolve_backend("torch", torch.device("cuda")) == "torch"
     assert kernels.get_backend("triton") is triton_ops
     with pytest.raises(ValueError, match="attention backend='cuda' is not an attention backend"):

@@ -1,0 +1,321 @@
+// Paged attention for CPU tensors: pagedserve's compiled CPU backend (`kernels.cpu_ops`).
+//
+// Same contract as `kernels.reference.paged_attention` (its docstring has the index arithmetic):
+// causal attention of each sequence's new tokens over its K/V, read in place from the paged cache
+// through the block table (no gather), for decode and prefill/extend sequences in one batch.
+//
+// Work is split into items of (sequence, KV head, up to kTileTokens new tokens). An item's rows are
+// its tokens times the GQA group's query heads, so every K/V block is loaded (and converted to
+// float) once per item and shared by all the group's query heads. Items run on torch's OpenMP
+// threads, costliest first, each thread taking the next item from an atomic counter (prefill
+// tiles late in a long prompt cost more than early ones, and decodes cost little).
+//
+// Per item and key block: each key is converted to float32 once and dotted with every row; the
+// softmax is online (running max and sum per row, in float32); each value is converted once and
+// added to every row's accumulator. The output is rounded to q's dtype once, at the end. head_dim
+// 64 and 128 are compile-time constants, so those loops unroll and vectorize fully.
+//
+// `max_q_len` > 0 leaves sequences with more new tokens to the caller: for long prefills the
+// reference's SDPA (oneDNN GEMMs) is faster than these dot products (BENCHMARKS.md).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileTokens = 16;  // new tokens per work item in prefill/extend
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float load(float x) { return x; }
+inline float load(c10::Half x) { return static_cast<float>(x); }
+inline float load(c10::BFloat16 x) {
+  // bf16 is the upper half of a float32: a shift the compiler vectorizes.
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) for x <= 0 in plain arithmetic the compiler vectorizes (libm's expf is not): Cody-Waite
+// reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for e^r (relative error
+// about 1e-7), and 2^n through the exponent bits. exp of anything below -87 (a masked key's -inf
+// included) is 0.
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return underflow ? 0.0f : p * scale;
+}
+
+struct Item {
+  int32_t seq, kv_head, first, last;  // new tokens first..last-1 of sequence seq
+  int64_t cost;                       // rows x keys, for the ordering
+};
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size;
+  int64_t q_token, q_head;                         // q strides
+  int64_t k_block, k_slot, k_head;                 // k_cache strides
+  int64_t v_block, v_slot, v_head;                 // v_cache strides
+  int64_t table_stride;                            // block_tables row stride
+  int64_t window;                                  // 0: none
+  float scale, softcap;                            // softcap 0: none
+};
+
+// Key or value `src` as float32: `buf` converted for half types, `src` itself for float32.
+template <typename T, int64_t kD>
+inline const float* as_float(const T* src, float* buf, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    const int64_t n = kD ? kD : D;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) buf[d] = load(src[d]);
+    return buf;
+  }
+}
+
+// One item: tokens first..last-1 of one sequence, against one KV head. kD is head_dim when it is a
+// compile-time constant (64, 128: fully unrolled and vectorized loops), 0 for any other head_dim.
+template <typename T, int64_t kD>
+void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cache,
+                 const T* v_cache, const int32_t* block_table, int64_t seq_len, int64_t q_start,
+                 int64_t q_len, T* out, std::vector<float>& scratch) {
+  const int64_t D = kD ? kD : g.head_dim, B = g.block_size, G = g.group;
+  const int64_t tokens = item.last - item.first;
+  const int64_t rows = tokens * G;  // row r: token first + r / G, query head kv_head * G + r % G
+  scratch.resize(rows * D * 2 + rows * 2 + rows * B + D);
+  float* qf = scratch.data();
+  float* acc = qf + rows * D;
+  float* row_max = acc + rows * D;
+  float* row_sum = row_max + rows;
+  float* p = row_sum + rows;  // [rows][B]: scores, then probabilities
+  float* buf = p + rows * B;  // one key or value as float32
+
+  const int64_t first_pos = seq_len - q_len + item.first;  // position of the item's first token
+  const int64_t last_pos = first_pos + tokens - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = q_start + item.first + r / G;
+    const T* src = q + token * g.q_token + (item.kv_head * G + r % G) * g.q_head;
+    float* dst = qf + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]) * g.scale;
+    std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.0f;
+  }
+
+  const int64_t first_key = g.window > 0 ? std::max<int64_t>(0, first_pos - g.window + 1) : 0;
+  for (int64_t block = first_key / B; block <= last_pos / B; ++block) {
+    const int64_t base = block * B;
+    const int64_t start = std::max<int64_t>(first_key - base, 0);  // keys start..end-1 of this
+    const int64_t end = std::min(B, last_pos + 1 - base);             // block are seen by some row
+    const int64_t physical = block_table[block];
+    const T* kb = k_cache + physical * g.k_block + item.kv_head * g.k_head;
+    const T* vb = v_cache + physical * g.v_block + item.kv_head * g.v_head;
+    // Scores: each key is converted once and dotted with every row (the group's query heads).
+    for (int64_t i = start; i < end; ++i) {
+      const float* key = as_float<T, kD>(kb + i * g.k_slot, buf, D);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qf + r * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * key[d];
+        p[r * B + i] = dot;
+      }
+    }
+    // Online softmax per row; keys a row does not see get probability 0.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* pr = p + r * B;
+      const int64_t pos = first_pos + r / G;
+      const int64_t lo = g.window > 0 ? std::max(start, pos - g.window + 1 - base) : start;
+      const int64_t hi = std::min(end - 1, pos - base);  // visible keys: lo..hi
+      if (lo > hi) {  // a window that ends before this block's keys start, or starts after
+        std::fill(pr + start, pr + end, 0.0f);
+        continue;
+      }
+      if (g.softcap > 0.0f) {
+        for (int64_t i = lo; i <= hi; ++i) pr[i] = g.softcap * std::tanh(pr[i] / g.softcap);
+      }
+      float block_max = kNegInf;
+      for (int64_t i = lo; i <= hi; ++i) block_max = std::max(block_max, pr[i]);
+      const float new_max = std::max(row_max[r], block_max);
+      const float correction = exp_nonpositive(row_max[r] - new_max);  // 0 for the first block
+      float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t i = start; i < end; ++i) {
+        const bool visible = i >= lo && i <= hi;
+        const float e = exp_nonpositive((visible ? pr[i] : kNegInf) - new_max);
+        pr[i] = e;
+        block_sum += e;
+      }
+      row_sum[r] = row_sum[r] * correction + block_sum;
+      row_max[r] = new_max;
+      if (correction != 1.0f) {
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+      }
+    }
+    // P @ V: each value is converted once and added to every row.
+    for (int64_t i = start; i < end; ++i) {
+      const float* value = as_float<T, kD>(vb + i * g.v_slot, buf, D);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float pi = p[r * B + i];
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ar[d] += pi * value[d];
+      }
+    }
+  }
+
+  const int64_t H = g.num_heads;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = q_start + item.first + r / G;
+    T* dst = out + (token * H + item.kv_head * G + r % G) * D;
+    const float inv = 1.0f / row_sum[r];  // every row sees at least its own position's key
+    const float* ar = acc + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ar[d] * inv);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const std::vector<int32_t>& seq_lens,
+         const std::vector<int32_t>& starts, const Geometry& g, int64_t max_q_len,
+         at::Tensor& out) {
+  const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    if (max_q_len > 0 && q_len > max_q_len) continue;  // the caller attends to it
+    for (int64_t first = 0; first < q_len; first += kTileTokens) {
+      const int64_t last = std::min(q_len, first + kTileTokens);
+      const int64_t last_pos = seq_lens[s] - q_len + last - 1;
+      const int64_t keys = g.window > 0 ? std::min<int64_t>(last_pos + 1, g.window + last - first)
+                                        : last_pos + 1;
+      for (int64_t h = 0; h < g.num_kv_heads; ++h) {
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
+                         static_cast<int32_t>(first), static_cast<int32_t>(last),
+                         (last - first) * keys});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> scratch;
+    for (int64_t i = next++; i < num_items; i = next++) {
+      const Item& item = items[i];
+      const int64_t s = item.seq;
+      const int32_t* table = tables + s * g.table_stride;
+      const int64_t q_len = starts[s + 1] - starts[s];
+      if (g.head_dim == 64) {
+        attend_item<T, 64>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch);
+      } else if (g.head_dim == 128) {
+        attend_item<T, 128>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch);
+      } else {
+        attend_item<T, 0>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch);
+      }
+    }
+  }
+}
+
+// The Python wrapper (`kernels.cpu_ops.paged_attention`) has checked every argument with
+// `kernels.validation`; these checks only guard the raw pointer arithmetic below.
+void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                     double softcap, int64_t max_q_len, at::Tensor out) {
+  TORCH_CHECK(q_in.device().is_cpu(), "pagedserve CPU attention takes CPU tensors");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim must be dense");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables must be int32 with dense rows");
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const auto lens_t = seq_lens.to(at::kInt).contiguous();
+  const auto starts_t = query_start_loc.to(at::kInt).contiguous();
+  const std::vector<int32_t> lens(lens_t.data_ptr<int32_t>(),
+                                  lens_t.data_ptr<int32_t>() + lens_t.numel());
+  const std::vector<int32_t> starts(starts_t.data_ptr<int32_t>(),
+                                    starts_t.data_ptr<int32_t>() + starts_t.numel());
+  Geometry g{};
+  g.num_heads = q.size(1);
+  g.num_kv_heads = k_cache.size(2);
+  g.group = g.num_heads / g.num_kv_heads;
+  g.head_dim = q.size(2);
+  g.block_size = k_cache.size(1);
+  g.q_token = q.stride(0);
+  g.q_head = q.stride(1);
+  g.k_block = k_cache.stride(0);
+  g.k_slot = k_cache.stride(1);
+  g.k_head = k_cache.stride(2);
+  g.v_block = v_cache.stride(0);
+  g.v_slot = v_cache.stride(1);
+  g.v_head = v_cache.stride(2);
+  g.table_stride = block_tables.stride(0);
+  g.window = sliding_window;
+  g.scale = static_cast<float>(scale);
+  g.softcap = static_cast<float>(softcap);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run<float>(q, k_cache, v_cache, block_tables, lens, starts, g, max_q_len, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(q, k_cache, v_cache, block_tables, lens, starts, g, max_q_len, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(q, k_cache, v_cache, block_tables, lens, starts, g, max_q_len, out);
+      break;
+    default:
+      TORCH_CHECK(false, "pagedserve CPU attention takes float32, bfloat16 or float16, not ",
+                  q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, float softcap, "
+      "int max_q_len, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,251 @@
+"""The compiled CPU paged-attention kernel (`kernels.cpu_ops`, kernels/csrc/cpu_attention.cpp)
+against dense float64 attention and the torch reference, on the grid the Triton tests use: block
+sizes, head dims (64 and 128 compiled as constants, 80 through the generic loop), GQA ratios,
+sliding windows, soft-capping and mixed batches.
+
+The kernel is built by the first test that needs it, into this run's cache folder (tests/conftest.py
+sets PAGEDSERVE_CACHE_DIR), as on a fresh clone. The `kernel_only` fixture lifts the dispatch
+limit (cpu_ops.KERNEL_MAX_NEW_TOKENS), so prefills and extends go through the kernel too instead
+of the reference's SDPA.
+
+Tolerances: float32 1e-5 (as for the reference and Triton); bfloat16 2e-2 and float16 5e-3 against
+float64, the bounds of `tests/kernels/test_reference.py` (8 and 11 significant bits in q, K, V and
+the output; the kernel's softmax and sums are float32).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import cpu_ops, reference
+from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+HEADS = [(4, 4), (6, 3), (9, 3), (8, 2), (16, 2)]
+
+
+@pytest.fixture
+def kernel_only(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "KERNEL_MAX_NEW_TOKENS", 1 << 30)
+
+
+def run(batch: Batch, scale: float, **kwargs) -> torch.Tensor:
+    return cpu_ops.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, scale, **kwargs,
+    )  # fmt: skip
+
+
+def check(got: torch.Tensor, batch: Batch, scale: float, sliding_window=None, softcap=None) -> None:
+    want = dense_attention(batch, scale, sliding_window, softcap).float()
+    torch.testing.assert_close(got, want, **TOL)
+    ref = reference.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, scale, sliding_window=sliding_window, softcap=softcap,
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref, **TOL)
+
+
+def test_the_kernel_is_built_and_is_the_cpu_default(monkeypatch):
+    monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
+    assert cpu_ops.available()
+    assert cpu_ops.library_path().is_file()
+    assert cpu_ops.library_path().parent == kernels.paths.cache_dir() / "kernels"
+    assert kernels.select_backend(torch.device("cpu")) == "cpu"
+    assert kernels.get_backend("cpu") is cpu_ops
+    params = inspect.signature(cpu_ops.paged_attention).parameters
+    assert params == inspect.signature(reference.paged_attention).parameters
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+def test_mixed_batch_matches_dense_and_reference(
+    num_heads, num_kv_heads, block_size, head_dim, kernel_only
+):
+    batch = make_batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       block_size=block_size, seed=block_size + head_dim)  # fmt: skip
+    scale = 1 / math.sqrt(head_dim)
+    check(run(batch, scale), batch, scale)
+
+
+def test_default_dispatch_sends_long_prefills_to_the_reference(monkeypatch):
+    # MIXED has new-token counts 1, 2, 5, 7, 9 and 18: those above the limit (4) go to SDPA, one
+    # call per sequence, the rest to the kernel; the result is the same either way.
+    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=2)
+    calls = []
+    real = reference.paged_attention
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "paged_attention", spy)
+    got = run(batch, 0.125)
+    assert calls == [7, 5, 18, 9]
+    monkeypatch.setattr(reference, "paged_attention", real)
+    check(got, batch, 0.125)
+
+
+def test_prompt_spanning_many_tiles_and_a_4k_prefix(kernel_only):
+    # 300 new tokens = 19 work items of up to 16 tokens per KV head; a 4k-key extend.
+    batch = make_batch([(700, 300), (0, 130), (4000, 40), (33, 7)], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=32, seed=4)  # fmt: skip
+    check(run(batch, 0.125), batch, 0.125)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 4, 11, 70, 5000])
+def test_sliding_window(sliding_window, kernel_only):
+    # Windows shorter than a block, across blocks and tiles, and longer than any context.
+    seqs = [*MIXED, (150, 40), (300, 1)]
+    batch = make_batch(seqs, num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, seed=3)
+    got = run(batch, 0.125, sliding_window=sliding_window)
+    check(got, batch, 0.125, sliding_window)
+    if sliding_window < 150:  # else the window changes nothing
+        assert not torch.allclose(got, dense_attention(batch, 0.125).float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_softcap(sliding_window, kernel_only):
+    # Scale 0.3 gives scores of a few units, which a cap of 2 bends hard.
+    batch = make_batch([*MIXED, (130, 1)], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, seed=14)  # fmt: skip
+    got = run(batch, 0.3, sliding_window=sliding_window, softcap=2.0)
+    check(got, batch, 0.3, sliding_window, 2.0)
+    assert not torch.allclose(got, dense_attention(batch, 0.3, sliding_window).float(), atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)], ids=["bf16", "fp16"]
+)
+@pytest.mark.parametrize("seqs", [MIXED, [(0, 1), (40, 1), (300, 1)]], ids=["extend", "decode"])
+def test_half_dtypes_close_to_float64(dtype, tol, seqs, kernel_only):
+    batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=128, block_size=16, dtype=dtype)
+    scale = 1 / math.sqrt(128)
+    got = run(batch, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), dense_attention(batch, scale).float(), atol=tol,
+                               rtol=tol)  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    seqs=st.lists(
+        st.tuples(st.integers(0, 150), st.integers(0, 20)), min_size=1, max_size=5
+    ).filter(lambda seqs: all(c + n > 0 for c, n in seqs) and any(n > 0 for _, n in seqs)),
+    heads=st.sampled_from(HEADS),
+    block_size=st.sampled_from([1, 8, 16, 32]),
+    sliding_window=st.one_of(st.none(), st.integers(1, 100)),
+    limit=st.sampled_from([1, 4, 1 << 30]),
+)
+def test_random_batches_match_dense(seqs, heads, block_size, sliding_window, limit):
+    # Any mix of cached and new lengths (new = 0 included), under any dispatch limit.
+    batch = make_batch(
+        seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64, block_size=block_size,
+        seed=len(seqs),
+    )  # fmt: skip
+    want = dense_attention(batch, 0.125, sliding_window).float()
+    saved = cpu_ops.KERNEL_MAX_NEW_TOKENS
+    cpu_ops.KERNEL_MAX_NEW_TOKENS = limit
+    try:
+        got = run(batch, 0.125, sliding_window=sliding_window)
+    finally:
+        cpu_ops.KERNEL_MAX_NEW_TOKENS = saved
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_unwritten_slots_are_never_read(kernel_only):
+    # NaN in every slot that holds no key of a sequence (the rest of each last block included):
+    # one load of it would turn an output into NaN.
+    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=1)
+    block_size = batch.k_cache.shape[1]
+    keep = torch.zeros(batch.k_cache.shape[:2], dtype=torch.bool)
+    for table, seq_len in zip(batch.block_tables.tolist(), batch.seq_lens.tolist(), strict=True):
+        for p in range(seq_len):
+            keep[table[p // block_size], p % block_size] = True
+    batch.k_cache[~keep] = float("nan")
+    batch.v_cache[~keep] = float("nan")
+    torch.testing.assert_close(run(batch, 0.125), dense_attention(batch, 0.125).float(), **TOL)
+
+
+def test_out_non_contiguous_q_and_a_combined_cache(kernel_only):
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=9)
+    n = batch.q.shape[0]
+    qkv = torch.cat([batch.q.reshape(n, -1), torch.randn(n, 2 * 2 * 64)], dim=1)
+    q = qkv[:, : 4 * 64].view(n, 4, 64)
+    assert not q.is_contiguous()
+    kv = torch.stack([batch.k_cache, batch.v_cache])  # one [2, blocks, ...] allocation
+    out = torch.full_like(batch.q, float("nan"))
+    got = cpu_ops.paged_attention(
+        q, kv[0], kv[1], batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125, out=out
+    )
+    assert got is out
+    check(out, batch, 0.125)
+
+
+def test_fp8_caches_use_the_reference():
+    batch = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=5)
+    scale = torch.tensor([0.05])
+    k8 = kernels.quantize_kv(batch.k_cache, scale, torch.float8_e4m3fn)
+    v8 = kernels.quantize_kv(batch.v_cache, scale, torch.float8_e4m3fn)
+    args = (batch.q, k8, v8, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
+    got = cpu_ops.paged_attention(*args, k_scale=scale, v_scale=scale)
+    want = reference.paged_attention(*args, k_scale=scale, v_scale=scale)
+    assert torch.equal(got, want)
+
+
+def test_empty_batch_and_bad_arguments():
+    batch = make_batch([(4, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
+    empty = cpu_ops.paged_attention(
+        batch.q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0], batch.seq_lens[:0],
+        batch.query_start_loc[:1], 0.125,
+    )  # fmt: skip
+    assert empty.shape == (0, 2, 64)
+    # The shared validation runs first, with the reference's messages.
+    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
+        cpu_ops.paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens.long(),
+            batch.query_start_loc, 0.125,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="sequence 0 has seq_len 99, but a block-table row holds"):
+        cpu_ops.paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+            torch.tensor([99], dtype=torch.int32), batch.query_start_loc, 0.125,
+        )  # fmt: skip
+
+
+def test_without_a_compiler_the_reference_is_used_with_a_warning(tmp_path):
+    # A fresh cache folder and CXX pointing at nothing: no build is attempted, one warning says
+    # why, the "auto" backend on CPU is torch, and cpu_ops still answers (through the reference).
+    code = """
+import logging, torch, kernels
+from kernels import cpu_ops, reference
+from tests.kernels.paged_batch import MIXED, make_batch
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+b = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
+print("backend", kernels.select_backend(torch.device("cpu")))
+print("equal", torch.equal(cpu_ops.paged_attention(*args), reference.paged_attention(*args)))
+print("available", cpu_ops.available())
+"""
+    env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), PAGEDSERVE_CACHE_DIR=str(tmp_path))
+    env.pop(kernels.BACKEND_ENV, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert done.stdout.split("\n")[:3] == ["backend torch", "equal True", "available False"]
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+    assert warnings == [
+        "WARNING no C++ compiler found (set CXX, or install g++): CPU attention falls back to "
+        "the slower torch reference"
+    ]
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
