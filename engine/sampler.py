@@ -111,7 +111,9 @@ class Sampler:
         # A row with a NaN or an infinity (a broken model or an overflow on this input) samples
         # an arbitrary index, maybe past the vocabulary; the next step may read it on the device
         # before the host sees it, so it becomes token 0 below, and `finite` tells the host.
-        finite = torch.isfinite(logits).all(dim=-1)
+        # Checked through each row's max and min (both NaN when the row holds a NaN): on CPU two
+        # reductions take 0.2 ms at [64, 49152], isfinite(logits).all() 5.6 ms (BENCHMARKS.md).
+        finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
         if plan.penalized:
             logits = self._apply_penalties(logits, rows)
         if plan.allowed is not None:

@@ -70,7 +70,11 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 # Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
 # for decode, even at 4 new tokens over a 1k context, and slower from 8 new tokens on.
 KERNEL_MAX_NEW_TOKENS = 4
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w")
+# No -ffast-math: the kernel's -inf handling needs IEEE infinities.
+CXX_FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17",
+    "-shared", "-fPIC", "-w",
+)  # fmt: skip
 
 
 def _kernel_dir() -> Path:

@@ -73,8 +73,9 @@ inline float exp_nonpositive(float x) {
 }
 
 struct Item {
-  int32_t seq, kv_head, first, last;  // new tokens first..last-1 of sequence seq
-  int64_t cost;                       // rows x keys, for the ordering
+  int32_t seq, first, last;       // new tokens first..last-1 of sequence seq
+  int32_t kv_head, num_kv_heads;  // against KV heads kv_head..kv_head+num_kv_heads-1
+  int64_t cost;                   // rows x keys, for the ordering
 };
 
 struct Geometry {
@@ -87,41 +88,52 @@ struct Geometry {
   float scale, softcap;                            // softcap 0: none
 };
 
-// Key or value `src` as float32: `buf` converted for half types, `src` itself for float32.
+// Slots start..end-1 of a block's keys or values (`src`, slot stride `stride`) as float32 rows:
+// converted into `buf` ([B][D]) for half types; for float32, `src` itself (rows `stride` apart).
 template <typename T, int64_t kD>
-inline const float* as_float(const T* src, float* buf, int64_t D) {
+inline const float* block_as_float(const T* src, int64_t stride, int64_t start, int64_t end,
+                                   float* buf, int64_t D) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
     const int64_t n = kD ? kD : D;
+    for (int64_t i = start; i < end; ++i) {
+      const T* row = src + i * stride;
+      float* dst = buf + i * n;
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) buf[d] = load(src[d]);
+      for (int64_t d = 0; d < n; ++d) dst[d] = load(row[d]);
+    }
     return buf;
   }
 }
 
-// One item: tokens first..last-1 of one sequence, against one KV head. kD is head_dim when it is a
-// compile-time constant (64, 128: fully unrolled and vectorized loops), 0 for any other head_dim.
+// One item: tokens first..last-1 of one sequence, against one or more KV heads. kD is head_dim when
+// it is a compile-time constant (64, 128: fully unrolled and vectorized loops), 0 for any other.
 template <typename T, int64_t kD>
 void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cache,
                  const T* v_cache, const int32_t* block_table, int64_t seq_len, int64_t q_start,
                  int64_t q_len, T* out, std::vector<float>& scratch) {
   const int64_t D = kD ? kD : g.head_dim, B = g.block_size, G = g.group;
   const int64_t tokens = item.last - item.first;
-  const int64_t rows = tokens * G;  // row r: token first + r / G, query head kv_head * G + r % G
-  scratch.resize(rows * D * 2 + rows * 2 + rows * B + D);
+  // Row r: KV head kv_head + r / per_head; within it, token first + (r % per_head) / G and query
+  // head (kv_head + r / per_head) * G + r % G.
+  const int64_t per_head = tokens * G;
+  const int64_t rows = item.num_kv_heads * per_head;
+  scratch.resize(rows * D * 2 + rows * 2 + rows * B + 2 * B * D);
   float* qf = scratch.data();
   float* acc = qf + rows * D;
   float* row_max = acc + rows * D;
   float* row_sum = row_max + rows;
   float* p = row_sum + rows;  // [rows][B]: scores, then probabilities
-  float* buf = p + rows * B;  // one key or value as float32
+  float* kbuf = p + rows * B;  // [B][D]: the block's keys as float32
+  float* vbuf = kbuf + B * D;  // [B][D]: its values
 
   const int64_t first_pos = seq_len - q_len + item.first;  // position of the item's first token
   const int64_t last_pos = first_pos + tokens - 1;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = q_start + item.first + r / G;
-    const T* src = q + token * g.q_token + (item.kv_head * G + r % G) * g.q_head;
+    const int64_t token = q_start + item.first + (r % per_head) / G;
+    const int64_t head = (item.kv_head + r / per_head) * G + r % G;
+    const T* src = q + token * g.q_token + head * g.q_head;
     float* dst = qf + r * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]) * g.scale;
@@ -136,68 +148,68 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
     const int64_t start = std::max<int64_t>(first_key - base, 0);  // keys start..end-1 of this
     const int64_t end = std::min(B, last_pos + 1 - base);             // block are seen by some row
     const int64_t physical = block_table[block];
-    const T* kb = k_cache + physical * g.k_block + item.kv_head * g.k_head;
-    const T* vb = v_cache + physical * g.v_block + item.kv_head * g.v_head;
-    // Scores: each key is converted once and dotted with every row (the group's query heads).
-    for (int64_t i = start; i < end; ++i) {
-      const float* key = as_float<T, kD>(kb + i * g.k_slot, buf, D);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = qf + r * D;
+    const float* keys = nullptr;
+    const float* values = nullptr;
+    const int64_t k_stride = std::is_same_v<T, float> ? g.k_slot : D;
+    const int64_t v_stride = std::is_same_v<T, float> ? g.v_slot : D;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r % per_head == 0) {
+        // The block's keys and values of this row's KV head as float32 rows (converted once,
+        // shared by the head's rows).
+        const int64_t h = item.kv_head + r / per_head;
+        keys = block_as_float<T, kD>(k_cache + physical * g.k_block + h * g.k_head, g.k_slot,
+                                     start, end, kbuf, D);
+        values = block_as_float<T, kD>(v_cache + physical * g.v_block + h * g.v_head, g.v_slot,
+                                       start, end, vbuf, D);
+      }
+      float* pr = p + r * B;
+      const int64_t pos = first_pos + (r % per_head) / G;
+      const int64_t lo = g.window > 0 ? std::max(start, pos - g.window + 1 - base) : start;
+      const int64_t hi = std::min(end - 1, pos - base);  // visible keys: lo..hi
+      if (lo > hi) continue;  // a window that ends before this block's keys, or starts after
+      const float* qr = qf + r * D;
+      float block_max = kNegInf;
+      for (int64_t i = lo; i <= hi; ++i) {
+        const float* key = keys + i * k_stride;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * key[d];
-        p[r * B + i] = dot;
+        if (g.softcap > 0.0f) dot = g.softcap * std::tanh(dot / g.softcap);
+        pr[i] = dot;
+        block_max = std::max(block_max, dot);
       }
-    }
-    // Online softmax per row; keys a row does not see get probability 0.
-    for (int64_t r = 0; r < rows; ++r) {
-      float* pr = p + r * B;
-      const int64_t pos = first_pos + r / G;
-      const int64_t lo = g.window > 0 ? std::max(start, pos - g.window + 1 - base) : start;
-      const int64_t hi = std::min(end - 1, pos - base);  // visible keys: lo..hi
-      if (lo > hi) {  // a window that ends before this block's keys start, or starts after
-        std::fill(pr + start, pr + end, 0.0f);
-        continue;
-      }
-      if (g.softcap > 0.0f) {
-        for (int64_t i = lo; i <= hi; ++i) pr[i] = g.softcap * std::tanh(pr[i] / g.softcap);
-      }
-      float block_max = kNegInf;
-      for (int64_t i = lo; i <= hi; ++i) block_max = std::max(block_max, pr[i]);
+      // Online softmax: rescale what the earlier blocks summed when the max grows.
       const float new_max = std::max(row_max[r], block_max);
       const float correction = exp_nonpositive(row_max[r] - new_max);  // 0 for the first block
       float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
-      for (int64_t i = start; i < end; ++i) {
-        const bool visible = i >= lo && i <= hi;
-        const float e = exp_nonpositive((visible ? pr[i] : kNegInf) - new_max);
-        pr[i] = e;
-        block_sum += e;
+      for (int64_t i = lo; i <= hi; ++i) {
+        pr[i] = exp_nonpositive(pr[i] - new_max);
+        block_sum += pr[i];
       }
       row_sum[r] = row_sum[r] * correction + block_sum;
       row_max[r] = new_max;
-      if (correction != 1.0f) {
-        float* ar = acc + r * D;
+      // P @ V with the row's accumulator in a local array the compiler keeps in registers.
+      float a[kD ? kD : 1];
+      float* ar = kD ? a : acc + r * D;
+      if (kD) std::memcpy(a, acc + r * D, sizeof(float) * D);
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-      }
-    }
-    // P @ V: each value is converted once and added to every row.
-    for (int64_t i = start; i < end; ++i) {
-      const float* value = as_float<T, kD>(vb + i * g.v_slot, buf, D);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float pi = p[r * B + i];
-        float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
+      for (int64_t i = lo; i <= hi; ++i) {
+        const float pi = pr[i];
+        const float* value = values + i * v_stride;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ar[d] += pi * value[d];
       }
+      if (kD) std::memcpy(acc + r * D, a, sizeof(float) * D);
     }
   }
 
   const int64_t H = g.num_heads;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = q_start + item.first + r / G;
-    T* dst = out + (token * H + item.kv_head * G + r % G) * D;
+    const int64_t token = q_start + item.first + (r % per_head) / G;
+    const int64_t head = (item.kv_head + r / per_head) * G + r % G;
+    T* dst = out + (token * H + head) * D;
     const float inv = 1.0f / row_sum[r];  // every row sees at least its own position's key
     const float* ar = acc + r * D;
 #pragma omp simd
@@ -211,6 +223,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
          const std::vector<int32_t>& starts, const Geometry& g, int64_t max_q_len,
          at::Tensor& out) {
   const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
+  const int64_t threads_wanted = at::get_num_threads();
+  // With enough sequences to keep every thread busy, an item takes all KV heads of its tokens, so
+  // it reads each cache slot's [num_kv_heads, head_dim] keys contiguously (about 10% faster at 64
+  // decodes over 200 keys than an item per head); otherwise one head per item, for the threads.
+  const int64_t heads_per_item = num_seqs >= 4 * threads_wanted ? g.num_kv_heads : 1;
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
@@ -220,10 +237,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t last_pos = seq_lens[s] - q_len + last - 1;
       const int64_t keys = g.window > 0 ? std::min<int64_t>(last_pos + 1, g.window + last - first)
                                         : last_pos + 1;
-      for (int64_t h = 0; h < g.num_kv_heads; ++h) {
-        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
-                         static_cast<int32_t>(first), static_cast<int32_t>(last),
-                         (last - first) * keys});
+      for (int64_t h = 0; h < g.num_kv_heads; h += heads_per_item) {
+        items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(first),
+                         static_cast<int32_t>(last), static_cast<int32_t>(h),
+                         static_cast<int32_t>(heads_per_item),
+                         (last - first) * heads_per_item * keys});
       }
     }
   }
@@ -237,7 +255,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   T* op = out.data_ptr<T>();
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
+  const int threads = static_cast<int>(std::min<int64_t>(threads_wanted, num_items));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> scratch;
