@@ -32,6 +32,10 @@ DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# `pagedserve serve` on CPU: a prompt chunk of 2048 tokens stalls every running stream for ~1.4 s
+# there; chunks of 256 keep the served ITL p99 within ~1.5x TPOT and serve more tokens/s with long
+# prompts, but cost offline batches ~25% (BENCHMARKS.md, "Token budget on CPU").
+CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 256
 GiB = 1 << 30
 
 
@@ -99,7 +103,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None,
         "most tokens in one step; longer prompts are prefilled in chunks "
-        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
+        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs); `serve` on CPU: "
+        f"max({CPU_SERVING_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
     )
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens (default: the model's context length)"
@@ -234,6 +239,15 @@ class EngineConfig:
     def step_token_budget(self) -> int:
         """max_num_batched_tokens, or its default when unset."""
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
+    def for_serving(self) -> EngineConfig:
+        """This config as `pagedserve serve` runs it: on CPU, an unset max_num_batched_tokens
+        becomes max(CPU_SERVING_MAX_NUM_BATCHED_TOKENS, max_num_seqs), so a long prompt's prefill
+        does not stall the streams already decoding."""
+        if self.max_num_batched_tokens is not None or self.torch_device().type != "cpu":
+            return self
+        budget = max(CPU_SERVING_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
     def model_len(self, context_length: int) -> int:
         """max_model_len, or when unset the model's `context_length`; ValueError beyond it."""

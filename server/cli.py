@@ -88,7 +88,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    config = args.config_cls.from_cli_args(args)
+    config = args.config_cls.from_cli_args(args).for_serving()
     endpoint = TPEndpoint.from_torchrun()
     if endpoint is not None:  # every rank of a tensor-parallel engine started by torchrun
         if args.data_parallel_size != 1:

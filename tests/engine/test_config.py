@@ -648,3 +648,16 @@ def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():
     want = torch.bfloat16 if cpu_computes_bf16() else torch.float32  # this machine's answer
     assert EngineConfig().torch_dtype(cpu) == want
     assert EngineConfig(dtype="float32").torch_dtype(cpu) == torch.float32
+
+
+def test_serving_on_cpu_prefills_in_chunks_of_256_unless_told(monkeypatch):
+    cpu = EngineConfig(device="cpu")
+    assert cpu.step_token_budget == 2048  # offline batches keep the large budget
+    assert cpu.for_serving().step_token_budget == 256
+    assert EngineConfig(device="cpu", max_num_seqs=300).for_serving().step_token_budget == 300
+    told = EngineConfig(device="cpu", max_num_batched_tokens=4096)
+    assert told.for_serving() is told
+    # On CUDA serving keeps the offline default (torch sees a device only where there is one).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = EngineConfig(device="cuda")
+    assert gpu.for_serving() is gpu and gpu.step_token_budget == 2048
