@@ -1,7 +1,8 @@
-"""Micro-benchmark of the attention kernels on CPU: milliseconds per call, i.e. per layer.
+"""Micro-benchmark of the attention kernels on CPU: milliseconds per call, i.e. per layer, for
+each backend side by side (the compiled `cpu` kernel and the `torch` reference by default).
 
     python -m bench.attention_cpu                      # SmolLM2-135M shapes, fp32 and bf16
-    python -m bench.attention_cpu --threads 1 --iters 50
+    python -m bench.attention_cpu --threads 1 --iters 50 --backends cpu
 
 Scenarios (each over a paged cache with the sequences' blocks scattered at random):
   decode   --batch sequences, one new token each, context ~--context tokens (+-25%)
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-layers", type=int, default=30, help="for the per-step estimate")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     parser.add_argument("--scenarios", default="decode,prefill,mixed")
+    parser.add_argument(
+        "--backends", default="cpu,torch", help="comma-separated; the last is the ratio's base"
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -110,11 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"{args.num_heads} q heads / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, "
-        f"block {args.block_size}; backend {kernels.select_backend(torch.device('cpu'))}"
+        f"block {args.block_size}; backends {args.backends}"
     )
+    backends = [kernels.get_backend(kernels.resolve_backend(b, torch.device("cpu")))
+                for b in args.backends.split(",")]  # fmt: skip
+    base = args.backends.split(",")[-1]
     print(
-        f"{'scenario':<9} {'dtype':<5} {'tokens':>6} {'cache ms':>9} {'attn ms':>9} "
-        f"{'x' + str(args.num_layers) + ' layers ms':>15}"
+        f"{'scenario':<9} {'dtype':<5} {'backend':<7} {'tokens':>6} {'cache ms':>9} "
+        f"{'attn ms':>9} {'x' + str(args.num_layers) + ' layers ms':>15} {base + ' / this':>12}"
     )
     for name in args.scenarios.split(","):
         seqs = scenarios[name]
@@ -122,31 +129,32 @@ def main(argv: list[str] | None = None) -> None:
             t = build(seqs, args, DTYPES[dtype_name])
             out = torch.empty_like(t["q"])
 
-            def write(t=t) -> None:
-                kernels.reshape_and_cache(
-                    t["k"], t["v"], t["k_cache"], t["v_cache"], t["slot_mapping"]
-                )
+            results = []
+            for ops in backends:
 
-            def attend(t=t, out=out) -> None:
-                kernels.paged_attention(
-                    t["q"],
-                    t["k_cache"],
-                    t["v_cache"],
-                    t["block_tables"],
-                    t["seq_lens"],
-                    t["query_start_loc"],
-                    scale,
-                    out=out,
-                )
+                def write(t=t, ops=ops) -> None:
+                    ops.reshape_and_cache(
+                        t["k"], t["v"], t["k_cache"], t["v_cache"], t["slot_mapping"]
+                    )
 
-            write()
-            cache_ms = time_ms(write, args.iters, args.repeats)
-            attn_ms = time_ms(attend, args.iters, args.repeats)
-            step_ms = args.num_layers * (cache_ms + attn_ms)
-            print(
-                f"{name:<9} {dtype_name:<5} {t['q'].shape[0]:>6} {cache_ms:>9.3f} {attn_ms:>9.3f} "
-                f"{step_ms:>15.1f}"
-            )
+                def attend(t=t, out=out, ops=ops) -> None:
+                    ops.paged_attention(
+                        t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
+                        t["query_start_loc"], scale, out=out,
+                    )  # fmt: skip
+
+                write()
+                cache_ms = time_ms(write, args.iters, args.repeats)
+                attn_ms = time_ms(attend, args.iters, args.repeats)
+                results.append((cache_ms, attn_ms, args.num_layers * (cache_ms + attn_ms)))
+            for backend, (cache_ms, attn_ms, step_ms) in zip(
+                args.backends.split(","), results, strict=True
+            ):
+                print(
+                    f"{name:<9} {dtype_name:<5} {backend:<7} {t['q'].shape[0]:>6} "
+                    f"{cache_ms:>9.3f} {attn_ms:>9.3f} {step_ms:>15.1f} "
+                    f"{results[-1][1] / attn_ms:>11.2f}x"
+                )
 
 
 if __name__ == "__main__":

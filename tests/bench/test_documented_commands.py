@@ -152,9 +152,13 @@ def test_attention_cpu_runs_as_written():
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert "backend torch" in lines[0]
-    rows = [line.split()[:2] for line in lines[2:]]
-    assert rows == [[s, d] for s in ("decode", "prefill", "mixed") for d in ("fp32", "bf16")]
+    assert "backends cpu,torch" in lines[0]
+    rows = [line.split()[:3] for line in lines[2:]]
+    assert rows == [
+        [s, d, b] for s in ("decode", "prefill", "mixed") for d in ("fp32", "bf16")
+        for b in ("cpu", "torch")
+    ]  # fmt: skip
+    assert all(line.endswith("1.00x") for line in lines[3::2])  # torch against itself
 
 
 def test_pagedserve_help_lists_its_commands():
