@@ -211,6 +211,7 @@ class EngineCore:
                 ngram_max=config.speculative_ngram_max,
                 kv_group_windows=self.kv_plan.windows,
                 num_host_blocks=self.num_host_blocks,
+                max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding or 0,
             )
         )
         # Structured outputs: grammars compiling (their samples wait here, not in the

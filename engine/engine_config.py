@@ -33,9 +33,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # `pagedserve serve` on CPU: a prompt chunk of 2048 tokens stalls every running stream for ~1.4 s
-# there; chunks of 256 keep the served ITL p99 within ~1.5x TPOT and serve more tokens/s with long
-# prompts, but cost offline batches ~25% (BENCHMARKS.md, "Token budget on CPU").
-CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 256
+# there, so while streams decode, a step's prompt tokens are capped at the prompts' share of the
+# budget or this floor (Scheduler._prefill_cap; BENCHMARKS.md, "Prefill while decoding on CPU").
+CPU_SERVING_PREFILL_WHILE_DECODING = 256
 GiB = 1 << 30
 
 
@@ -103,8 +103,14 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None,
         "most tokens in one step; longer prompts are prefilled in chunks "
-        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs); `serve` on CPU: "
-        f"max({CPU_SERVING_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
+        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
+    )
+    max_prefill_tokens_while_decoding: int | None = option(
+        None,
+        "in a step where streams decode, prompt tokens (new prompts and prefill chunks) take at "
+        "most the prompts' per-request share of the token budget, or this many if more, so long "
+        "prompts do not stall the streams; a step without decodes takes the whole budget "
+        f"(default: no cap; `serve` on CPU: {CPU_SERVING_PREFILL_WHILE_DECODING})",
     )
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens (default: the model's context length)"
@@ -205,6 +211,7 @@ class EngineConfig:
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
+            "max_prefill_tokens_while_decoding",
             "max_model_len",
             "kv_cache_memory",
             "num_kv_blocks",
@@ -241,13 +248,16 @@ class EngineConfig:
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
     def for_serving(self) -> EngineConfig:
-        """This config as `pagedserve serve` runs it: on CPU, an unset max_num_batched_tokens
-        becomes max(CPU_SERVING_MAX_NUM_BATCHED_TOKENS, max_num_seqs), so a long prompt's prefill
-        does not stall the streams already decoding."""
-        if self.max_num_batched_tokens is not None or self.torch_device().type != "cpu":
+        """This config as `pagedserve serve` runs it: on CPU an unset
+        max_prefill_tokens_while_decoding becomes CPU_SERVING_PREFILL_WHILE_DECODING, so a long
+        prompt's prefill does not stall the streams already decoding. (Offline batches keep no
+        cap: it would cost them throughput, and nobody watches their inter-token latency.)"""
+        if self.max_prefill_tokens_while_decoding is not None:
             return self
-        budget = max(CPU_SERVING_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
-        return dataclasses.replace(self, max_num_batched_tokens=budget)
+        if self.torch_device().type != "cpu":
+            return self
+        cap = CPU_SERVING_PREFILL_WHILE_DECODING
+        return dataclasses.replace(self, max_prefill_tokens_while_decoding=cap)
 
     def model_len(self, context_length: int) -> int:
         """max_model_len, or when unset the model's `context_length`; ValueError beyond it."""

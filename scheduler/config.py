@@ -37,6 +37,11 @@ class SchedulerConfig:
     # Swap preemption: blocks of the host pool that preempted requests' KV moves to (and back
     # from when they resume); 0: preemption always recomputes.
     num_host_blocks: int = 0
+    # In a step where some request decodes, prompt tokens (new prompts and prefill chunks) take at
+    # most the prompts' per-request share of the budget, or this many if more, so a long prompt
+    # does not stall the streams (Scheduler._prefill_cap); 0: no cap beyond the budget. A step
+    # without decodes (a burst of arrivals) takes the whole budget.
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -45,6 +50,8 @@ class SchedulerConfig:
         assert type(self.max_model_len) is int and self.max_model_len >= 1, self.max_model_len
         assert isinstance(self.enable_prefix_caching, bool), self.enable_prefix_caching
         assert type(self.num_host_blocks) is int and self.num_host_blocks >= 0, self.num_host_blocks
+        cap = self.max_prefill_tokens_while_decoding
+        assert type(cap) is int and cap >= 0, cap
         assert self.num_speculative_tokens >= 0, self.num_speculative_tokens
         assert 1 <= self.ngram_min <= self.ngram_max, (self.ngram_min, self.ngram_max)
         need = blocks_per_request(

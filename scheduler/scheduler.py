@@ -221,6 +221,8 @@ class Scheduler:
         running = self.running
         spec_k = self.config.num_speculative_tokens
         spec_tokens: dict[str, tuple[int, ...]] = {}
+        # Prompt tokens this step may still take (None: only the token budget limits them).
+        prefill_left = self._prefill_cap(running)
         index = 0
         # The hot loop of a decode step (one pass per running request): attribute reads are
         # inlined rather than going through Request's properties.
@@ -242,6 +244,9 @@ class Scheduler:
                 index += 1
                 continue
             num_new_tokens = min(target - request.num_computed_tokens, token_budget)
+            if prefill_left is not None and num_new_tokens > 1:  # a prefill chunk
+                num_new_tokens = min(num_new_tokens, prefill_left)
+                prefill_left -= num_new_tokens
             if num_new_tokens == 0:
                 index += 1
                 continue
@@ -315,6 +320,10 @@ class Scheduler:
                     # vLLM v1). Its own full blocks are still cached for later requests.
                     computed_blocks, num_cached_tokens = [], 0
                 num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
+                if prefill_left is not None:
+                    if prefill_left == 0:
+                        break  # the streams decoding come first; it starts next step
+                    num_new_tokens = min(num_new_tokens, prefill_left)
                 if (
                     self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
                     is None
@@ -329,6 +338,8 @@ class Scheduler:
                 new_requests.append(self._new_request_data(request))
                 self._advance(request, num_new_tokens, num_scheduled, sampling)
                 token_budget -= num_new_tokens
+                if prefill_left is not None:
+                    prefill_left -= num_new_tokens
 
         self._step_id += 1
         if sampling:
@@ -414,6 +425,31 @@ class Scheduler:
         if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             sampling.append(request)
+
+    def _prefill_cap(self, running: list[Request]) -> int | None:
+        """How many prompt tokens this step may take, when some running request decodes (one
+        token to compute) and `max_prefill_tokens_while_decoding` is set; else None.
+
+        The budget is shared per request: prompts get the waiting and prefilling requests' share
+        of it, and never less than the cap. So a stream or two decoding while a burst of prompts
+        arrives barely slows the burst (one stall for few streams), while many streams decoding
+        as one long prompt arrives stall for at most the cap's worth of prefill per step."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if not cap:
+            return None
+        decoding = prefilling = 0
+        for request in running:
+            left = len(request.all_token_ids) + request.num_output_placeholders
+            left -= request.num_computed_tokens
+            if left == 1:
+                decoding += 1
+            elif left > 1:
+                prefilling += 1
+        if not decoding:
+            return None
+        wanting = prefilling + len(self.waiting)
+        share = self.config.max_num_batched_tokens * wanting // (wanting + decoding)
+        return max(cap, share)
 
     def _swap_in(
         self,

@@ -650,14 +650,17 @@ def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():
     assert EngineConfig(dtype="float32").torch_dtype(cpu) == torch.float32
 
 
-def test_serving_on_cpu_prefills_in_chunks_of_256_unless_told(monkeypatch):
+def test_serving_on_cpu_caps_prefill_while_decoding_unless_told(monkeypatch):
     cpu = EngineConfig(device="cpu")
-    assert cpu.step_token_budget == 2048  # offline batches keep the large budget
-    assert cpu.for_serving().step_token_budget == 256
-    assert EngineConfig(device="cpu", max_num_seqs=300).for_serving().step_token_budget == 300
-    told = EngineConfig(device="cpu", max_num_batched_tokens=4096)
+    assert cpu.max_prefill_tokens_while_decoding is None  # offline batches: no cap
+    served = cpu.for_serving()
+    assert served.max_prefill_tokens_while_decoding == 256
+    assert served.step_token_budget == cpu.step_token_budget == 2048
+    told = EngineConfig(device="cpu", max_prefill_tokens_while_decoding=1024)
     assert told.for_serving() is told
-    # On CUDA serving keeps the offline default (torch sees a device only where there is one).
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be a positive"):
+        EngineConfig(max_prefill_tokens_while_decoding=0)
+    # On CUDA serving keeps no cap (torch sees a device only where there is one).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = EngineConfig(device="cuda")
-    assert gpu.for_serving() is gpu and gpu.step_token_budget == 2048
+    assert gpu.for_serving() is gpu

@@ -735,3 +735,41 @@ def test_empty_schedule() -> None:
     assert output.is_empty
     assert scheduler.update_from_output(output, {}) == []
     assert not scheduler.has_unfinished_requests()
+
+
+def test_prefill_takes_its_share_or_the_cap_only_while_streams_decode() -> None:
+    scheduler = make_scheduler(
+        max_prefill_tokens_while_decoding=3, max_num_batched_tokens=12, num_blocks=16
+    )
+    for name, prompt in zip("abcd", ([1, 2], [3, 4], [5, 6], [7, 8]), strict=True):
+        add(scheduler, name, prompt)
+    # Nobody decodes yet: the whole budget.
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == 8
+    scheduler.update_from_output(output, dict(zip("abcd", (10, 11, 12, 13), strict=True)))
+    add(scheduler, "long", list(range(20, 30)))
+    # 4 streams decode, 1 prompt wants in: its share, 12 x 1/5, is under the cap, so 3 tokens.
+    output = scheduler.schedule()
+    assert [(i.request_id, i.token_ids) for i in output.scheduled] == [
+        ("a", (10,)), ("b", (11,)), ("c", (12,)), ("d", (13,)), ("long", (20, 21, 22)),
+    ]  # fmt: skip
+    scheduler.update_from_output(output, dict(zip("abcd", (14, 15, 16, 17), strict=True)))
+    add(scheduler, "next", [40, 41])
+    # 2 prompts want in: their share is 12 x 2/6 = 4 tokens, all to the running chunk first.
+    output = scheduler.schedule()
+    assert [(i.request_id, i.token_ids) for i in output.scheduled][4:] == [
+        ("long", (23, 24, 25, 26)),
+    ]
+    assert scheduler.num_waiting == 1
+    for name in "abcd":
+        scheduler.abort(name)
+    scheduler.update_from_output(output, {})
+    # Nobody decodes any more: uncapped.
+    output = scheduler.schedule()
+    assert [(i.request_id, i.token_ids) for i in output.scheduled] == [
+        ("long", (27, 28, 29)),
+        ("next", (40, 41)),
+    ]
+    scheduler.abort("long")
+    scheduler.abort("next")
+    assert_no_block_in_use(scheduler)
