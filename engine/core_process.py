@@ -217,7 +217,13 @@ class ProcessEngine(EngineClient):
         with self._state_lock:
             self._fail_all(EngineDeadError("the server is shutting down"))
             if self._process.is_alive():
-                self._input.send(self._encoder.encode(Shutdown()))
+                try:
+                    # Not blocking: a core that a signal to the whole process group has just
+                    # ended has no socket left, and a PUSH socket with no peer would wait for
+                    # one forever (seen after `kill -TERM -- -PGID`, about one time in three).
+                    self._input.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # _stop_process ends or reaps it
         self._stop_process(timeout)
         if self._receiver is not None:
             self._receiver.join(timeout)

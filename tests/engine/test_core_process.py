@@ -253,3 +253,21 @@ def test_a_killed_core_fails_every_stream_and_marks_the_engine_dead(tiny_llama_d
     assert len(died) == 1 and not engine.is_running
     assert str(engine.error) == "the engine core process exited with code -9"
     assert not process_alive(engine.pid)
+
+
+def test_shutdown_does_not_wait_for_a_core_that_just_died(tiny_llama_dir, monkeypatch):
+    # A signal to the whole process group ends the core as the server starts to shut down: the
+    # core may still look alive when shutdown() sends it the stop message, but its socket is
+    # gone, and a blocking send on a PUSH socket with no peer never returns.
+    engine = ProcessEngine(_config(tiny_llama_dir))
+    engine.start()
+    pid = engine.pid
+    os.kill(pid, signal.SIGKILL)
+    while process_alive(pid):
+        time.sleep(0.01)
+    time.sleep(0.5)  # ZeroMQ has dropped the peer
+    monkeypatch.setattr(engine._process, "is_alive", lambda: True)  # as seen a moment earlier
+    start = time.monotonic()
+    engine.shutdown(timeout=1.0)
+    assert time.monotonic() - start < 10
+    assert engine._process.exitcode == -signal.SIGKILL
