@@ -201,10 +201,13 @@ def test_a_rewind_and_an_abort_reach_the_owning_core(dp_engine):
         # goes to core 1, the less loaded.
         busy = dp_engine.add_request("busy", [5, 6, 7], params)
         assert dp_engine.router.loads == [253, 0]
+        # 64 tokens: room to rewind before the request ends, however many tokens one output
+        # brings (with 12, the core once finished before the client saw the 8th).
         lengths, last = await stream_with_rewind(
-            dp_engine, "rw", [9, 8, 7], SamplingParams(max_tokens=12, temperature=0), 8, 3
+            dp_engine, "rw", [9, 8, 7], SamplingParams(max_tokens=64, temperature=0), 8, 3
         )
-        assert lengths[-1] == 12 and 8 in lengths and last.finished
+        assert lengths[-1] == 64 and last.finished
+        assert any(b < a for a, b in zip(lengths, lengths[1:], strict=False))  # it was rewound
         now = [s.num_requests_added for s in dp_engine.core_stats]
         assert [now[0] - added[0], now[1] - added[1]] == [1, 1]
         # An abort reaches the core that owns the request: its output says so at once.
