@@ -68,7 +68,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
 # Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
-# for decode, even at 4 new tokens over a 1k context, and slower from 8 new tokens on.
+# for decode and still even at 4 new tokens over a 1k context; from 8 new tokens over long
+# contexts, and for whole prompts, SDPA is faster.
 KERNEL_MAX_NEW_TOKENS = 4
 # No -ffast-math: the kernel's -inf handling needs IEEE infinities.
 CXX_FLAGS = (
@@ -165,7 +166,14 @@ def available() -> bool:
         except (OSError, RuntimeError) as exc:
             logger.warning("CPU attention kernel not built, using the torch reference: %s", exc)
             return False
-    torch.ops.load_library(str(target))
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as exc:  # a damaged file, or one built for another torch
+        logger.warning(
+            "CPU attention kernel %s not loaded, using the torch reference (delete it to "
+            "rebuild): %s", target, exc,
+        )  # fmt: skip
+        return False
     return True
 
 

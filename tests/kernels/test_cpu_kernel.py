@@ -249,3 +249,22 @@ print("available", cpu_ops.available())
         "the slower torch reference"
     ]
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def test_a_damaged_build_is_reported_and_the_reference_used(tmp_path):
+    code = """
+import logging, torch, kernels
+from kernels import cpu_ops
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+path = cpu_ops.library_path()
+path.parent.mkdir(parents=True)
+path.write_bytes(b"not a shared library")
+print("backend", kernels.select_backend(torch.device("cpu")))
+"""
+    env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path))
+    env.pop(kernels.BACKEND_ENV, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert done.stdout.strip() == "backend torch"
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "not loaded, using the torch reference (delete it" in warnings[0]
