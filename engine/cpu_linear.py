@@ -1,13 +1,12 @@
-"""Linear layers with weights pre-packed for oneDNN, for bfloat16 on CPU.
+"""Linear layers with weights pre-packed for oneDNN, for bfloat16 and float32 on CPU.
 
 `F.linear` in bf16 on CPU reorders the weight into oneDNN's blocked layout on every call; for
 the small row counts of decode steps that reorder costs as much as the matmul, so the weights
-are packed once at load time (measured: BENCHMARKS.md, "What changed on the way"). The packed
-copy lives next to the parameter (as an attribute), so the plain weight stays usable for
-embeddings and references.
-
-float32 keeps plain `F.linear`: its results must match transformers' bit for bit in the parity
-tests, and oneDNN's packed kernels accumulate in a different order.
+are packed once at load time (measured: BENCHMARKS.md, "What changed on the way"). In float32,
+oneDNN's packed kernels run a decode step's matmuls 2-4x faster than `F.linear`'s (BENCHMARKS.md,
+"CPU attention kernel"); they accumulate in another order, a few ulps apart, and the parity
+tests' greedy tokens still equal transformers'. The packed copy lives next to the parameter (as
+an attribute), so the plain weight stays usable for embeddings and references.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _PACKED = "_pagedserve_onednn_packed"
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 # /proc/cpuinfo flags of CPUs that compute bf16 in hardware (dot products, AMX tiles).
@@ -41,9 +41,12 @@ def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where packing applies: bf16 on a CPU whose oneDNN build has bf16 kernels."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """True where packing applies: float32 on a CPU with oneDNN, bf16 where its oneDNN build has
+    bf16 kernels."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES:
         return False
+    if dtype == torch.float32:
+        return torch.backends.mkldnn.is_available()
     mkldnn = getattr(torch.ops, "mkldnn", None)
     try:
         return bool(torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported())
@@ -52,10 +55,11 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack(weight: nn.Parameter) -> None:
-    """Attach a oneDNN-packed copy of a [out, in] bf16 weight; `linear` then uses it."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    """Attach a oneDNN-packed copy of a [out, in] bf16 or float32 weight; `linear` then uses it
+    for inputs of the weight's dtype."""
+    if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
         raise ValueError(
-            f"only 2-D bfloat16 CPU weights can be packed, got {tuple(weight.shape)} "
+            f"only 2-D bfloat16 or float32 CPU weights can be packed, got {tuple(weight.shape)} "
             f"{weight.dtype} on {weight.device}"
         )
     setattr(weight, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
@@ -74,6 +78,6 @@ def is_packed(weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the packed weight when there is one."""
     packed = getattr(weight, _PACKED, None)
-    if packed is None or x.dtype != torch.bfloat16:
+    if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -376,7 +376,8 @@ class CausalLM(nn.Module):
             layer.self_attn.calibrate_dtype = dtype
 
     def pack_linear_weights(self) -> None:
-        """Pre-pack every dense matmul weight for oneDNN (bf16 on CPU; see engine/cpu_linear.py).
+        """Pre-pack every dense matmul weight for oneDNN (bf16 and float32 on CPU; see
+        engine/cpu_linear.py).
         The experts' stacked weights are not matmul weights of `linear`, and stay as they are."""
         for layer in self.layers:
             weights = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]

@@ -1,4 +1,5 @@
-"""oneDNN-packed bf16 linears on CPU: same results as F.linear, used by the bf16 CPU engine."""
+"""oneDNN-packed bf16 and float32 linears on CPU: same results as F.linear up to rounding, used
+by the CPU engine in both dtypes."""
 
 from __future__ import annotations
 
@@ -34,10 +35,26 @@ def test_packed_linear_matches_f_linear(rows, bias):
     torch.testing.assert_close(linear(x32, w.float()), F.linear(x32, w.float()))
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_packed_float32_linear_matches_f_linear_to_rounding(rows):
+    torch.manual_seed(rows)
+    w = torch.nn.Parameter(torch.randn(3072, 576), requires_grad=False)
+    x = torch.randn(rows, 576)
+    expected = F.linear(x, w)
+    pack(w)
+    got = linear(x, w)
+    # float32 accumulation in another order: a few ulps of outputs of size ~100.
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
+    assert not torch.equal(got, expected) or rows == 1  # it did go through oneDNN's kernel
+
+
 def test_pack_refuses_what_it_cannot_pack():
-    with pytest.raises(ValueError, match="2-D bfloat16 CPU"):
-        pack(torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False))
-    assert not can_pack(torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="2-D bfloat16 or float32 CPU"):
+        pack(torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float16), requires_grad=False))
+    with pytest.raises(ValueError, match="2-D bfloat16 or float32 CPU"):
+        pack(torch.nn.Parameter(torch.zeros(4), requires_grad=False))
+    assert can_pack(torch.device("cpu"), torch.float32)
+    assert not can_pack(torch.device("cpu"), torch.float16)
     assert not can_pack(torch.device("meta"), torch.bfloat16)
 
 
@@ -57,7 +74,7 @@ def test_bf16_engine_packs_and_generates_like_unpacked(tiny_llama_dir):
     plain_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert packed_out == plain_out
     fp32 = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
-    assert not is_packed(fp32.engine.model.layers[0].mlp.down_proj)
+    assert is_packed(fp32.engine.model.layers[0].mlp.down_proj)
 
 
 def _mlp(layer):
