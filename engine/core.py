@@ -37,6 +37,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
 from engine.model_source import ModelSource, resolve_model
 from engine.parallel import TPEndpoint, TPGroup, describe_shards, free_port, plan_shards
+from engine.quantized_linear import describe, keep_quantized
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import eos_token_ids, load_tokenizer
 from engine.weights import load_weights
@@ -250,13 +251,21 @@ class EngineCore:
                 )
         finally:
             torch.set_default_dtype(previous)
-        weights = load_weights(self.source, self.config.load_format)
+        keep = keep_quantized(
+            self.config.quantization,
+            self.source.kind,
+            self.device,
+            self.dtype,
+            sharded=self.shard is not None,
+        )
+        weights = load_weights(self.source, self.config.load_format, keep_quantized=keep)
         if self.shard is not None:
             weights = self.shard.slice_weights(weights, self.model_config)
         model.load_weights(weights)
         model.use_kv_cache_dtype(self.kv_cache_dtype)
-        if can_pack(self.device, self.dtype):
-            model.pack_linear_weights()
+        kept = model.prepare_matmul_weights(pack_dense=can_pack(self.device, self.dtype))
+        if kept and self.is_driver:
+            logger.info(describe(kept, self.dtype))
         return model.eval()
 
     def _profile_kv_cache_budget(self) -> int:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quantized_linear import quantized
+
 _PACKED = "_pagedserve_onednn_packed"
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -76,7 +78,11 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the packed weight when there is one."""
+    """`F.linear(x, weight, bias)`, through the weight kept quantized (engine/quantized_linear.py)
+    or the packed weight when there is one."""
+    kept = quantized(weight)
+    if kept is not None:
+        return kept.linear(x, bias)
     packed = getattr(weight, _PACKED, None)
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from engine.cpu_linear import cpu_computes_bf16
+from engine.quantized_linear import QUANTIZATIONS
 from kernels import BACKENDS, FP8_KV_DTYPES
 
 DTYPES = {
@@ -77,6 +78,13 @@ class EngineConfig:
         "auto",
         "how to read the weights; dummy = random weights of the model's shapes",
         choices=LOAD_FORMATS,
+    )
+    quantization: str = option(
+        "auto",
+        "a GGUF file's Q4_0/Q4_1/Q8_0 matmul weights: gguf = kept quantized (int4/int8, 4x less "
+        "memory and bandwidth than bfloat16; CPU in bfloat16 only), none = dequantized to the "
+        "dtype at load (faster for large batches), auto = gguf where it can be, else none",
+        choices=QUANTIZATIONS,
     )
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     dtype: str = option(

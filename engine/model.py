@@ -42,6 +42,7 @@ from engine.cpu_linear import linear, pack
 from engine.kv_cache import kv_cache_groups
 from engine.model_config import ModelConfig
 from engine.parallel import TPGroup, TPShard
+from engine.quantized_linear import QuantizedRows, QuantizedWeight, attach, quantized
 from engine.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
@@ -314,6 +315,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else _empty(vocab_rows, config.hidden_size)
         )
+        self._quantized_rows: dict[int, list[tuple[int, QuantizedRows]]] = {}  # load_weights'
 
     def _rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
         if self.local_rotary is not None and layer.self_attn.sliding_window is not None:
@@ -339,6 +341,9 @@ class CausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
+            kept = quantized(self.embed_tokens)  # a tied embedding kept in int8
+            if kept is not None:
+                return kept.embedding(input_ids)
             return F.embedding(input_ids, self.embed_tokens)
         # Vocab-parallel: ids outside this rank's rows look up zeros; the sum over the ranks
         # holds each id's one real row.
@@ -375,24 +380,50 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.calibrate_dtype = dtype
 
-    def pack_linear_weights(self) -> None:
-        """Pre-pack every dense matmul weight for oneDNN (bf16 and float32 on CPU; see
-        engine/cpu_linear.py).
-        The experts' stacked weights are not matmul weights of `linear`, and stay as they are."""
+    def matmul_weights(self) -> list[nn.Parameter]:
+        """The dense matmul weights `linear` multiplies by: q/k/v, o, the MLP's gate/up and down
+        per layer, and the lm_head (the embedding when tied). The experts' stacked weights are not
+        among them (`fused_moe` reads them)."""
+        weights = []
         for layer in self.layers:
-            weights = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            weights += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             if isinstance(layer.mlp, MLP):
                 weights += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-            for weight in weights:
-                pack(weight)
-        pack(self.embed_tokens if self.lm_head is None else self.lm_head)
+        weights.append(self.embed_tokens if self.lm_head is None else self.lm_head)
+        return weights
+
+    def prepare_matmul_weights(self, *, pack_dense: bool) -> list[QuantizedWeight]:
+        """After `load_weights`: keep quantized each matmul weight whose rows all came quantized
+        (engine/quantized_linear.py; a tied embedding only in int8, whose lookups can read it),
+        freeing its dense values; pre-pack the others for oneDNN when `pack_dense` (bf16 and
+        float32 on CPU; see engine/cpu_linear.py). Returns the weights kept quantized."""
+        kept = []
+        tied = self.embed_tokens if self.lm_head is None else None
+        for param in self.matmul_weights():
+            rows = self._quantized_rows.pop(param.untyped_storage().data_ptr(), None)
+            if rows is not None and sum(r.shape[0] for _, r in rows) == param.shape[0]:
+                whole = QuantizedRows.cat([r for _, r in sorted(rows, key=lambda pr: pr[0])])
+                if QuantizedWeight.supports(whole) and (param is not tied or whole.kind == "int8"):
+                    weight = QuantizedWeight.build(whole)
+                    attach(param, weight)
+                    kept.append(weight)
+                    continue
+            if pack_dense:
+                pack(param)
+        self._quantized_rows.clear()
+        return kept
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]]) -> None:
         """Copy Hugging Face-named tensors into the (stacked) parameters; every parameter must be
-        written exactly once or a ValueError names what is missing or unexpected."""
+        written exactly once or a ValueError names what is missing or unexpected. Quantized rows
+        (a GGUF file's, engine/weights.py `iter_gguf_weights(keep_quantized=True)`) are written
+        dequantized and kept for `prepare_matmul_weights`."""
         targets = self._weight_targets()
+        # Parameter storage -> (address of the rows' view, the rows): views of a fused weight
+        # (q/k/v, gate/up) start at increasing addresses, which orders its parts.
+        self._quantized_rows: dict[int, list[tuple[int, QuantizedRows]]] = {}
         kv_scales = self._kv_scale_targets()
         shapes = self.config.weight_shapes()
         for name, param in (("model.embed_tokens.weight", self.embed_tokens),
@@ -403,6 +434,9 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding anyway
+            rows = tensor if isinstance(tensor, QuantizedRows) else None
+            if rows is not None:
+                tensor = rows.dequantize()
             if name in kv_scales:
                 if tensor.numel() != 1:
                     raise ValueError(
@@ -428,6 +462,9 @@ class CausalLM(nn.Module):
                 )
             dest.copy_(tensor)
             filled[key] += tensor.numel()
+            if rows is not None:
+                storage = dest.untyped_storage().data_ptr()
+                self._quantized_rows.setdefault(storage, []).append((dest.data_ptr(), rows))
         missing = [key for key, n in filled.items() if n < math.prod(shapes[key])]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from engine.engine_config import LOAD_FORMATS
 from engine.model_config import ModelConfig
 from engine.model_source import GGUFFile, ModelSource
+from engine.quantized_linear import KEPT_TYPES, QuantizedRows, gguf_rows
 
 # GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.), as
 # llama.cpp's converter maps them (gguf.TensorNameMap); families that differ override entries.
@@ -131,19 +132,29 @@ def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def _is_matmul_weight(name: str) -> bool:
+    """A 2-D weight `linear` multiplies by (projections, lm_head, a possibly tied embedding), as
+    opposed to norms, biases, routers and stacked experts."""
+    return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+
+
 def iter_gguf_weights(
     path: str | Path | gguf.GGUFReader,
     config: ModelConfig,
     *,
     dtype: torch.dtype | None = None,
     progress: bool = True,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Dequantize every tensor of a GGUF file into `(hf_name, tensor)` (float32 unless `dtype`).
 
     `path` may also be an open `gguf.GGUFReader`, to avoid parsing the file twice. What
     llama.cpp's converter changed is undone: the row permutation of q/k weights (and biases) of
     llama/mistral/mixtral files, and the 1 + w it stores for Gemma's norms. Every tensor is
     checked against the shape `config` expects (`gguf_weight_shapes`).
+
+    `keep_quantized`: Q4_0 / Q4_1 / Q8_0 matmul weights come as `QuantizedRows` (their codes and
+    scales, rows unpermuted likewise) instead (engine/quantized_linear.py).
     """
     reader = path if isinstance(path, gguf.GGUFReader) else GGUFFile(path)
     expected = gguf_weight_shapes(config)
@@ -154,17 +165,27 @@ def iter_gguf_weights(
             continue
         if name not in expected:
             raise ValueError(f"GGUF tensor {t.name!r} ({name}) does not belong to this config")
-        # dequantize returns numpy in row-major [out, in], i.e. the GGUF shape reversed, which
-        # is already torch's nn.Linear layout.
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = arr.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
-        if arr.shape != expected[name]:
+        # GGUF lists dimensions innermost first: reversed, the shape is torch's [out, in].
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if shape != expected[name]:
             raise ValueError(
-                f"GGUF tensor {t.name!r} has shape {arr.shape}, config expects {expected[name]} "
+                f"GGUF tensor {t.name!r} has shape {shape}, config expects {expected[name]} "
                 f"for {name}"
             )
+        heads = None
         if permuted and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+        if keep_quantized and t.tensor_type in KEPT_TYPES and _is_matmul_weight(name):
+            rows = gguf_rows(t.data, t.tensor_type, shape)
+            yield (
+                name,
+                rows
+                if heads is None
+                else rows.select_rows(lambda a, heads=heads: unpermute_qk(a, heads)),
+            )
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if heads is not None:
             arr = unpermute_qk(arr, heads)
         if config.is_gemma and name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights w as the factor 1 + w.
@@ -275,12 +296,14 @@ def load_weights(
     *,
     dtype: torch.dtype | None = None,
     progress: bool = True,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
     """Weights of `source` in Hugging Face naming.
 
     load_format "auto" picks by source kind (hf_dir -> safetensors, gguf -> gguf, dummy ->
     dummy); "dummy" works for any source. `dtype` None keeps the stored dtype (float32 for GGUF
-    and dummy weights).
+    and dummy weights). `keep_quantized`: a GGUF file's quantized matmul weights come as
+    `QuantizedRows` (`iter_gguf_weights`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {LOAD_FORMATS}")
@@ -301,4 +324,6 @@ def load_weights(
             f"{source.kind} source"
         )
     gguf_input = source.gguf_file if source.gguf_reader is None else source.gguf_reader
-    return iter_gguf_weights(gguf_input, source.config, dtype=dtype, progress=progress)
+    return iter_gguf_weights(
+        gguf_input, source.config, dtype=dtype, progress=progress, keep_quantized=keep_quantized
+    )

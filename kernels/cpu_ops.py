@@ -1,8 +1,10 @@
 """The compiled CPU backend: paged attention from `kernels/csrc/cpu_attention.cpp`, the other ops
-from `kernels.reference`. `kernels.get_backend("cpu")` returns this module.
+from `kernels.reference`. `kernels.get_backend("cpu")` returns this module. The same library holds
+the GEMM for weights kept quantized (`kernels/csrc/cpu_quant.cpp`) that
+`engine/quantized_linear.py` uses for steps of many rows.
 
-The C++ source is compiled once per machine with the system's C++ compiler (optimised for this CPU:
--O3 -march=native, OpenMP through torch's own runtime) and cached in pagedserve's cache folder
+The C++ sources are compiled once per machine with the system's C++ compiler (optimised for this
+CPU: -O3 -march=native, OpenMP through torch's own runtime) and cached in pagedserve's cache folder
 (`kernels.paths.cache_dir()`, ~/.cache/pagedserve by default), under kernels/, in a file named by a
 hash of the source, the flags, the torch version and the CPU's instruction-set flags; later
 processes load it in milliseconds. With the cache turned off, each process builds into a temporary
@@ -66,7 +68,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_quant.cpp")
+)
 # Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
 # for decode and still even at 4 new tokens over a 1k context; from 8 new tokens over long
 # contexts, and for whole prompts, SDPA is faster.
@@ -109,15 +113,15 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (built or not)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), torch.__version__.encode(),
-                 _cpu_flags().encode()):  # fmt: skip
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CXX_FLAGS).encode(),
+                 torch.__version__.encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
-    return _kernel_dir() / f"pagedserve_cpu_attention_{key.hexdigest()[:16]}.so"
+    return _kernel_dir() / f"pagedserve_cpu_{key.hexdigest()[:16]}.so"
 
 
 def _build(target: Path, compiler: str) -> None:
-    """Compile SOURCE into `target`, written to a temporary file and renamed, so concurrent
+    """Compile SOURCES into `target`, written to a temporary file and renamed, so concurrent
     builders (server processes, test workers) never load a half-written library."""
     from torch.utils import cpp_extension
 
@@ -129,12 +133,12 @@ def _build(target: Path, compiler: str) -> None:
     cmd = [
         compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
-        str(SOURCE), "-o", tmp,
+        *(str(source) for source in SOURCES), "-o", tmp,
         f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
     ]  # fmt: skip
     start = time.perf_counter()
     logger.warning(
-        "compiling pagedserve's CPU attention kernel for this machine (once; cached in %s)",
+        "compiling pagedserve's CPU kernels for this machine (once; cached in %s)",
         target.parent,
     )
     try:
@@ -145,7 +149,7 @@ def _build(target: Path, compiler: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.warning("CPU attention kernel compiled in %.1f s", time.perf_counter() - start)
+    logger.warning("CPU kernels compiled in %.1f s", time.perf_counter() - start)
 
 
 @functools.cache
