@@ -4,11 +4,16 @@ dequantized to bfloat16 at load (`--quantization none`), on the embedded SmolLM2
     python -m bench.quantized_cpu                   # both parts
     python -m bench.quantized_cpu --part matmul     # per-step matmul times by rows
     python -m bench.quantized_cpu --part agreement  # greedy agreement, 16 prompts x 64 tokens
+    python -m bench.quantized_cpu --part step       # decode step by part, 1 and 64 sequences
 
 matmul: the model's own weights (30 layers' q/k/v, o, gate/up, down and the lm_head), each
 multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: torch's
 int4/int8 kernels, pagedserve's compiled GEMM (kernels/csrc/cpu_quant.cpp) and oneDNN's packed
 bfloat16 weights, side by side, milliseconds per step.
+
+step: decode steps of the engine with each kind of weights (`--batch` sequences of 8 prompt
+tokens, 64 new tokens each, so nearly every step decodes all of them): milliseconds per step in
+the layers' matmuls, the lm_head, paged attention and the rest.
 
 agreement: greedy continuations of both models for the same prompts: how many are identical,
 their common prefix, and teacher-forced top-1 agreement (at each position of the dequantized
@@ -103,45 +108,113 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def agreement_part(args: argparse.Namespace) -> dict:
+def _timed(fn, spent: dict[str, float], part_of):
+    """`fn`, adding its wall time to spent[part_of(args)]."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[part_of(args)] += time.perf_counter() - start
+
+    return wrapper
+
+
+def step_part(args: argparse.Namespace) -> list[dict]:
+    import engine.model
+    import kernels.cpu_ops
     from engine import LLM, SamplingParams
 
-    kw = dict(dtype="bfloat16", max_model_len=512)
-    kept = LLM("smollm2-135m-instruct", quantization="gguf", **kw)
-    dense = LLM("smollm2-135m-instruct", quantization="none", **kw)
-    tokenizer = dense.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in kept.generate(prompts, params)]
-    theirs = [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+    results = []
+    for quantization in ("gguf", "none"):
+        llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype="bfloat16")
+        lm_head = llm.engine.model.matmul_weights()[-1]
+        spent = dict.fromkeys(("matmuls", "lm_head", "attention"), 0.0)
+        linear_fn, attention_fn = engine.model.linear, kernels.cpu_ops.paged_attention
+
+        engine.model.linear = _timed(
+            linear_fn, spent, lambda a, head=lm_head: "lm_head" if a[1] is head else "matmuls"
+        )
+        kernels.cpu_ops.paged_attention = _timed(attention_fn, spent, lambda a: "attention")
+        try:
+            for batch in args.batch:
+                prompts = [[100 + i + j for j in range(8)] for i in range(batch)]
+                params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+                llm.generate(prompts, params)  # warm-up
+                for key in spent:
+                    spent[key] = 0.0
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                total = (time.perf_counter() - start) * 1e3 / 64
+                record = {"quantization": quantization, "batch": batch, "step_ms": total}
+                record.update({f"{k}_ms": v * 1e3 / 64 for k, v in spent.items()})
+                record["rest_ms"] = total - sum(v * 1e3 / 64 for v in spent.values())
+                results.append(record)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+                                  for k, v in record.items()}), flush=True)  # fmt: skip
+        finally:
+            engine.model.linear, kernels.cpu_ops.paged_attention = linear_fn, attention_fn
+    return results
+
+
+def _agreement(model, reference, prompts: list[list[int]], tokens: int) -> dict:
+    """How `model`'s greedy continuations agree with `reference`'s (both `LLM`s)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in model.generate(prompts, params)]
+    theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     prefixes = []
     for a, b in zip(ours, theirs, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         prefixes.append(n)
-    # Teacher-forced: the kept model's top-1 along the dense model's continuations.
+    # Teacher-forced: the model's top-1 along the reference's continuations.
     forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     seqs = [p + t for p, t in zip(prompts, theirs, strict=True)]
     same = total = 0
-    for prompt, seq, out in zip(prompts, seqs, kept.generate(seqs, forced), strict=True):
+    for prompt, seq, out in zip(prompts, seqs, model.generate(seqs, forced), strict=True):
         for i in range(len(prompt), len(seq)):
             entry = out.prompt_logprobs[i]
             top = min(entry.items(), key=lambda kv: kv[1].rank)[0]
             same += top == seq[i]
             total += 1
-    record = {
+    return {
         "prompts": len(prompts),
-        "tokens": args.tokens,
-        "identical_continuations": sum(n == args.tokens for n in prefixes),
+        "tokens": tokens,
+        "identical_continuations": sum(n == tokens for n in prefixes),
         "mean_common_prefix": statistics.mean(prefixes),
         "teacher_forced_top1_agreement": same / total,
     }
-    print(json.dumps(record), flush=True)
-    return record
+
+
+def agreement_part(args: argparse.Namespace) -> list[dict]:
+    """Kept quantized against dequantized, both bf16; and, for scale, dequantized bf16 against
+    dequantized float32 (what bf16 arithmetic alone changes)."""
+    from engine import LLM
+
+    def load(quantization: str, dtype: str) -> LLM:
+        return LLM(
+            "smollm2-135m-instruct", quantization=quantization, dtype=dtype, max_model_len=512
+        )
+
+    dense = load("none", "bfloat16")
+    prompts = [dense.get_tokenizer().encode(p) for p in PROMPTS]
+    results = []
+    for name, model, reference in (
+        ("gguf_bf16_vs_none_bf16", load("gguf", "bfloat16"), dense),
+        ("none_bf16_vs_none_fp32", dense, load("none", "float32")),
+    ):
+        record = {"comparison": name, **_agreement(model, reference, prompts, args.tokens)}
+        print(json.dumps(record), flush=True)
+        results.append(record)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("matmul", "agreement", "all"), default="all")
+    parser.add_argument("--part", choices=("matmul", "step", "agreement", "all"), default="all")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)
@@ -151,6 +224,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.part in ("matmul", "all"):
         matmul_part(args)
+    if args.part in ("step", "all"):
+        step_part(args)
     if args.part in ("agreement", "all"):
         agreement_part(args)
 

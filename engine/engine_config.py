@@ -81,9 +81,10 @@ class EngineConfig:
     )
     quantization: str = option(
         "auto",
-        "a GGUF file's Q4_0/Q4_1/Q8_0 matmul weights: gguf = kept quantized (int4/int8, 4x less "
-        "memory and bandwidth than bfloat16; CPU in bfloat16 only), none = dequantized to the "
-        "dtype at load (faster for large batches), auto = gguf where it can be, else none",
+        "a GGUF file's Q4_0/Q4_1/Q8_0 matmul weights: gguf = kept quantized (int4/int8, about 3x "
+        "fewer bytes than bfloat16 to hold and to read per step; CPU in bfloat16 only), none = "
+        "dequantized to the dtype at load (the reference), auto = gguf where it can be and the "
+        "compiled GEMM for many rows runs (AVX512-BF16), else none",
         choices=QUANTIZATIONS,
     )
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")

@@ -1,7 +1,9 @@
-"""The compiled CPU backend: paged attention from `kernels/csrc/cpu_attention.cpp`, the other ops
-from `kernels.reference`. `kernels.get_backend("cpu")` returns this module. The same library holds
-the GEMM for weights kept quantized (`kernels/csrc/cpu_quant.cpp`) that
-`engine/quantized_linear.py` uses for steps of many rows.
+"""The compiled CPU backend: paged attention from `kernels/csrc/cpu_attention.cpp`; RMSNorm,
+residual add + RMSNorm, SiLU-and-multiply and rotary + KV write from
+`kernels/csrc/cpu_layer_ops.cpp`; the other ops from `kernels.reference`.
+`kernels.get_backend("cpu")` returns this module. The same library holds the GEMM for weights
+kept quantized (`kernels/csrc/cpu_quant.cpp`) that `engine/quantized_linear.py` uses for steps of
+many rows.
 
 The C++ sources are compiled once per machine with the system's C++ compiler (optimised for this
 CPU: -O3 -march=native, OpenMP through torch's own runtime) and cached in pagedserve's cache folder
@@ -40,16 +42,18 @@ from kernels.fp8 import is_fp8
 from kernels.paths import cache_dir
 from kernels.reference import (
     copy_blocks,
-    fused_add_rms_norm,
     fused_moe,
     gelu_tanh_and_mul,
     moe_route,
     reshape_and_cache,
-    rms_norm,
-    rotary_and_cache,
-    silu_and_mul,
 )
-from kernels.validation import check_paged_attention_args
+from kernels.validation import (
+    check_fused_add_rms_norm_args,
+    check_paged_attention_args,
+    check_rms_norm_args,
+    check_rotary_and_cache_args,
+    check_silu_and_mul_args,
+)
 
 __all__ = [
     "available",
@@ -68,9 +72,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_quant.cpp")
+    _CSRC / name for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quant.cpp")
 )
+HEADERS = (_CSRC / "cpu_math.h",)
 # Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
 # for decode and still even at 4 new tokens over a 1k context; from 8 new tokens over long
 # contexts, and for whole prompts, SDPA is faster.
@@ -113,7 +119,7 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (built or not)."""
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CXX_FLAGS).encode(),
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CXX_FLAGS).encode(),
                  torch.__version__.encode(), _cpu_flags().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
@@ -230,6 +236,98 @@ def paged_attention(
                 softcap=softcap, out=out[rows],
             )  # fmt: skip
     return out
+
+
+# ---- the layer's other ops (kernels/csrc/cpu_layer_ops.cpp) --------------------------------------
+
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _COMPILED_DTYPES and available()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with contiguous rows (what the compiled ops take; strided rows are fine)."""
+    return x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
+) -> torch.Tensor:
+    """`kernels.reference.rms_norm`, compiled."""
+    if not _compiled(x):
+        return reference.rms_norm(x, weight, eps, unit_offset=unit_offset)
+    if validation.CHECK_ARGS:
+        check_rms_norm_args(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.pagedserve_cpu.rms_norm(_rows(x), weight.contiguous(), eps, unit_offset, out)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.reference.fused_add_rms_norm` (residual updated in place), compiled."""
+    if not _compiled(x) or residual.stride(-1) != 1:
+        return reference.fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
+    if validation.CHECK_ARGS:
+        check_fused_add_rms_norm_args(x, residual, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.pagedserve_cpu.fused_add_rms_norm(
+        _rows(x), residual, weight.contiguous(), eps, unit_offset, out
+    )
+    return out, residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`kernels.reference.silu_and_mul`, compiled."""
+    if not _compiled(gate_up):
+        return reference.silu_and_mul(gate_up)
+    if validation.CHECK_ARGS:
+        check_silu_and_mul_args(gate_up)
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    torch.ops.pagedserve_cpu.silu_and_mul(_rows(gate_up), out)
+    return out
+
+
+def rotary_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kernels.reference.rotary_and_cache`, compiled; fp8 caches use the reference."""
+    if is_fp8(k_cache.dtype) or not _compiled(qkv):
+        return reference.rotary_and_cache(
+            qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
+            num_heads, num_kv_heads, head_dim, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    if validation.CHECK_ARGS:
+        check_rotary_and_cache_args(
+            qkv, positions, cos_table, sin_table, k_cache, v_cache, slot_mapping,
+            num_heads, num_kv_heads, head_dim, k_scale, v_scale,
+        )  # fmt: skip
+    q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype)
+    torch.ops.pagedserve_cpu.rotary_and_cache(
+        _rows(qkv), positions.contiguous(), cos_table.contiguous(), sin_table.contiguous(),
+        k_cache, v_cache, slot_mapping.contiguous(), num_heads, num_kv_heads, head_dim, q,
+    )  # fmt: skip
+    return q
 
 
 if __name__ == "__main__":  # `make install`: build ahead of time

@@ -25,6 +25,8 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -36,41 +38,11 @@
 
 namespace {
 
+using pagedserve_cpu::exp_nonpositive;
+using pagedserve_cpu::load;
+
 constexpr int64_t kTileTokens = 16;  // new tokens per work item in prefill/extend
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline float load(float x) { return x; }
-inline float load(c10::Half x) { return static_cast<float>(x); }
-inline float load(c10::BFloat16 x) {
-  // bf16 is the upper half of a float32: a shift the compiler vectorizes.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// exp(x) for x <= 0 in plain arithmetic the compiler vectorizes (libm's expf is not): Cody-Waite
-// reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for e^r (relative error
-// about 1e-7), and 2^n through the exponent bits. exp of anything below -87 (a masked key's -inf
-// included) is 0.
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? 0.0f : p * scale;
-}
 
 struct Item {
   int32_t seq, first, last;       // new tokens first..last-1 of sequence seq

@@ -95,13 +95,50 @@ void int4_tile(const uint8_t* packed, const uint32_t* scale_zeros, int64_t n, in
   }
 }
 
+// r[j] lane p -> r[p] lane j, for 16 vectors of 16 32-bit lanes.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88);
+      t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// The int8 codes are rows of inputs; the tile wants, per input pair, 64 features side by side.
+// 16 features x 32 inputs at a time: each feature's 32 codes become 16 (input 2p, 2p + 1)
+// bfloat16 pairs in one vector, and a 16 x 16 transpose turns those into 16 pairs' vectors of 16
+// features.
 void int8_tile(const int8_t* codes, int64_t k, int64_t block, uint32_t* tile) {
-  for (int j = 0; j < 64; ++j) {
-    const int8_t* src = codes + (block * 64 + j) * k;
-    for (int64_t p = 0; p < k / 2; ++p) {
-      const uint32_t lo = float_to_bf16_bits(float(src[2 * p]));
-      const uint32_t hi = float_to_bf16_bits(float(src[2 * p + 1]));
-      tile[p * 64 + j] = lo | (hi << 16);
+  for (int f = 0; f < 64; f += 16) {
+    const int8_t* rows = codes + (block * 64 + f) * k;
+    for (int64_t kk = 0; kk < k; kk += 32) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        const int8_t* src = rows + j * k + kk;
+        const __m128i first = _mm_loadu_si128((const __m128i*)src);
+        const __m128i second = _mm_loadu_si128((const __m128i*)(src + 16));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second));
+        r[j] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // inputs kk..kk+31 in order: 16 pairs
+      }
+      transpose16x16(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + (kk / 2 + p) * 64 + f, r[p]);
     }
   }
 }
@@ -209,8 +246,8 @@ void int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
               "codes must be contiguous int8 [N, K]");
   const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(n % 64 == 0 && k % 2 == 0, "int8 GEMM needs N a multiple of 64 and K even, got [",
-              n, ", ", k, "]");
+  TORCH_CHECK(n % 64 == 0 && k % 32 == 0,
+              "int8 GEMM needs N a multiple of 64 and K a multiple of 32, got [", n, ", ", k, "]");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n &&
                   scales.is_contiguous(),
               "scales must be contiguous bfloat16 [N]");

@@ -1,0 +1,251 @@
+// The decoder layer's ops besides attention and the matmuls, for pagedserve's cpu backend
+// (`kernels.cpu_ops`): RMSNorm, residual add + RMSNorm, SiLU-and-multiply, and rotary embedding +
+// KV-cache write. Same contracts and the same roundings as `kernels/reference.py`, the oracle
+// (its docstrings say where each rounds); one call each instead of the reference's 3 to 20 torch
+// ops, whose per-op cost (~5 us each on the dev VM) made up a large share of a decode step of one
+// stream (BENCHMARKS.md, "Quantized weights on CPU").
+//
+// Rows (tokens) are split over torch's threads only when a call holds more than kGrainElements
+// elements, so a decode step's calls run on the calling thread without waking the others.
+// Rows may be strided; their elements must be contiguous.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace {
+
+using pagedserve_cpu::exp_nonpositive;
+using pagedserve_cpu::load;
+
+constexpr int64_t kGrainElements = 1 << 15;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a 2-D tensor whose rows are contiguous");
+}
+
+#define PAGEDSERVE_DISPATCH_FLOATS(dtype, NAME, ...)                                    \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, NAME, __VA_ARGS__)
+
+// weight * (x / rms(x)): normalised in float32 and rounded to T before the weight multiplies
+// (the product rounded again), or with unit_offset (Gemma) multiplied by 1 + weight in float32
+// and rounded once.
+template <typename T>
+inline void norm_row(const T* x, const T* weight, T* out, int64_t h, float eps,
+                     bool unit_offset) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < h; ++i) sum += load(x[i]) * load(x[i]);
+  const float inv = 1.f / std::sqrt(sum / float(h) + eps);
+  if (unit_offset) {
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) out[i] = T(load(x[i]) * inv * (load(weight[i]) + 1.f));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) out[i] = T(load(T(load(x[i]) * inv)) * load(weight[i]));
+  }
+}
+
+// residual += x, rounded to T as torch's in-place add rounds.
+template <typename T>
+inline void add_row(const T* x, T* residual, int64_t h) {
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) residual[i] = T(load(x[i]) + load(residual[i]));
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset,
+              at::Tensor& out) {
+  check_rows(x, "x");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.dtype() == x.dtype(),
+              "rms_norm: out must be contiguous like x, weight [hidden] in x's dtype");
+  const int64_t n = x.size(0), h = x.size(1), stride = x.stride(0);
+  PAGEDSERVE_DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    const auto* wp = weight.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        norm_row(xp + r * stride, wp, op + r * h, h, float(eps), unit_offset);
+    });
+  });
+}
+
+void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps, bool unit_offset, at::Tensor& out) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.dtype() == x.dtype() &&
+                  out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.dtype() == x.dtype(),
+              "fused_add_rms_norm: residual and out like x, weight [hidden] in x's dtype");
+  const int64_t n = x.size(0), h = x.size(1);
+  const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
+  PAGEDSERVE_DISPATCH_FLOATS(x.scalar_type(), "fused_add_rms_norm", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    auto* rp = residual.data_ptr<scalar_t>();
+    const auto* wp = weight.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain_rows(h), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        add_row(xp + r * x_stride, rp + r * r_stride, h);
+        norm_row(rp + r * r_stride, wp, op + r * h, h, float(eps), unit_offset);
+      }
+    });
+  });
+}
+
+// silu(gate) = gate * sigmoid(gate), rounded to T, times up, rounded again. sigmoid through
+// e = exp(-|gate|) <= 1 (no overflow): 1 / (1 + e) for gate >= 0, e / (1 + e) below.
+template <typename T>
+inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t inter) {
+#pragma omp simd
+  for (int64_t i = 0; i < inter; ++i) {
+    const float g = load(gate[i]);
+    const float e = exp_nonpositive(-std::fabs(g));
+    const float silu = g * (g >= 0.f ? 1.f : e) / (1.f + e);
+    out[i] = T(load(T(silu)) * load(up[i]));
+  }
+}
+
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
+  check_rows(gate_up, "gate_up");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  TORCH_CHECK(gate_up.size(1) % 2 == 0 && out.is_contiguous() && out.size(0) == n &&
+                  out.size(1) == inter && out.dtype() == gate_up.dtype(),
+              "silu_and_mul: out must be contiguous [tokens, ", inter, "] in gate_up's dtype");
+  PAGEDSERVE_DISPATCH_FLOATS(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const auto* gp = gate_up.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n, grain_rows(inter), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_and_mul_row(gp + r * stride, gp + r * stride + inter, op + r * inter, inter);
+    });
+  });
+}
+
+// x * cos + rot(x) * sin with rot([x1 | x2]) = [-x2 | x1], the tables' values rounded to T first,
+// rot(x) * sin rounded to T, then the sum rounded (the reference's mul_ then addcmul_).
+template <typename T>
+inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = load(x[i]), x2 = load(x[i + half]);
+    const float r1 = load(T(-x2 * load(sin[i])));
+    const float r2 = load(T(x1 * load(sin[i + half])));
+    out[i] = T(r1 + x1 * load(cos[i]));
+    out[i + half] = T(r2 + x2 * load(cos[i + half]));
+  }
+}
+
+void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                      const at::Tensor& cos_table, const at::Tensor& sin_table,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor& q) {
+  check_rows(qkv, "qkv");
+  const int64_t n = qkv.size(0), table_rows = cos_table.size(0), half = head_dim / 2;
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "rotary_and_cache: qkv must be [tokens, (heads + 2 kv heads) x head_dim]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                  cos_table.sizes() == sin_table.sizes() && cos_table.size(1) == head_dim,
+              "rotary_and_cache: cos and sin tables must be contiguous float32 [positions, ",
+              head_dim, "]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() &&
+                  positions.numel() == n && slot_mapping.numel() == n,
+              "rotary_and_cache: positions and slot_mapping must be contiguous int64 [tokens]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim &&
+                  k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  k_cache.dtype() == qkv.dtype() && v_cache.dtype() == qkv.dtype(),
+              "rotary_and_cache: caches must be [blocks, block_size, kv heads, head_dim] in "
+              "qkv's dtype");
+  TORCH_CHECK(q.is_contiguous() && q.numel() == n * num_heads * head_dim &&
+                  q.dtype() == qkv.dtype(),
+              "rotary_and_cache: q must be contiguous [tokens, heads, head_dim]");
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  // Checked before anything is written, as the reference checks.
+  int64_t highest = -1;
+  for (int64_t t = 0; t < n; ++t) {
+    highest = std::max(highest, slots[t]);
+    TORCH_CHECK_INDEX(pos[t] >= -table_rows && pos[t] < table_rows, "index ", pos[t],
+                      " is out of bounds for dimension 0 with size ", table_rows);
+  }
+  TORCH_CHECK_VALUE(highest < num_slots, "slot_mapping holds slot ", highest,
+                    ", but the cache has only ", num_slots, " slots (", k_cache.size(0),
+                    " blocks x ", block_size, ")");
+  const int64_t row_stride = qkv.stride(0), q_size = num_heads * head_dim;
+  const int64_t kv_size = num_kv_heads * head_dim;
+  PAGEDSERVE_DISPATCH_FLOATS(qkv.scalar_type(), "rotary_and_cache", [&] {
+    using T = scalar_t;
+    const T* src = qkv.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    const float* cos_all = cos_table.data_ptr<float>();
+    const float* sin_all = sin_table.data_ptr<float>();
+    const int64_t kb = k_cache.stride(0), ks = k_cache.stride(1), kh = k_cache.stride(2);
+    const int64_t vb = v_cache.stride(0), vs = v_cache.stride(1), vh = v_cache.stride(2);
+    at::parallel_for(0, n, grain_rows(qkv.size(1)), [&](int64_t begin, int64_t end) {
+      std::vector<T> cos(head_dim), sin(head_dim);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t p = pos[t] < 0 ? pos[t] + table_rows : pos[t];
+        for (int64_t i = 0; i < head_dim; ++i) {
+          cos[i] = T(cos_all[p * head_dim + i]);
+          sin[i] = T(sin_all[p * head_dim + i]);
+        }
+        const T* row = src + t * row_stride;
+        for (int64_t h = 0; h < num_heads; ++h)
+          rotate_head(row + h * head_dim, cos.data(), sin.data(),
+                      qp + (t * num_heads + h) * head_dim, half);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;  // padding
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          rotate_head(row + q_size + h * head_dim, cos.data(), sin.data(),
+                      kc + block * kb + offset * ks + h * kh, half);
+          std::copy_n(row + q_size + kv_size + h * head_dim, head_dim,
+                      vc + block * vb + offset * vs + h * vh);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset, Tensor(a!) out) -> ()");
+  m.def(
+      "fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, "
+      "bool unit_offset, Tensor(b!) out) -> ()");
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def(
+      "rotary_and_cache(Tensor qkv, Tensor positions, Tensor cos_table, Tensor sin_table, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_heads, "
+      "int num_kv_heads, int head_dim, Tensor(c!) q) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_and_cache", &rotary_and_cache);
+}
