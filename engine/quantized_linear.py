@@ -136,9 +136,10 @@ class QuantizedWeight:
     kind: str
     out_features: int
     in_features: int
-    # Steps of at most this many rows use torch's kernel, more rows the compiled GEMM (measured
-    # crossovers on the 2-core dev VM, BENCHMARKS.md "Quantized weights on CPU").
-    int_kernel_max_rows: int
+    # Steps of at most this many rows use torch's kernel, more rows the compiled GEMM (the
+    # measured crossover on the 2-core dev VM, for int4 and int8 alike: BENCHMARKS.md,
+    # "Quantized weights on CPU").
+    int_kernel_max_rows = 8
 
     @staticmethod
     def supports(rows: QuantizedRows) -> bool:
@@ -185,7 +186,6 @@ class Int4Weight(QuantizedWeight):
     zero per group of 32 (5 bits per value in all, Q4_1's own size)."""
 
     kind = "int4"
-    int_kernel_max_rows = 8
 
     def __init__(self, rows: QuantizedRows) -> None:
         n, k = rows.shape
@@ -218,7 +218,6 @@ class Int8Weight(QuantizedWeight):
     value plus a bfloat16 scale per row."""
 
     kind = "int8"
-    int_kernel_max_rows = 32
 
     def __init__(self, rows: QuantizedRows) -> None:
         n, k = rows.shape

@@ -24,6 +24,8 @@ namespace {
 
 using pagedserve_cpu::exp_nonpositive;
 using pagedserve_cpu::load;
+using pagedserve_cpu::round_as;
+using pagedserve_cpu::store;
 
 constexpr int64_t kGrainElements = 1 << 15;
 
@@ -51,10 +53,10 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t h, float eps,
   const float inv = 1.f / std::sqrt(sum / float(h) + eps);
   if (unit_offset) {
 #pragma omp simd
-    for (int64_t i = 0; i < h; ++i) out[i] = T(load(x[i]) * inv * (load(weight[i]) + 1.f));
+    for (int64_t i = 0; i < h; ++i) out[i] = store<T>(load(x[i]) * inv * (load(weight[i]) + 1.f));
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < h; ++i) out[i] = T(load(T(load(x[i]) * inv)) * load(weight[i]));
+    for (int64_t i = 0; i < h; ++i) out[i] = store<T>(round_as<T>(load(x[i]) * inv) * load(weight[i]));
   }
 }
 
@@ -62,7 +64,7 @@ inline void norm_row(const T* x, const T* weight, T* out, int64_t h, float eps,
 template <typename T>
 inline void add_row(const T* x, T* residual, int64_t h) {
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) residual[i] = T(load(x[i]) + load(residual[i]));
+  for (int64_t i = 0; i < h; ++i) residual[i] = store<T>(load(x[i]) + load(residual[i]));
 }
 
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset,
@@ -118,7 +120,7 @@ inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t inter) 
     const float g = load(gate[i]);
     const float e = exp_nonpositive(-std::fabs(g));
     const float silu = g * (g >= 0.f ? 1.f : e) / (1.f + e);
-    out[i] = T(load(T(silu)) * load(up[i]));
+    out[i] = store<T>(round_as<T>(silu) * load(up[i]));
   }
 }
 
@@ -145,10 +147,10 @@ inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t 
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = load(x[i]), x2 = load(x[i + half]);
-    const float r1 = load(T(-x2 * load(sin[i])));
-    const float r2 = load(T(x1 * load(sin[i + half])));
-    out[i] = T(r1 + x1 * load(cos[i]));
-    out[i + half] = T(r2 + x2 * load(cos[i + half]));
+    const float r1 = round_as<T>(-x2 * load(sin[i]));
+    const float r2 = round_as<T>(x1 * load(sin[i + half]));
+    out[i] = store<T>(r1 + x1 * load(cos[i]));
+    out[i + half] = store<T>(r2 + x2 * load(cos[i + half]));
   }
 }
 
@@ -208,8 +210,8 @@ void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
       for (int64_t t = begin; t < end; ++t) {
         const int64_t p = pos[t] < 0 ? pos[t] + table_rows : pos[t];
         for (int64_t i = 0; i < head_dim; ++i) {
-          cos[i] = T(cos_all[p * head_dim + i]);
-          sin[i] = T(sin_all[p * head_dim + i]);
+          cos[i] = store<T>(cos_all[p * head_dim + i]);
+          sin[i] = store<T>(sin_all[p * head_dim + i]);
         }
         const T* row = src + t * row_stride;
         for (int64_t h = 0; h < num_heads; ++h)

@@ -20,6 +20,37 @@ inline float load(c10::BFloat16 x) {
   return f;
 }
 
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// float -> bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN): integer operations the
+// compiler vectorizes, where c10::BFloat16's constructor keeps loops scalar.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? static_cast<uint16_t>((u >> 16) | 0x40u) : rounded;
+}
+
+// A float result stored in T, rounded as torch rounds it.
+template <typename T>
+inline T store(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 store<c10::BFloat16>(float v) {
+  return c10::BFloat16(bf16_bits(v), c10::BFloat16::from_bits());
+}
+
+// v rounded to T's precision, kept as a float (a rounding torch does between two ops).
+template <typename T>
+inline float round_as(float v) {
+  return load(store<T>(v));
+}
+
 // exp(x) for x <= 0 in plain arithmetic the compiler vectorizes (libm's expf is not): Cody-Waite
 // reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for e^r (relative error
 // about 1e-7), and 2^n through the exponent bits. exp of anything below -87 (a masked key's -inf

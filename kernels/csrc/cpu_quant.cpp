@@ -24,21 +24,12 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_math.h"
+
 namespace {
 
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Round to nearest even; weights are finite, so no NaN case.
-inline uint16_t float_to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+using pagedserve_cpu::bf16_bits;
+using pagedserve_cpu::bits_to_float;
 
 // ---- x @ W^T with W kept quantized, for steps of many rows (AVX512-BF16 CPUs) ----------------
 //
@@ -199,7 +190,7 @@ void quantized_gemm(const uint16_t* x, int64_t m, int64_t n, int64_t k, uint16_t
         for (int r = 0; r < rows; ++r) {
           uint16_t* o = out + (row + r) * n + block * 64;
 #pragma omp simd
-          for (int j = 0; j < 64; ++j) o[j] = float_to_bf16_bits(acc[r * 64 + j] * factor[j]);
+          for (int j = 0; j < 64; ++j) o[j] = bf16_bits(acc[r * 64 + j] * factor[j]);
         }
       }
     }
