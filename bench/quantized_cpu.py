@@ -211,7 +211,7 @@ def agreement_part(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("matmul", "step", "agreement", "all"), default="all")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
@@ -219,7 +219,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.part in ("matmul", "all"):
