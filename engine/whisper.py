@@ -1,0 +1,294 @@
+"""Whisper (`WhisperForConditionalGeneration` folders): the encoder-decoder's shapes, its encoder,
+the per-layer cross-attention keys and values computed once from the encoder's output, and the
+decoder, with transformers' parameter names (issue 21).
+
+This is the model's arithmetic, checked against transformers (tests/engine/test_whisper.py); the
+engine's paged path builds on it: the decoder's self-attention K/V go into the normal paged blocks,
+the cross-attention K/V (`cross_kv`, `encoder_positions` per request and layer) into blocks of a
+separate KV group written once at admission, and the encoder runs once per request. Here
+`decode` attends over whole sequences held contiguously (the reference the paged decoder will be
+compared with), and `greedy` is the plain argmax loop over it.
+
+Whisper in brief: log-mel features [mel bins, 2 x positions] -> two convolutions (the second with
+stride 2) with GELU -> + learned positions -> pre-LayerNorm transformer layers (bidirectional) ->
+LayerNorm: the encoder states [positions, d_model]. The decoder: token embeddings + learned
+positions -> layers of causal self-attention, cross-attention over the encoder states and a GELU
+MLP, each pre-LayerNorm with a residual -> LayerNorm -> logits through the tied embedding. k_proj
+has no bias in either attention; q/v/out projections do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_attention_heads: int
+    decoder_attention_heads: int
+    encoder_ffn_dim: int
+    decoder_ffn_dim: int
+    num_mel_bins: int
+    max_source_positions: int  # encoder positions (1500: 30 s of audio)
+    max_target_positions: int  # decoder positions (448)
+    decoder_start_token_id: int
+    eos_token_id: int
+    scale_embedding: bool = False
+
+    def __post_init__(self) -> None:
+        for heads, name in ((self.encoder_attention_heads, "encoder"),
+                            (self.decoder_attention_heads, "decoder")):  # fmt: skip
+            if self.d_model % heads:
+                raise ValueError(
+                    f"d_model {self.d_model} is not divisible by the {name}'s {heads} heads"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.decoder_attention_heads
+
+    @property
+    def num_frames(self) -> int:
+        """Feature frames the encoder takes: 2 per position (the second convolution's stride)."""
+        return 2 * self.max_source_positions
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> WhisperConfig:
+        if d.get("model_type") != "whisper":
+            raise ValueError(f"not a Whisper config (model_type {d.get('model_type')!r})")
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0]
+        activation = d.get("activation_function", "gelu")
+        if activation != "gelu":
+            raise ValueError(f"Whisper with activation {activation!r} is not supported (gelu)")
+        names = ("vocab_size", "d_model", "encoder_layers", "decoder_layers",
+                 "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
+                 "decoder_ffn_dim", "num_mel_bins", "max_source_positions",
+                 "max_target_positions", "decoder_start_token_id")  # fmt: skip
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise ValueError(f"Whisper config lacks {', '.join(missing)}")
+        return cls(
+            **{n: int(d[n]) for n in names},
+            eos_token_id=int(eos),
+            scale_embedding=bool(d.get("scale_embedding", False)),
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> WhisperConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+def _linear(out_features: int, in_features: int, bias: bool = True) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class _Attention(nn.Module):
+    """q/k/v/out projections of a Whisper attention (k without bias)."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj = _linear(d_model, d_model)
+        self.k_proj = _linear(d_model, d_model, bias=False)
+        self.v_proj = _linear(d_model, d_model)
+        self.out_proj = _linear(d_model, d_model)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d] -> [B, heads, T, head_dim]."""
+        b, t, d = x.shape
+        return x.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> torch.Tensor:
+        """q, k, v [B, heads, T, head_dim] -> [B, T, d] through out_proj."""
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        b, h, t, hd = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, h * hd))
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.self_attn = _Attention(c.d_model, c.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
+        self.fc1 = _linear(c.encoder_ffn_dim, c.d_model)
+        self.fc2 = _linear(c.d_model, c.encoder_ffn_dim)
+        self.final_layer_norm = nn.LayerNorm(c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn
+        h = self.self_attn_layer_norm(x)
+        x = x + a.attend(a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h)), False)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.self_attn = _Attention(c.d_model, c.decoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(c.d_model)
+        self.encoder_attn = _Attention(c.d_model, c.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(c.d_model)
+        self.fc1 = _linear(c.decoder_ffn_dim, c.d_model)
+        self.fc2 = _linear(c.d_model, c.decoder_ffn_dim)
+        self.final_layer_norm = nn.LayerNorm(c.d_model)
+
+    def forward(
+        self, x: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor
+    ) -> torch.Tensor:
+        a, c = self.self_attn, self.encoder_attn
+        h = self.self_attn_layer_norm(x)
+        x = x + a.attend(a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h)), True)
+        h = self.encoder_attn_layer_norm(x)
+        x = x + c.attend(c.split(c.q_proj(h)), cross_k, cross_v, False)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class _Encoder(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(c.num_mel_bins, c.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(c.d_model, c.d_model, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(c.max_source_positions, c.d_model)
+        self.layers = nn.ModuleList(_EncoderLayer(c) for _ in range(c.encoder_layers))
+        self.layer_norm = nn.LayerNorm(c.d_model)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.embed_positions = nn.Embedding(c.max_target_positions, c.d_model)
+        self.layers = nn.ModuleList(_DecoderLayer(c) for _ in range(c.decoder_layers))
+        self.layer_norm = nn.LayerNorm(c.d_model)
+
+
+class _Model(nn.Module):
+    def __init__(self, c: WhisperConfig) -> None:
+        super().__init__()
+        self.encoder = _Encoder(c)
+        self.decoder = _Decoder(c)
+
+
+class WhisperModel(nn.Module):
+    """Whisper's encoder and decoder, with transformers' parameter names (`model.encoder.*`,
+    `model.decoder.*`; the logits reuse `model.decoder.embed_tokens`, which `proj_out` ties)."""
+
+    def __init__(self, config: WhisperConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Model(config)
+
+    # ---- encoder -------------------------------------------------------------------------------
+
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel features [B, mel bins, 2 x positions] -> encoder states [B, positions, d]."""
+        c = self.config
+        if features.dim() != 3 or features.shape[1:] != (c.num_mel_bins, c.num_frames):
+            raise ValueError(
+                f"Whisper features must be [batch, {c.num_mel_bins}, {c.num_frames}] (30 s, "
+                f"padded), got {tuple(features.shape)}"
+            )
+        enc = self.model.encoder
+        x = F.gelu(enc.conv2(F.gelu(enc.conv1(features)))).transpose(1, 2)
+        x = x + enc.embed_positions.weight
+        for layer in enc.layers:
+            x = layer(x)
+        return enc.layer_norm(x)
+
+    def cross_kv(self, encoded: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each decoder layer's cross-attention keys and values [B, heads, positions, head_dim]:
+        computed once per request from the encoder states, then only read."""
+        out = []
+        for layer in self.model.decoder.layers:
+            a = layer.encoder_attn
+            out.append((a.split(a.k_proj(encoded)), a.split(a.v_proj(encoded))))
+        return out
+
+    # ---- decoder -------------------------------------------------------------------------------
+
+    def decode(
+        self, tokens: torch.Tensor, cross: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] (float32) of whole token sequences [B, T] (positions 0..T-1)."""
+        c, dec = self.config, self.model.decoder
+        if tokens.shape[1] > c.max_target_positions:
+            raise ValueError(
+                f"Whisper decodes at most {c.max_target_positions} tokens, got {tokens.shape[1]}"
+            )
+        x = dec.embed_tokens(tokens)
+        if c.scale_embedding:
+            x = x * math.sqrt(c.d_model)
+        x = x + dec.embed_positions.weight[: tokens.shape[1]]
+        for layer, (k, v) in zip(dec.layers, cross, strict=True):
+            x = layer(x, k, v)
+        return F.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named tensors in; every parameter exactly once (`proj_out.weight`
+        is the tied embedding and is skipped), else a ValueError naming what is missing or
+        unexpected."""
+        params = dict(self.named_parameters())
+        filled = set()
+        for name, tensor in weights:
+            if name == "proj_out.weight":
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a Whisper model")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(params[name].shape)}"
+                )
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+
+@torch.inference_mode()
+def greedy(
+    model: WhisperModel, features: torch.Tensor, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy tokens after each prompt (its decoder prefix, e.g. [decoder_start]), for a batch of
+    audio features, stopping a row at end of text: the reference the paged decoder must equal.
+    Whole sequences are re-decoded each step (no cache)."""
+    cross = model.cross_kv(model.encode(features))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _ in range(max_new_tokens):
+        for i, prompt in enumerate(prompts):
+            if done[i]:
+                continue
+            seq = torch.tensor([prompt + outputs[i]])
+            row_cross = [(k[i : i + 1], v[i : i + 1]) for k, v in cross]
+            token = int(model.decode(seq, row_cross)[0, -1].argmax())
+            outputs[i].append(token)
+            done[i] = token == model.config.eos_token_id
+        if all(done):
+            break
+    return outputs

@@ -1,0 +1,121 @@
+"""Whisper's arithmetic (engine/whisper.py) against transformers on a tiny random
+`WhisperConfig` checkpoint saved with save_pretrained: the encoder states, each decoder layer's
+cross-attention keys and values, the decoder's logits, and greedy tokens for several synthetic
+audio inputs run together. (150 encoder positions instead of Whisper's 1500 keep it fast; the
+shapes are otherwise Whisper's.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.weights import iter_safetensors_weights
+from engine.whisper import WhisperConfig, WhisperModel, greedy
+
+TINY = dict(
+    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=300,
+    num_mel_bins=80, max_source_positions=150, max_target_positions=64, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, decoder_start_token_id=3, init_std=0.2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(the folder, transformers' model, ours loaded from the folder)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-whisper")
+    torch.manual_seed(0)
+    hf = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**TINY)).eval()
+    hf.save_pretrained(folder)
+    ours = WhisperModel(WhisperConfig.from_json_file(folder / "config.json")).eval()
+    ours.load_weights(iter_safetensors_weights(folder, progress=False))
+    return folder, hf, ours
+
+
+def _features(batch: int, seed: int = 0) -> torch.Tensor:
+    """Synthetic log-mel features: a different tone ramp per item, plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    ramp = torch.linspace(-1.0, 1.0, 300)
+    items = [torch.sin(ramp * (i + 2) * 7.0).expand(80, 300) for i in range(batch)]
+    return torch.stack(items) + 0.5 * torch.randn(batch, 80, 300, generator=gen)
+
+
+def test_config_reads_the_checkpoints_fields(tiny):
+    folder, _, ours = tiny
+    c = ours.config
+    assert (c.d_model, c.head_dim, c.num_frames, c.decoder_start_token_id, c.eos_token_id) == (
+        64, 16, 300, 3, 2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="not a Whisper config \\(model_type 'llama'\\)"):
+        WhisperConfig.from_hf_dict({"model_type": "llama"})
+    d = json.loads((folder / "config.json").read_text())
+    del d["num_mel_bins"]
+    with pytest.raises(ValueError, match="Whisper config lacks num_mel_bins"):
+        WhisperConfig.from_hf_dict(d)
+
+
+@torch.inference_mode()
+def test_encoder_and_cross_attention_kv_equal_transformers(tiny):
+    _, hf, ours = tiny
+    features = _features(3)
+    want = hf.model.encoder(features).last_hidden_state
+    got = ours.encode(features)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for layer, (k, v) in zip(hf.model.decoder.layers, ours.cross_kv(got), strict=True):
+        a = layer.encoder_attn
+        torch.testing.assert_close(k, a.k_proj(want).view(3, 150, 4, 16).transpose(1, 2),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(v, a.v_proj(want).view(3, 150, 4, 16).transpose(1, 2),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        assert k.shape == (3, 4, 150, 16)
+
+
+@torch.inference_mode()
+def test_decoder_logits_equal_transformers(tiny):
+    _, hf, ours = tiny
+    features = _features(2, seed=1)
+    tokens = torch.tensor([[3, 17, 250, 9, 44], [3, 5, 5, 120, 299]])
+    want = hf(input_features=features, decoder_input_ids=tokens).logits
+    got = ours.decode(tokens, ours.cross_kv(ours.encode(features)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_greedy_tokens_equal_transformers_for_several_inputs_together(tiny):
+    _, hf, ours = tiny
+    features = _features(3, seed=2)
+    prompts = [[3], [3, 10], [3, 10, 11]]
+    expected = []
+    for i, prompt in enumerate(prompts):
+        seq = list(prompt)
+        for _ in range(12):
+            logits = hf(input_features=features[i : i + 1], decoder_input_ids=torch.tensor([seq]))
+            seq.append(int(logits.logits[0, -1].argmax()))
+            if seq[-1] == 2:
+                break
+        expected.append(seq[len(prompt) :])
+    got = greedy(ours, features, prompts, 12)
+    assert got == expected
+    assert len({tuple(t) for t in got}) == 3  # the inputs lead to different tokens
+
+
+def test_bad_inputs_say_what_is_expected(tiny):
+    _, hf, ours = tiny
+    with pytest.raises(
+        ValueError, match=r"features must be \[batch, 80, 300\] .* got \(1, 80, 299\)"
+    ):
+        ours.encode(torch.zeros(1, 80, 299))
+    with pytest.raises(ValueError, match="decodes at most 64 tokens, got 65"):
+        ours.decode(torch.zeros(1, 65, dtype=torch.long), [])
+    fresh = WhisperModel(ours.config)
+    parameters = len(hf.state_dict()) - 1  # all of transformers' but the tied proj_out
+    assert parameters == 89
+    with pytest.raises(ValueError, match=f"checkpoint is missing {parameters} tensors"):
+        fresh.load_weights([])
+    with pytest.raises(ValueError, match="'model.encoder.conv9.weight' has no place"):
+        fresh.load_weights([("model.encoder.conv9.weight", torch.zeros(1))])
