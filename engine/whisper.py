@@ -96,6 +96,70 @@ class WhisperConfig:
             return cls.from_hf_dict(json.load(f))
 
 
+# Built-in shapes (random weights, for plans and benchmarks): transformers' configs of the models.
+WHISPER_SHAPES = {
+    "whisper-large-v3": dict(
+        vocab_size=51866, d_model=1280, encoder_layers=32, decoder_layers=32,
+        encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500,
+        max_target_positions=448, decoder_start_token_id=50258, eos_token_id=50257,
+    ),
+    "whisper-small": dict(
+        vocab_size=51865, d_model=768, encoder_layers=12, decoder_layers=12,
+        encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
+        decoder_ffn_dim=3072, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448, decoder_start_token_id=50258, eos_token_id=50257,
+    ),
+}  # fmt: skip
+
+
+def whisper_config_of(model: str) -> WhisperConfig | None:
+    """The WhisperConfig of `model` (a built-in shape, a folder or a config.json file) when it is
+    a Whisper model, else None."""
+    if model in WHISPER_SHAPES:
+        return WhisperConfig(**WHISPER_SHAPES[model])
+    path = Path(model)
+    config_file = path / "config.json" if path.is_dir() else path
+    if config_file.suffix != ".json" or not config_file.is_file():
+        return None
+    with open(config_file, encoding="utf-8") as f:
+        d = json.load(f)
+    return WhisperConfig.from_hf_dict(d) if d.get("model_type") == "whisper" else None
+
+
+def kv_plan_report(
+    name: str,
+    config: WhisperConfig,
+    dtype: torch.dtype,
+    num_seqs: int,
+    max_tokens: int,
+    block_size: int,
+) -> str:
+    """`pagedserve kv-plan` for Whisper: the decoder's self-attention KV, which grows a token at a
+    time in the normal paged blocks, and the cross-attention KV, written once per request from
+    the encoder's `max_source_positions` states into a KV group of its own, in bytes and
+    blocks."""
+    L, d, s, P = config.decoder_layers, config.d_model, dtype.itemsize, config.max_source_positions
+    per_token = 2 * L * d * s
+    cross = per_token * P
+    self_blocks, cross_blocks = -(-max_tokens // block_size), -(-P // block_size)
+    total = num_seqs * (max_tokens * per_token + cross)
+    return "\n".join([
+        f"model: {name} (whisper), {L} decoder layers, d_model {d} "
+        f"({config.decoder_attention_heads} heads x {config.head_dim}), "
+        f"dtype {str(dtype).removeprefix('torch.')} ({s} bytes)",
+        f"self-attention, per token: 2 x {L} layers x {d} x {s} = {per_token} bytes "
+        f"({per_token / 1024:.1f} KiB)",
+        f"self-attention, per request of {max_tokens} tokens: {max_tokens * per_token} bytes "
+        f"({max_tokens * per_token / 2**20:.1f} MiB), {self_blocks} blocks of {block_size}",
+        f"cross-attention, per request ({P} encoder positions, written once): {P} x {per_token} = "
+        f"{cross} bytes ({cross / 2**20:.1f} MiB), {cross_blocks} blocks of {block_size}",
+        f"total for {num_seqs} requests: {total} bytes ({total / 2**30:.3f} GiB), "
+        f"{num_seqs * (self_blocks + cross_blocks)} blocks; cross-attention is "
+        f"{cross / (max_tokens * per_token + cross):.0%} of it",
+    ])  # fmt: skip
+
+
 def _linear(out_features: int, in_features: int, bias: bool = True) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=bias)
 

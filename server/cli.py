@@ -44,6 +44,19 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
 
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
+    from engine import whisper
+
+    whisper_config = whisper.whisper_config_of(args.model)
+    if whisper_config is not None:  # an encoder-decoder: self- and cross-attention KV
+        tokens = args.max_model_len or whisper_config.max_target_positions
+        dtype = EngineConfig(kv_cache_dtype=args.kv_cache_dtype).torch_kv_cache_dtype(
+            DTYPES[args.dtype]
+        )
+        report = whisper.kv_plan_report(
+            args.model, whisper_config, dtype, args.num_seqs, tokens, args.block_size
+        )
+        print(report)
+        return 0
     options = EngineConfig(
         model=args.model,
         block_size=args.block_size,

@@ -2,7 +2,8 @@
 `WhisperConfig` checkpoint saved with save_pretrained: the encoder states, each decoder layer's
 cross-attention keys and values, the decoder's logits, and greedy tokens for several synthetic
 audio inputs run together. (150 encoder positions instead of Whisper's 1500 keep it fast; the
-shapes are otherwise Whisper's.)
+shapes are otherwise Whisper's.) And `pagedserve kv-plan` for Whisper shapes: the self-attention
+and cross-attention KV per request.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from engine.weights import iter_safetensors_weights
-from engine.whisper import WhisperConfig, WhisperModel, greedy
+from engine.whisper import WhisperConfig, WhisperModel, greedy, whisper_config_of
+from server.cli import main as cli_main
 
 TINY = dict(
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -119,3 +121,38 @@ def test_bad_inputs_say_what_is_expected(tiny):
         fresh.load_weights([])
     with pytest.raises(ValueError, match="'model.encoder.conv9.weight' has no place"):
         fresh.load_weights([("model.encoder.conv9.weight", torch.zeros(1))])
+
+
+# ---- KV plan: self-attention and cross-attention groups ------------------------------------------
+
+
+def test_whisper_models_are_recognised_by_shape_folder_or_config_file(tiny, tmp_path):
+    folder, _, ours = tiny
+    assert whisper_config_of("whisper-large-v3").d_model == 1280
+    assert whisper_config_of(str(folder)) == ours.config
+    assert whisper_config_of(str(folder / "config.json")) == ours.config
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert whisper_config_of(str(tmp_path)) is None
+    assert whisper_config_of("smollm2-135m-instruct") is None
+    assert whisper_config_of(str(tmp_path / "absent")) is None
+
+
+def test_kv_plan_splits_self_and_cross_attention(capsys):
+    # whisper-large-v3 in float16: 2 (K, V) x 32 decoder layers x 1280 x 2 bytes per token; the
+    # cross-attention group holds 1500 such positions per request, written once.
+    args = ["kv-plan", "--model", "whisper-large-v3", "--num-seqs", "16", "--dtype", "float16"]
+    assert cli_main(args) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "model: whisper-large-v3 (whisper), 32 decoder layers, d_model 1280 (20 heads x 64), "
+        "dtype float16 (2 bytes)",
+        "self-attention, per token: 2 x 32 layers x 1280 x 2 = 163840 bytes (160.0 KiB)",
+        "self-attention, per request of 448 tokens: 73400320 bytes (70.0 MiB), 28 blocks of 16",
+        "cross-attention, per request (1500 encoder positions, written once): 1500 x 163840 = "
+        "245760000 bytes (234.4 MiB), 94 blocks of 16",
+        "total for 16 requests: 5106565120 bytes (4.756 GiB), 1952 blocks; cross-attention is "
+        "77% of it",
+    ]
+    assert cli_main([*args, "--kv-cache-dtype", "fp8", "--max-model-len", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "per token: 2 x 32 layers x 1280 x 1 = 81920 bytes" in out
+    assert "per request of 100 tokens: 8192000 bytes (7.8 MiB), 7 blocks of 16" in out
