@@ -2,12 +2,14 @@
 the per-layer cross-attention keys and values computed once from the encoder's output, and the
 decoder, with transformers' parameter names (issue 21).
 
-This is the model's arithmetic, checked against transformers (tests/engine/test_whisper.py); the
-engine's paged path builds on it: the decoder's self-attention K/V go into the normal paged blocks,
-the cross-attention K/V (`cross_kv`, `encoder_positions` per request and layer) into blocks of a
-separate KV group written once at admission, and the encoder runs once per request. Here
-`decode` attends over whole sequences held contiguously (the reference the paged decoder will be
-compared with), and `greedy` is the plain argmax loop over it.
+This is the model's arithmetic, checked against transformers (tests/engine/test_whisper.py), and
+its paged form: `decode_paged` writes the decoder's self-attention K/V into paged blocks and reads
+them back with the backends' kernels, and reads the cross-attention K/V from blocks of their own,
+written once per request (`write_cross_kv`) from `cross_kv`; `cross_batch` lets the causal paged
+kernels read all encoder positions. `decode` attends over whole sequences held contiguously and
+`greedy` is the plain argmax loop over it: the reference the paged path equals. Not yet done: the
+scheduler's cross-attention KV group (allocated at admission, freed with the request), the
+encoder in the engine's steps, and the `/v1/audio/transcriptions` endpoint.
 
 Whisper in brief: log-mel features [mel bins, 2 x positions] -> two convolutions (the second with
 stride 2) with GELU -> + learned positions -> pre-LayerNorm transformer layers (bidirectional) ->
@@ -24,7 +26,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -307,6 +310,64 @@ class WhisperModel(nn.Module):
             x = layer(x, k, v)
         return F.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
 
+    # ---- paged: self-attention K/V in blocks, cross-attention K/V in blocks of their own -------
+
+    def write_cross_kv(
+        self,
+        cross: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: torch.Tensor,
+        ops: ModuleType,
+    ) -> None:
+        """Write `cross_kv`'s keys and values ([B, heads, positions, head_dim] per layer) into the
+        cross-attention caches, request b's position p at slots[b, p]: once per request."""
+        for (k, v), (k_cache, v_cache) in zip(cross, caches, strict=True):
+            b, h, p, d = k.shape
+            ops.reshape_and_cache(
+                k.transpose(1, 2).reshape(b * p, h, d),
+                v.transpose(1, 2).reshape(b * p, h, d),
+                k_cache,
+                v_cache,
+                slots.reshape(-1),
+            )
+
+    def decode_paged(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        self_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self_batch: PagedBatch,
+        cross_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cross: PagedBatch,
+        ops: ModuleType,
+    ) -> torch.Tensor:
+        """Logits [num_tokens, vocab] (float32) of a step's decoder tokens (flattened over its
+        requests, at `positions`), their self-attention K/V written to `self_batch`'s slots and
+        read back through its block tables, the encoder states read through `cross` (see
+        `cross_batch`), with the backend `ops` (kernels.reference, the triton or cpu ops)."""
+        c, dec = self.config, self.model.decoder
+        n, heads, hd = tokens.shape[0], c.decoder_attention_heads, c.head_dim
+        scale = 1.0 / math.sqrt(hd)
+        x = dec.embed_tokens(tokens)
+        if c.scale_embedding:
+            x = x * math.sqrt(c.d_model)
+        x = x + dec.embed_positions(positions)
+        layers = zip(dec.layers, self_caches, cross_caches, strict=True)
+        for layer, (k_cache, v_cache), (ck_cache, cv_cache) in layers:
+            a = layer.self_attn
+            h = layer.self_attn_layer_norm(x)
+            q = a.q_proj(h).view(n, heads, hd)
+            k, v = a.k_proj(h).view(n, heads, hd), a.v_proj(h).view(n, heads, hd)
+            ops.reshape_and_cache(k, v, k_cache, v_cache, self_batch.slot_mapping)
+            out = ops.paged_attention(q, k_cache, v_cache, *self_batch[:3], scale)
+            x = x + a.out_proj(out.reshape(n, c.d_model))
+            a = layer.encoder_attn
+            q = a.q_proj(layer.encoder_attn_layer_norm(x)).view(n, heads, hd)
+            out = ops.paged_attention(q, ck_cache, cv_cache, *cross[:3], scale)
+            x = x + a.out_proj(out.reshape(n, c.d_model))
+            x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+        return F.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
+
     # ---- weights -------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -332,6 +393,33 @@ class WhisperModel(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+
+class PagedBatch(NamedTuple):
+    """One attention's view of a step's tokens over paged K/V (the arguments of
+    `paged_attention` and the slots `reshape_and_cache` writes), as AttentionMetadata carries
+    them for one KV group."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64 (unused by cross-attention reads)
+
+
+def cross_batch(tables: list[list[int]], positions: int) -> PagedBatch:
+    """The cross-attention view of a step whose decoder token i belongs to a request with cross
+    blocks `tables[i]`: each token is its own "sequence" of one new token over all `positions`
+    encoder keys. The paged kernels are causal, and the last query of a sequence sees every key,
+    so this reads the encoder states unmasked with the same kernels, for prompt chunks too."""
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    n = len(tables)
+    return PagedBatch(
+        block_tables,
+        torch.full((n,), positions, dtype=torch.int32),
+        torch.arange(n + 1, dtype=torch.int32),
+        torch.full((n,), -1, dtype=torch.int64),
+    )
 
 
 @torch.inference_mode()

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from engine.weights import iter_safetensors_weights
-from engine.whisper import WhisperConfig, WhisperModel, greedy, whisper_config_of
+from engine.whisper import (
+    PagedBatch,
+    WhisperConfig,
+    WhisperModel,
+    cross_batch,
+    greedy,
+    whisper_config_of,
+)
 from server.cli import main as cli_main
 
 TINY = dict(
@@ -156,3 +163,95 @@ def test_kv_plan_splits_self_and_cross_attention(capsys):
     out = capsys.readouterr().out
     assert "per token: 2 x 32 layers x 1280 x 1 = 81920 bytes" in out
     assert "per request of 100 tokens: 8192000 bytes (7.8 MiB), 7 blocks of 16" in out
+
+
+# ---- the paged decoder: self-attention in blocks, cross-attention in a group of its own --------
+
+BLOCK = 16
+
+
+def _paged_greedy(model, features, prompts, max_new, ops) -> list[list[int]]:
+    """Greedy decoding through `decode_paged`, with the block bookkeeping a scheduler does: each
+    request's cross-attention K/V written once into its own blocks (ceil(150 / 16) = 10, in
+    caches apart from the self-attention ones), its self-attention blocks taken as it grows; a
+    first step with every prompt, then one token per unfinished request per step."""
+    c = model.config
+    heads, hd, layers = c.decoder_attention_heads, c.head_dim, c.decoder_layers
+    cross_blocks = -(-c.max_source_positions // BLOCK)
+    self_blocks = -(-c.max_target_positions // BLOCK)
+
+    def caches(blocks: int):
+        shape = (blocks, BLOCK, heads, hd)
+        # Unwritten slots hold a finite sentinel: read by mistake, it would change the tokens
+        # (the reference's masked reads multiply them by 0, which NaN would not survive).
+        return [(torch.full(shape, 7.5), torch.full(shape, 7.5))
+                for _ in range(layers)]  # fmt: skip
+
+    # Requests take blocks from the end of each pool, so tables are not just 0, 1, 2 ...
+    n = len(prompts)
+    cross_tables = [[n * cross_blocks - 1 - (r + n * i) for i in range(cross_blocks)]
+                    for r in range(n)]  # fmt: skip
+    self_tables = [[n * self_blocks - 1 - (r + n * i) for i in range(self_blocks)]
+                   for r in range(n)]  # fmt: skip
+    cross_caches, self_caches = caches(n * cross_blocks), caches(n * self_blocks)
+    positions = torch.arange(c.max_source_positions)
+    cross_slots = torch.stack(
+        [torch.tensor(t)[positions // BLOCK] * BLOCK + positions % BLOCK for t in cross_tables]
+    )
+    model.write_cross_kv(model.cross_kv(model.encode(features)), cross_caches, cross_slots, ops)
+
+    seqs = [list(p) for p in prompts]
+    new = [list(p) for p in prompts]  # tokens each request feeds this step
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max_new):
+        live = [r for r in range(n) if new[r]]
+        if not live:
+            break
+        tokens, token_pos, slots, owners, starts = [], [], [], [], [0]
+        for r in live:
+            first = len(seqs[r]) - len(new[r])
+            for j, t in enumerate(new[r]):
+                p = first + j
+                tokens.append(t)
+                token_pos.append(p)
+                slots.append(self_tables[r][p // BLOCK] * BLOCK + p % BLOCK)
+                owners.append(r)
+            starts.append(starts[-1] + len(new[r]))
+        self_batch = PagedBatch(
+            torch.tensor([self_tables[r] for r in live], dtype=torch.int32),
+            torch.tensor([len(seqs[r]) for r in live], dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(slots),
+        )
+        cross = cross_batch([cross_tables[r] for r in owners], c.max_source_positions)
+        logits = model.decode_paged(torch.tensor(tokens), torch.tensor(token_pos), self_caches,
+                                    self_batch, cross_caches, cross, ops)  # fmt: skip
+        for i, r in enumerate(live):
+            token = int(logits[starts[i + 1] - 1].argmax())
+            outputs[r].append(token)
+            seqs[r].append(token)
+            new[r] = [] if token == c.eos_token_id else [token]
+    return outputs
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@torch.inference_mode()
+def test_paged_decoding_equals_the_reference_on_every_backend(tiny, backend):
+    import kernels
+    from kernels import cpu_ops
+
+    if backend == "cpu" and not cpu_ops.available():
+        pytest.skip("no C++ compiler here: the cpu backend is the reference")
+    _, _, ours = tiny
+    features = _features(3, seed=2)
+    prompts = [[3], [3, 10], [3, 10, 11, 12, 13]]
+    expected = greedy(ours, features, prompts, 12)
+    got = _paged_greedy(ours, features, prompts, 12, kernels.get_backend(backend))
+    assert got == expected
+
+
+def test_cross_batch_gives_each_token_every_encoder_position():
+    batch = cross_batch([[5, 6], [7], [5, 6]], 20)
+    assert batch.block_tables.tolist() == [[5, 6], [7, 0], [5, 6]]
+    assert batch.seq_lens.tolist() == [20, 20, 20]
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 3]
