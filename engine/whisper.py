@@ -7,9 +7,10 @@ its paged form: `decode_paged` writes the decoder's self-attention K/V into page
 them back with the backends' kernels, and reads the cross-attention K/V from blocks of their own,
 written once per request (`write_cross_kv`) from `cross_kv`; `cross_batch` lets the causal paged
 kernels read all encoder positions. `decode` attends over whole sequences held contiguously and
-`greedy` is the plain argmax loop over it: the reference the paged path equals. Not yet done: the
-scheduler's cross-attention KV group (allocated at admission, freed with the request), the
-encoder in the engine's steps, and the `/v1/audio/transcriptions` endpoint.
+`greedy` is the plain argmax loop over it: the reference the paged path equals.
+`engine/whisper_engine.py` batches requests over it (the two KV groups from one block pool,
+allocated at admission, freed with the request). Not yet done: the `/v1/audio/transcriptions`
+endpoint in front of it.
 
 Whisper in brief: log-mel features [mel bins, 2 x positions] -> two convolutions (the second with
 stride 2) with GELU -> + learned positions -> pre-LayerNorm transformer layers (bidirectional) ->

@@ -182,4 +182,33 @@ def hf_smollm2():
     return model.eval(), tok
 
 
+# A tiny random Whisper: Whisper's shapes but 150 encoder positions (not 1500), so the tests
+# stay fast; peaked logits (init_std 0.2), so greedy choices are not near-ties.
+TINY_WHISPER = dict(
+    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=300,
+    num_mel_bins=80, max_source_positions=150, max_target_positions=64, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0, decoder_start_token_id=3, init_std=0.2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_whisper(tmp_path_factory):
+    """(its folder, saved with save_pretrained; transformers' model; pagedserve's WhisperModel
+    loaded from the folder)."""
+    import transformers
+
+    from engine.weights import iter_safetensors_weights
+    from engine.whisper import WhisperConfig, WhisperModel
+
+    folder = tmp_path_factory.mktemp("tiny-whisper")
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(**TINY_WHISPER)
+    hf = transformers.WhisperForConditionalGeneration(config).eval()
+    hf.save_pretrained(folder)
+    ours = WhisperModel(WhisperConfig.from_json_file(folder / "config.json")).eval()
+    ours.load_weights(iter_safetensors_weights(folder, progress=False))
+    return folder, hf, ours
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

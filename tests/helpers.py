@@ -107,3 +107,12 @@ async def stream_with_rewind(client, request_id: str, prompt, params, at: int, n
             client.rewind(request_id, num_tokens)
             rewound = True
     return lengths, last
+
+
+def whisper_features(batch: int, seed: int = 0) -> torch.Tensor:
+    """Synthetic log-mel features for the tiny Whisper of tests/conftest.py ([batch, 80, 300]):
+    a different tone ramp per item, plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    ramp = torch.linspace(-1.0, 1.0, 300)
+    items = [torch.sin(ramp * (i + 2) * 7.0).expand(80, 300) for i in range(batch)]
+    return torch.stack(items) + 0.5 * torch.randn(batch, 80, 300, generator=gen)

@@ -13,7 +13,6 @@ import json
 import pytest
 import torch
 
-from engine.weights import iter_safetensors_weights
 from engine.whisper import (
     PagedBatch,
     WhisperConfig,
@@ -23,39 +22,11 @@ from engine.whisper import (
     whisper_config_of,
 )
 from server.cli import main as cli_main
-
-TINY = dict(
-    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=300,
-    num_mel_bins=80, max_source_positions=150, max_target_positions=64, bos_token_id=1,
-    eos_token_id=2, pad_token_id=0, decoder_start_token_id=3, init_std=0.2,
-)  # fmt: skip
+from tests.helpers import whisper_features
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(the folder, transformers' model, ours loaded from the folder)."""
-    import transformers
-
-    folder = tmp_path_factory.mktemp("tiny-whisper")
-    torch.manual_seed(0)
-    hf = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**TINY)).eval()
-    hf.save_pretrained(folder)
-    ours = WhisperModel(WhisperConfig.from_json_file(folder / "config.json")).eval()
-    ours.load_weights(iter_safetensors_weights(folder, progress=False))
-    return folder, hf, ours
-
-
-def _features(batch: int, seed: int = 0) -> torch.Tensor:
-    """Synthetic log-mel features: a different tone ramp per item, plus noise."""
-    gen = torch.Generator().manual_seed(seed)
-    ramp = torch.linspace(-1.0, 1.0, 300)
-    items = [torch.sin(ramp * (i + 2) * 7.0).expand(80, 300) for i in range(batch)]
-    return torch.stack(items) + 0.5 * torch.randn(batch, 80, 300, generator=gen)
-
-
-def test_config_reads_the_checkpoints_fields(tiny):
-    folder, _, ours = tiny
+def test_config_reads_the_checkpoints_fields(tiny_whisper):
+    folder, _, ours = tiny_whisper
     c = ours.config
     assert (c.d_model, c.head_dim, c.num_frames, c.decoder_start_token_id, c.eos_token_id) == (
         64, 16, 300, 3, 2,
@@ -69,9 +40,9 @@ def test_config_reads_the_checkpoints_fields(tiny):
 
 
 @torch.inference_mode()
-def test_encoder_and_cross_attention_kv_equal_transformers(tiny):
-    _, hf, ours = tiny
-    features = _features(3)
+def test_encoder_and_cross_attention_kv_equal_transformers(tiny_whisper):
+    _, hf, ours = tiny_whisper
+    features = whisper_features(3)
     want = hf.model.encoder(features).last_hidden_state
     got = ours.encode(features)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -85,9 +56,9 @@ def test_encoder_and_cross_attention_kv_equal_transformers(tiny):
 
 
 @torch.inference_mode()
-def test_decoder_logits_equal_transformers(tiny):
-    _, hf, ours = tiny
-    features = _features(2, seed=1)
+def test_decoder_logits_equal_transformers(tiny_whisper):
+    _, hf, ours = tiny_whisper
+    features = whisper_features(2, seed=1)
     tokens = torch.tensor([[3, 17, 250, 9, 44], [3, 5, 5, 120, 299]])
     want = hf(input_features=features, decoder_input_ids=tokens).logits
     got = ours.decode(tokens, ours.cross_kv(ours.encode(features)))
@@ -95,9 +66,9 @@ def test_decoder_logits_equal_transformers(tiny):
 
 
 @torch.inference_mode()
-def test_greedy_tokens_equal_transformers_for_several_inputs_together(tiny):
-    _, hf, ours = tiny
-    features = _features(3, seed=2)
+def test_greedy_tokens_equal_transformers_for_several_inputs_together(tiny_whisper):
+    _, hf, ours = tiny_whisper
+    features = whisper_features(3, seed=2)
     prompts = [[3], [3, 10], [3, 10, 11]]
     expected = []
     for i, prompt in enumerate(prompts):
@@ -113,8 +84,8 @@ def test_greedy_tokens_equal_transformers_for_several_inputs_together(tiny):
     assert len({tuple(t) for t in got}) == 3  # the inputs lead to different tokens
 
 
-def test_bad_inputs_say_what_is_expected(tiny):
-    _, hf, ours = tiny
+def test_bad_inputs_say_what_is_expected(tiny_whisper):
+    _, hf, ours = tiny_whisper
     with pytest.raises(
         ValueError, match=r"features must be \[batch, 80, 300\] .* got \(1, 80, 299\)"
     ):
@@ -133,8 +104,8 @@ def test_bad_inputs_say_what_is_expected(tiny):
 # ---- KV plan: self-attention and cross-attention groups ------------------------------------------
 
 
-def test_whisper_models_are_recognised_by_shape_folder_or_config_file(tiny, tmp_path):
-    folder, _, ours = tiny
+def test_whisper_models_are_recognised_by_shape_folder_or_config_file(tiny_whisper, tmp_path):
+    folder, _, ours = tiny_whisper
     assert whisper_config_of("whisper-large-v3").d_model == 1280
     assert whisper_config_of(str(folder)) == ours.config
     assert whisper_config_of(str(folder / "config.json")) == ours.config
@@ -236,14 +207,14 @@ def _paged_greedy(model, features, prompts, max_new, ops) -> list[list[int]]:
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @torch.inference_mode()
-def test_paged_decoding_equals_the_reference_on_every_backend(tiny, backend):
+def test_paged_decoding_equals_the_reference_on_every_backend(tiny_whisper, backend):
     import kernels
     from kernels import cpu_ops
 
     if backend == "cpu" and not cpu_ops.available():
         pytest.skip("no C++ compiler here: the cpu backend is the reference")
-    _, _, ours = tiny
-    features = _features(3, seed=2)
+    _, _, ours = tiny_whisper
+    features = whisper_features(3, seed=2)
     prompts = [[3], [3, 10], [3, 10, 11, 12, 13]]
     expected = greedy(ours, features, prompts, 12)
     got = _paged_greedy(ours, features, prompts, 12, kernels.get_backend(backend))

@@ -1,0 +1,229 @@
+"""Continuous batching for Whisper transcriptions (issue 21): requests of one 30-second window each
+run together, step by step, over one block pool holding two KV groups per request: the decoder's
+self-attention blocks and the cross-attention blocks of its encoder states.
+
+- **Admission.** A request enters when the pool has its cross-attention blocks
+  (ceil(max_source_positions / block_size)) and the self-attention blocks of its longest
+  decoding (prompt + max_tokens, at most max_target_positions) free, and fewer than
+  `max_num_seqs` run; otherwise it waits, in arrival order. Everything is allocated at
+  admission, so a running request never waits for a block and nothing is preempted.
+- **Encoder work counts against the step.** Each admitted request costs max_source_positions
+  tokens of the step's `max_num_batched_tokens` (at least one admission per step); the encoder
+  runs once, batched over the step's admissions, and their cross-attention K/V are written into
+  their blocks once (`WhisperModel.write_cross_kv`).
+- **Decoding.** One forward per step over every running request's new tokens (its prompt in its
+  first step, then its last token), `WhisperModel.decode_paged`; greedy, or sampling at a
+  temperature with a seeded generator.
+- **Freeing.** A request that ends (end of text, max_tokens, the decoder's last position) or is
+  aborted gives both groups back at once.
+
+The block pool is the scheduler's (`scheduler.block_pool.BlockPool`); the KV tensors are one K
+and one V tensor per decoder layer, [num_blocks, block_size, heads, head_dim], a block id
+belonging to one group of one request at a time, as in the decoder-only engine.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+import kernels
+from engine.whisper import PagedBatch, WhisperModel, cross_batch
+from scheduler.block_pool import Block, BlockPool
+from scheduler.utils import cdiv
+
+
+@dataclass
+class TranscriptionRequest:
+    request_id: str
+    features: torch.Tensor  # [num_mel_bins, 2 x max_source_positions]
+    prompt: list[int]  # the decoder's prefix (start of transcript, language, task ...)
+    max_tokens: int
+    temperature: float = 0.0
+    output: list[int] = field(default_factory=list)
+    cross_blocks: list[Block] = field(default_factory=list)
+    self_blocks: list[Block] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+
+class WhisperEngine:
+    """Transcription requests over one `WhisperModel`: `add`, `abort`, `step` (the requests that
+    finished in it), `run` (all)."""
+
+    def __init__(
+        self,
+        model: WhisperModel,
+        num_blocks: int,
+        *,
+        block_size: int = 16,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        ops: ModuleType = kernels.reference,
+        seed: int = 0,
+    ) -> None:
+        c = model.config
+        self.model, self.ops, self.block_size = model, ops, block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.cross_blocks_per_request = cdiv(c.max_source_positions, block_size)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=False)
+        dtype = next(model.parameters()).dtype
+        shape = (num_blocks, block_size, c.decoder_attention_heads, c.head_dim)
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(c.decoder_layers)
+        ]
+        self.waiting: collections.deque[TranscriptionRequest] = collections.deque()
+        self.running: list[TranscriptionRequest] = []
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def blocks_needed(self, request: TranscriptionRequest) -> int:
+        """Blocks the request holds while it runs: its cross-attention blocks and those of its
+        longest decoding."""
+        longest = len(request.prompt) + request.max_tokens
+        tokens = min(longest, self.model.config.max_target_positions)
+        return self.cross_blocks_per_request + cdiv(tokens, self.block_size)
+
+    def add(self, request: TranscriptionRequest) -> None:
+        c = self.model.config
+        if request.features.shape != (c.num_mel_bins, c.num_frames):
+            raise ValueError(
+                f"features must be [{c.num_mel_bins}, {c.num_frames}], got "
+                f"{tuple(request.features.shape)}"
+            )
+        if not request.prompt or len(request.prompt) >= c.max_target_positions:
+            raise ValueError(
+                f"the decoder prompt must hold 1 to {c.max_target_positions - 1} tokens, got "
+                f"{len(request.prompt)}"
+            )
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if self.blocks_needed(request) > self.pool.num_blocks:
+            raise ValueError(
+                f"a request needs {self.blocks_needed(request)} KV blocks "
+                f"({self.cross_blocks_per_request} for cross-attention), the pool has "
+                f"{self.pool.num_blocks}: give the cache more blocks"
+            )
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request, waiting or running, freeing both its groups; False if unknown."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, "abort")
+                    return True
+        return False
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def _admit(self) -> list[TranscriptionRequest]:
+        admitted: list[TranscriptionRequest] = []
+        budget = self.max_num_batched_tokens
+        positions = self.model.config.max_source_positions
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if admitted and budget < positions:
+                break  # the step's encoder work is spent
+            need = self.blocks_needed(request)
+            if need > self.pool.num_free_blocks:
+                break  # in arrival order: the head waits, and so do those behind it
+            self.waiting.popleft()
+            blocks = self.pool.allocate(need)
+            request.cross_blocks = blocks[: self.cross_blocks_per_request]
+            request.self_blocks = blocks[self.cross_blocks_per_request :]
+            admitted.append(request)
+            self.running.append(request)
+            budget -= positions
+        return admitted
+
+    def _encode(self, admitted: list[TranscriptionRequest]) -> None:
+        model = self.model
+        features = torch.stack([r.features for r in admitted]).to(next(model.parameters()).dtype)
+        positions = torch.arange(model.config.max_source_positions)
+        slots = torch.stack([
+            torch.tensor([b.block_id for b in r.cross_blocks])[positions // self.block_size]
+            * self.block_size + positions % self.block_size
+            for r in admitted
+        ])  # fmt: skip
+        model.write_cross_kv(model.cross_kv(model.encode(features)), self.caches, slots, self.ops)
+
+    @torch.inference_mode()
+    def step(self) -> list[TranscriptionRequest]:
+        """Admit and encode what fits, decode one token for every running request; the
+        requests that finished in this step."""
+        admitted = self._admit()
+        if admitted:
+            self._encode(admitted)
+        if not self.running:
+            return []
+        bs = self.block_size
+        tokens, positions, slots, owners, starts = [], [], [], [], [0]
+        for r in self.running:
+            new = r.prompt if not r.output else r.output[-1:]
+            first = len(r.prompt) + len(r.output) - len(new)
+            for j, token in enumerate(new):
+                p = first + j
+                tokens.append(token)
+                positions.append(p)
+                slots.append(r.self_blocks[p // bs].block_id * bs + p % bs)
+                owners.append(r)
+            starts.append(starts[-1] + len(new))
+        width = max(len(r.self_blocks) for r in self.running)
+        tables = [[b.block_id for b in r.self_blocks] for r in self.running]
+        self_batch = PagedBatch(
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor([len(r.prompt) + len(r.output) for r in self.running], dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(slots),
+        )
+        cross = cross_batch(
+            [[b.block_id for b in r.cross_blocks] for r in owners],
+            self.model.config.max_source_positions,
+        )
+        logits = self.model.decode_paged(
+            torch.tensor(tokens), torch.tensor(positions), self.caches, self_batch, self.caches,
+            cross, self.ops,
+        )  # fmt: skip
+        finished = []
+        for i, r in enumerate(list(self.running)):
+            token = self._sample(logits[starts[i + 1] - 1], r.temperature)
+            r.output.append(token)
+            reason = self._stop_reason(r, token)
+            if reason is not None:
+                self.running.remove(r)
+                self._finish(r, reason)
+                finished.append(r)
+        return finished
+
+    def _sample(self, logits: torch.Tensor, temperature: float) -> int:
+        if temperature == 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _stop_reason(self, r: TranscriptionRequest, token: int) -> str | None:
+        if token == self.model.config.eos_token_id:
+            return "stop"
+        at_end = len(r.prompt) + len(r.output) >= self.model.config.max_target_positions
+        return "length" if len(r.output) >= r.max_tokens or at_end else None
+
+    def _finish(self, r: TranscriptionRequest, reason: str) -> None:
+        # Both groups at once, the last blocks first (the pool's free-list convention).
+        self.pool.free(reversed(r.cross_blocks + r.self_blocks))
+        r.cross_blocks, r.self_blocks = [], []
+        r.finish_reason = reason
+
+    def run(self) -> list[TranscriptionRequest]:
+        """Step until every request has finished; in order of finishing."""
+        done = []
+        while self.has_unfinished:
+            done += self.step()
+        return done
