@@ -25,6 +25,7 @@ int4 (their lookups need rows) are dequantized at load, as with `--quantization 
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 from dataclasses import dataclass
@@ -130,8 +131,9 @@ def compiled_gemm() -> bool:
     return cpu_ops.available() and bool(torch.ops.pagedserve_cpu.quantized_gemm_available())
 
 
-class QuantizedWeight:
-    """A [N, K] matmul weight in int4 or int8 with `linear`, `dequantize` and its bytes."""
+class QuantizedWeight(abc.ABC):
+    """A [N, K] matmul weight in int4 or int8 with `linear`, `dequantize` and its bytes; each
+    kind (Int4Weight, Int8Weight) supplies its storage and its two kernels."""
 
     kind: str
     out_features: int
@@ -155,8 +157,9 @@ class QuantizedWeight:
         return Int4Weight(rows) if rows.kind == "int4" else Int8Weight(rows)
 
     @property
+    @abc.abstractmethod
     def nbytes(self) -> int:
-        raise NotImplementedError
+        """Bytes the weight holds (codes, scales and zeros)."""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` for bfloat16 x of shape [rows, K]."""
@@ -170,15 +173,17 @@ class QuantizedWeight:
             self._gemm(x, y)
         return y if bias is None else y.add_(bias)
 
+    @abc.abstractmethod
     def _int_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """x @ W^T through torch's kernel for this kind (steps of few rows)."""
 
+    @abc.abstractmethod
     def _gemm(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        raise NotImplementedError
+        """out = x @ W^T through pagedserve's compiled GEMM (steps of many rows)."""
 
+    @abc.abstractmethod
     def dequantize(self) -> torch.Tensor:
         """bfloat16 [N, K]: the values the matmuls multiply by (for tests and references)."""
-        raise NotImplementedError
 
 
 class Int4Weight(QuantizedWeight):

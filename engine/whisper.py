@@ -184,6 +184,11 @@ class _Attention(nn.Module):
         b, t, d = x.shape
         return x.view(b, t, self.heads, d // self.heads).transpose(1, 2)
 
+    def self_attend(self, h: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Self-attention of normalised states h [B, T, d], through out_proj."""
+        return self.attend(self.split(self.q_proj(h)), self.split(self.k_proj(h)),
+                           self.split(self.v_proj(h)), causal)  # fmt: skip
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     ) -> torch.Tensor:
@@ -203,9 +208,7 @@ class _EncoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn
-        h = self.self_attn_layer_norm(x)
-        x = x + a.attend(a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h)), False)
+        x = x + self.self_attn.self_attend(self.self_attn_layer_norm(x), causal=False)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
@@ -223,11 +226,11 @@ class _DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cross_k: torch.Tensor, cross_v: torch.Tensor
     ) -> torch.Tensor:
-        a, c = self.self_attn, self.encoder_attn
-        h = self.self_attn_layer_norm(x)
-        x = x + a.attend(a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h)), True)
-        h = self.encoder_attn_layer_norm(x)
-        x = x + c.attend(c.split(c.q_proj(h)), cross_k, cross_v, False)
+        x = x + self.self_attn.self_attend(self.self_attn_layer_norm(x), causal=True)
+        c = self.encoder_attn
+        x = x + c.attend(
+            c.split(c.q_proj(self.encoder_attn_layer_norm(x))), cross_k, cross_v, False
+        )
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 

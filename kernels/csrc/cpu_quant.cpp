@@ -12,6 +12,7 @@
 // half. int8 weights are [N, K] codes with a bfloat16 scale per feature (torch's int8 layout).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>
 
@@ -175,7 +176,9 @@ void rows_times_tile_any(int rows, const uint16_t* x, int64_t k, const uint32_t*
 template <typename MakeTile, typename Scale>
 void quantized_gemm(const uint16_t* x, int64_t m, int64_t n, int64_t k, uint16_t* out,
                     MakeTile make_tile, Scale scale) {
-#pragma omp parallel
+  // torch's thread count (as the attention kernel takes it), not OpenMP's default in this thread.
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n / 64));
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<uint32_t> tile(k / 2 * 64);
     float acc[kRows * 64];
