@@ -323,22 +323,22 @@ def check_core_index(engine: int, num_cores: int) -> None:
 _STOP = object()
 
 
-class AsyncEngine(EngineClient):
-    """Serves many concurrent `generate` calls from one LLMEngine running on a thread."""
+class CommandLoop:
+    """An engine loop fed by a command queue, run on the calling thread (`run`) or a thread of
+    its own (`start`) until a ("stop", ...) command (`shutdown`). Subclasses implement `_loop`
+    and set `_running` and `_thread` up (False, None) with `_commands`."""
 
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
-        super().__init__(engine.inputs, max_queue_len)
-        self.engine = engine
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None  # set by start()
-        self.stats = engine.stats()
+    _running: bool
+    _thread: threading.Thread | None
+    _commands: queue.SimpleQueue[tuple]
 
-    # ---- lifecycle -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         """Run the loop in the calling thread until `shutdown()` (or an engine failure)."""
         if self._running:
-            raise RuntimeError("AsyncEngine is already running")
+            raise RuntimeError(f"{type(self).__name__} is already running")
         self._running = True
         try:
             self._loop()
@@ -348,7 +348,7 @@ class AsyncEngine(EngineClient):
     def start(self) -> None:
         """Run the loop on a background thread; returns once it accepts requests."""
         if self._running or self._thread is not None:
-            raise RuntimeError("AsyncEngine is already running")
+            raise RuntimeError(f"{type(self).__name__} is already running")
         self._running = True  # before the thread starts, so requests are accepted at once
         self._thread = threading.Thread(target=self._run_started, name="pagedserve-engine")
         self._thread.daemon = True
@@ -368,6 +368,17 @@ class AsyncEngine(EngineClient):
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+
+class AsyncEngine(CommandLoop, EngineClient):
+    """Serves many concurrent `generate` calls from one LLMEngine running on a thread."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None) -> None:
+        super().__init__(engine.inputs, max_queue_len)
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # set by start()
+        self.stats = engine.stats()
 
     # ---- requests --------------------------------------------------------------------------------
 

@@ -71,6 +71,12 @@ class WhisperConfig:
         """Feature frames the encoder takes: 2 per position (the second convolution's stride)."""
         return 2 * self.max_source_positions
 
+    @property
+    def window_seconds(self) -> float:
+        """Seconds of audio one encoder pass covers, a frame every 10 ms (Whisper's 1500
+        positions: 30 s)."""
+        return self.num_frames / 100
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> WhisperConfig:
         if d.get("model_type") != "whisper":

@@ -13,7 +13,9 @@ self-attention blocks and the cross-attention blocks of its encoder states.
   their blocks once (`WhisperModel.write_cross_kv`).
 - **Decoding.** One forward per step over every running request's new tokens (its prompt in its
   first step, then its last token), `WhisperModel.decode_paged`; greedy, or sampling at a
-  temperature with a seeded generator.
+  temperature with a seeded generator. As transformers' `generate` does with the model's
+  generation config, `suppress_tokens` are never chosen and `begin_suppress_tokens` not as the
+  first token.
 - **Freeing.** A request that ends (end of text, max_tokens, the decoder's last position) or is
   aborted gives both groups back at once.
 
@@ -25,12 +27,15 @@ belonging to one group of one request at a time, as in the decoder-only engine.
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
 import kernels
+from engine.messages import EngineStats
 from engine.whisper import PagedBatch, WhisperModel, cross_batch
 from scheduler.block_pool import Block, BlockPool
 from scheduler.utils import cdiv
@@ -63,21 +68,39 @@ class WhisperEngine:
         max_num_batched_tokens: int = 2048,
         ops: ModuleType = kernels.reference,
         seed: int = 0,
+        suppress_tokens: Sequence[int] = (),
+        begin_suppress_tokens: Sequence[int] = (),
     ) -> None:
         c = model.config
         self.model, self.ops, self.block_size = model, ops, block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.cross_blocks_per_request = cdiv(c.max_source_positions, block_size)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=False)
-        dtype = next(model.parameters()).dtype
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         shape = (num_blocks, block_size, c.decoder_attention_heads, c.head_dim)
         self.caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(c.decoder_layers)
         ]
+        # Ids past the vocabulary are dropped: transformers' default config names GPT-2's ids
+        # (220, 50256), which a small vocabulary does not have.
+        self.suppress = self._token_ids(suppress_tokens)
+        self.begin_suppress = self._token_ids(begin_suppress_tokens)
         self.waiting: collections.deque[TranscriptionRequest] = collections.deque()
         self.running: list[TranscriptionRequest] = []
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.num_requests_added = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0
+
+    def _token_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        vocab = self.model.config.vocab_size
+        kept = sorted({int(i) for i in ids if 0 <= int(i) < vocab})
+        return torch.tensor(kept, dtype=torch.int64, device=self.device)
 
     def blocks_needed(self, request: TranscriptionRequest) -> int:
         """Blocks the request holds while it runs: its cross-attention blocks and those of its
@@ -87,6 +110,14 @@ class WhisperEngine:
         return self.cross_blocks_per_request + cdiv(tokens, self.block_size)
 
     def add(self, request: TranscriptionRequest) -> None:
+        """Queue a request (`check`ed first)."""
+        self.check(request)
+        self.waiting.append(request)
+        self.num_requests_added += 1
+
+    def check(self, request: TranscriptionRequest) -> None:
+        """ValueError, saying what to change, for a request this engine cannot run. Reads only
+        what never changes, so any thread may call it."""
         c = self.model.config
         if request.features.shape != (c.num_mel_bins, c.num_frames):
             raise ValueError(
@@ -106,7 +137,8 @@ class WhisperEngine:
                 f"({self.cross_blocks_per_request} for cross-attention), the pool has "
                 f"{self.pool.num_blocks}: give the cache more blocks"
             )
-        self.waiting.append(request)
+        if request.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {request.temperature}")
 
     def abort(self, request_id: str) -> bool:
         """End a request, waiting or running, freeing both its groups; False if unknown."""
@@ -121,6 +153,18 @@ class WhisperEngine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        """The decoder-only engine's stats, for the same /metrics families."""
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_used=self.pool.num_blocks - self.pool.num_free_blocks,
+            kv_blocks_total=self.pool.num_blocks,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            num_requests_added=self.num_requests_added,
+        )
 
     # ---- a step ------------------------------------------------------------------------------
 
@@ -146,19 +190,27 @@ class WhisperEngine:
 
     def _encode(self, admitted: list[TranscriptionRequest]) -> None:
         model = self.model
-        features = torch.stack([r.features for r in admitted]).to(next(model.parameters()).dtype)
+        features = torch.stack([r.features for r in admitted]).to(self.device, self.dtype)
         positions = torch.arange(model.config.max_source_positions)
         slots = torch.stack([
             torch.tensor([b.block_id for b in r.cross_blocks])[positions // self.block_size]
             * self.block_size + positions % self.block_size
             for r in admitted
-        ])  # fmt: skip
+        ]).to(self.device)  # fmt: skip
         model.write_cross_kv(model.cross_kv(model.encode(features)), self.caches, slots, self.ops)
 
-    @torch.inference_mode()
     def step(self) -> list[TranscriptionRequest]:
         """Admit and encode what fits, decode one token for every running request; the
         requests that finished in this step."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _step(self) -> list[TranscriptionRequest]:
         admitted = self._admit()
         if admitted:
             self._encode(admitted)
@@ -188,13 +240,16 @@ class WhisperEngine:
             [[b.block_id for b in r.cross_blocks] for r in owners],
             self.model.config.max_source_positions,
         )
+        on_device = lambda batch: PagedBatch(*(t.to(self.device) for t in batch))  # noqa: E731
         logits = self.model.decode_paged(
-            torch.tensor(tokens), torch.tensor(positions), self.caches, self_batch, self.caches,
-            cross, self.ops,
+            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
+            self.caches, on_device(self_batch), self.caches, on_device(cross), self.ops,
         )  # fmt: skip
         finished = []
-        for i, r in enumerate(list(self.running)):
-            token = self._sample(logits[starts[i + 1] - 1], r.temperature)
+        last = logits[torch.tensor(starts[1:], device=self.device) - 1].float()
+        chosen = self._sample(last, [not r.output for r in self.running],
+                              [r.temperature for r in self.running])  # fmt: skip
+        for r, token in zip(list(self.running), chosen, strict=True):
             r.output.append(token)
             reason = self._stop_reason(r, token)
             if reason is not None:
@@ -203,11 +258,23 @@ class WhisperEngine:
                 finished.append(r)
         return finished
 
-    def _sample(self, logits: torch.Tensor, temperature: float) -> int:
-        if temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    def _sample(
+        self, logits: torch.Tensor, first: list[bool], temperatures: list[float]
+    ) -> list[int]:
+        """One token per row of float32 `logits` [requests, vocab]: `first` marks the rows
+        choosing their first token."""
+        logits[:, self.suppress] = -torch.inf
+        first_rows = torch.tensor(first, device=self.device)
+        if self.begin_suppress.numel() and bool(first_rows.any()):
+            rows = logits[first_rows]
+            rows[:, self.begin_suppress] = -torch.inf
+            logits[first_rows] = rows
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, temperature in enumerate(temperatures):
+            if temperature > 0.0:
+                probs = torch.softmax(logits[i] / temperature, dim=-1)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=self.generator))
+        return tokens
 
     def _stop_reason(self, r: TranscriptionRequest, token: int) -> str | None:
         if token == self.model.config.eos_token_id:

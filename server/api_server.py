@@ -23,7 +23,9 @@ from engine.core_process import ProcessEngine
 from engine.data_parallel import DataParallelEngine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
-from server.app import build_app
+from engine.whisper import whisper_config_of
+from engine.whisper_service import TranscriptionService
+from server.app import build_app, build_transcription_app
 from server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -79,7 +81,8 @@ def run_server(
     """Load the model and serve until interrupted (Ctrl-C / SIGTERM: see _Drain).
     `core_process`: run the engine core in a process of its own (None: the default for the
     device, DEFAULT_CORE_PROCESS). `data_parallel_size`: engine cores, each a process of its own
-    with its own KV cache (engine/data_parallel.py); more than one needs `core_process`."""
+    with its own KV cache (engine/data_parallel.py); more than one needs `core_process`. A
+    Whisper model (engine/whisper_service.py) is served in this process, by one engine."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if data_parallel_size < 1:
@@ -91,11 +94,23 @@ def run_server(
                 "of its own: drop --no-core-process"
             )
         core_process = True
-    if core_process is None:
-        core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
     names = served_model_names or [config.model]
-    if data_parallel_size > 1:
-        client: EngineClient = DataParallelEngine(config, data_parallel_size, max_queue_len)
+    whisper = whisper_config_of(config.model) is not None
+    if whisper:
+        if core_process or data_parallel_size > 1:
+            raise ValueError(
+                "a Whisper model is served by one engine in the server's process: drop "
+                "--core-process and --data-parallel-size"
+            )
+        core_process = False
+    elif core_process is None:
+        core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
+    client: EngineClient | TranscriptionService
+    if whisper:
+        client = TranscriptionService.from_config(config, max_queue_len)  # logs its plan
+        description = client.describe()
+    elif data_parallel_size > 1:
+        client = DataParallelEngine(config, data_parallel_size, max_queue_len)
         client.start()  # loads the model in every core process at once
         description = client.description
     elif core_process:
@@ -107,18 +122,18 @@ def run_server(
         client = AsyncEngine(engine, max_queue_len=max_queue_len)
         description = engine.describe()
     try:
-        app = build_app(
-            client,
-            names,
+        common = dict(
             model_root=config.model,
             api_key=api_key,
             manage_engine=False,
             request_timeout=request_timeout,
             max_request_body_bytes=max_request_body_bytes,
-            max_n=max_n,
-            tool_call_parser=tool_call_parser,
             allowed_origins=allowed_origins,
         )
+        if isinstance(client, TranscriptionService):
+            app = build_transcription_app(client, names, **common)
+        else:
+            app = build_app(client, names, max_n=max_n, tool_call_parser=tool_call_parser, **common)
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, %s%s)",
             names[0],

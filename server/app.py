@@ -1,7 +1,7 @@
-"""The FastAPI app: routes, API-key check, lifespan of the engine thread.
+"""The FastAPI apps: routes, API-key check, lifespan of the engine thread.
 
-`build_app(async_engine, ...)` is all a caller needs; `server.api_server.run_server` wraps it in
-uvicorn for the CLI.
+`build_app(async_engine, ...)` serves a decoder-only model, `build_transcription_app(service,
+...)` a Whisper model; `server.api_server.run_server` wraps either in uvicorn for the CLI.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import EngineClient, check_core_index
+from engine.whisper_service import TranscriptionService
 from server.dashboard import dashboard_html
 from server.errors import (
     APIError,
@@ -35,8 +36,13 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.serving_chat import chat_prompt_ids, create_chat_completion
-from server.serving_common import ServerState, check_model
+from server.serving_common import ServerState, check_model, check_model_name
 from server.serving_completions import create_completion
+from server.serving_transcriptions import (
+    TranscriptionState,
+    audio_seconds,
+    create_transcription,
+)
 
 
 def version() -> str:
@@ -77,70 +83,14 @@ def build_app(
         max_n=max_n,
         tool_call_parser=tool_call_parser,
     )
-    created_at = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        started_here = manage_engine and not engine.is_running
-        if started_here:
-            engine.start()
-        try:
-            yield
-        finally:
-            if started_here:
-                engine.shutdown()
-
-    app = FastAPI(title="pagedserve", version=version(), lifespan=lifespan)
-    app.router.route_class = ErrorMappingRoute
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
-    if allowed_origins:  # CORS stays off (browsers refuse cross-origin calls) unless asked for
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=allowed_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
-    app.state.server = state
-    install_error_handlers(app)
-
-    async def check_api_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # compare_digest takes time independent of where the strings differ.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), state.api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-
-    v1 = APIRouter(
-        prefix="/v1", dependencies=[Depends(check_api_key)], route_class=ErrorMappingRoute
+    app, v1, check_api_key = _new_app(
+        engine, state.api_key, max_request_body_bytes, allowed_origins, manage_engine
     )
-
-    def model_card(name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": created_at,
-            "owned_by": "pagedserve",
-            "root": state.model_root,
-            "parent": None,
-            "max_model_len": engine.max_model_len,
-        }
-
-    @v1.get("/models")
-    async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(n) for n in state.served_model_names]}
-
-    @v1.get("/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict:
-        check_model(state, model_id)
-        return model_card(model_id)
+    app.state.server = state
+    _add_common_routes(
+        app, v1, engine, state.served_model_names, model_root, engine.max_model_len,
+        state.metrics,
+    )  # fmt: skip
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
@@ -166,6 +116,15 @@ def build_app(
             ) from None
         return Response(body, media_type="application/json")
 
+    @v1.post("/audio/transcriptions")
+    async def transcriptions() -> Response:
+        raise APIError(
+            400,
+            f"model {state.model_name!r} does not transcribe audio: serve a Whisper model "
+            "(a WhisperForConditionalGeneration folder) for /v1/audio/transcriptions",
+            code="model_not_supported",
+        )
+
     app.include_router(v1)
 
     async def check_dashboard_key(request: Request) -> None:
@@ -189,22 +148,6 @@ def build_app(
     @app.get("/dashboard", dependencies=[Depends(check_dashboard_key)])
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(dashboard_html())
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_running:
-            return error_response(
-                APIError(503, f"engine is not running: {engine.error!r}", code="engine_dead")
-            )
-        if engine.draining:  # load balancers stop sending requests here
-            return error_response(
-                APIError(503, "the server is shutting down", code="shutting_down")
-            )
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def get_version() -> dict:
-        return {"version": version()}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -233,12 +176,158 @@ def build_app(
             )
         return {"prompt": tokenizer.decode(body.tokens)}
 
+    return app
+
+
+def build_transcription_app(
+    service: TranscriptionService,
+    served_model_names: tuple[str, ...] | list[str],
+    model_root: str,
+    api_key: str | None = None,
+    manage_engine: bool = True,
+    request_timeout: float | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    allowed_origins: list[str] | None = None,
+) -> FastAPI:
+    """The app of a Whisper model: /v1/audio/transcriptions (server/serving_transcriptions.py)
+    and the routes every pagedserve server has (/v1/models, /health, /metrics, /version)."""
+    if not served_model_names:
+        raise ValueError("served_model_names must name at least one model")
+    metrics = Metrics(lambda: service.stats)
+    state = TranscriptionState(
+        service, metrics, tuple(served_model_names), request_timeout, audio_seconds(metrics)
+    )
+    app, v1, _ = _new_app(service, api_key or None, max_request_body_bytes, allowed_origins,
+                          manage_engine)  # fmt: skip
+    app.state.server = state
+    _add_common_routes(app, v1, service, state.served_model_names, model_root,
+                       service.config.max_target_positions, metrics)  # fmt: skip
+
+    @v1.post("/audio/transcriptions")
+    async def transcriptions(raw_request: Request) -> Response:
+        return await create_transcription(state, raw_request)
+
+    @v1.post("/completions")
+    @v1.post("/chat/completions")
+    async def text_generation() -> Response:
+        raise APIError(
+            400,
+            f"model {state.served_model_names[0]!r} is a Whisper model: it serves "
+            "/v1/audio/transcriptions only",
+            code="model_not_supported",
+        )
+
+    app.include_router(v1)
+    return app
+
+
+def _new_app(
+    engine: EngineClient | TranscriptionService,
+    api_key: str | None,
+    max_request_body_bytes: int,
+    allowed_origins: list[str] | None,
+    manage_engine: bool,
+) -> tuple[FastAPI, APIRouter, Callable[[Request], Awaitable[None]]]:
+    """(the app, its /v1 router, the API-key check): error handling, the body-size limit, CORS
+    and the engine's lifespan. With manage_engine, the app starts the engine loop on a
+    background thread at startup and stops it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        started_here = manage_engine and not engine.is_running
+        if started_here:
+            engine.start()
+        try:
+            yield
+        finally:
+            if started_here:
+                engine.shutdown()
+
+    app = FastAPI(title="pagedserve", version=version(), lifespan=lifespan)
+    app.router.route_class = ErrorMappingRoute
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if allowed_origins:  # CORS stays off (browsers refuse cross-origin calls) unless asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # compare_digest takes time independent of where the strings differ.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    v1 = APIRouter(
+        prefix="/v1", dependencies=[Depends(check_api_key)], route_class=ErrorMappingRoute
+    )
+    return app, v1, check_api_key
+
+
+def _add_common_routes(
+    app: FastAPI,
+    v1: APIRouter,
+    engine: EngineClient | TranscriptionService,
+    served_model_names: tuple[str, ...],
+    model_root: str,
+    max_model_len: int,
+    metrics: Metrics,
+) -> None:
+    """/v1/models, /health, /version, /metrics and /."""
+    created_at = int(time.time())
+
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created_at,
+            "owned_by": "pagedserve",
+            "root": model_root,
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card(n) for n in served_model_names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        check_model_name(served_model_names, model_id)
+        return model_card(model_id)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(
+                APIError(503, f"engine is not running: {engine.error!r}", code="engine_dead")
+            )
+        if engine.draining:  # load balancers stop sending requests here
+            return error_response(
+                APIError(503, "the server is shutting down", code="shutting_down")
+            )
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> dict:
+        return {"version": version()}
+
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def get_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/")
     async def root() -> JSONResponse:
         return JSONResponse({"name": "pagedserve", "version": version(), "docs": "/docs"})
-
-    return app

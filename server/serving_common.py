@@ -56,11 +56,16 @@ def new_id(prefix: str) -> str:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.served_model_names:
+    check_model_name(state.served_model_names, model)
+
+
+def check_model_name(served_model_names: Sequence[str], model: str | None) -> None:
+    """APIError 404 unless `model` (when given) is one of the names served."""
+    if model is not None and model not in served_model_names:
         raise APIError(
             404,
             f"The model `{model}` does not exist. Available models: "
-            f"{', '.join(state.served_model_names)}",
+            f"{', '.join(served_model_names)}",
             param="model",
             code="model_not_found",
         )
@@ -186,6 +191,29 @@ def add_requests(
     return queued
 
 
+class Deadline:
+    """`await deadline(awaitable)`: its result, or APIError 504 once `timeout` seconds (the
+    server's --request-timeout; None: no limit) have passed since the Deadline was made."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._at = None if timeout is None else self._loop.time() + timeout
+
+    async def __call__(self, awaitable: Awaitable[T]) -> T:
+        if self._at is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, self._at - self._loop.time()))
+        except TimeoutError:
+            raise APIError(
+                504,
+                f"the request did not finish within the server's --request-timeout of "
+                f"{self.timeout:g} s",
+                code="request_timeout",
+            ) from None
+
+
 async def iterate_all(
     queued: Sequence[tuple[RequestStream, RequestMetrics]],
     timeout: float | None = None,
@@ -196,22 +224,7 @@ async def iterate_all(
     The deadline bounds each wait for the next output, never the consumer's own work between
     outputs (a timeout spanning the generator's yields would cancel whatever the consumer
     awaits then, e.g. sending a chunk)."""
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-
-    async def within_deadline(awaitable):
-        if deadline is None:
-            return await awaitable
-        try:
-            return await asyncio.wait_for(awaitable, max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            raise APIError(
-                504,
-                f"the request did not finish within the server's --request-timeout of "
-                f"{timeout:g} s",
-                code="request_timeout",
-            ) from None
-
+    within_deadline = Deadline(timeout)
     merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream, tracker: RequestMetrics) -> None:

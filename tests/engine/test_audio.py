@@ -84,3 +84,19 @@ def test_features_are_whisper_feature_extractors():
         ).input_features
         assert got.shape == (2, mel, 3000) and got.dtype == torch.float32
         assert torch.equal(got, want)
+
+
+def test_a_shorter_encoder_takes_shorter_windows():
+    """A model with fewer encoder positions (the tests' tiny Whisper: 150, 3 s) gets features of
+    its own length: those of WhisperFeatureExtractor(chunk_length=3)."""
+    from transformers import WhisperFeatureExtractor
+
+    parts = windows(_tone(7.0, SAMPLE_RATE), seconds=3.0)
+    assert [len(p) for p in parts] == [48000, 48000, 16000]
+    got = log_mel(parts, 80, num_frames=300)
+    want = WhisperFeatureExtractor(feature_size=80, chunk_length=3)(
+        parts, sampling_rate=SAMPLE_RATE, return_tensors="pt"
+    ).input_features
+    assert got.shape == (3, 80, 300)
+    assert torch.equal(got, want)
+    assert log_mel(parts[:1], 80).shape == (1, 80, 3000)  # each shape its own extractor

@@ -6,6 +6,8 @@ budget."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -137,3 +139,48 @@ def test_sampling_at_a_temperature_is_seeded(tiny_whisper):
 
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
+
+
+def _generate(hf, features: torch.Tensor, max_new_tokens: int) -> list[list[int]]:
+    """transformers' `generate` for a batch, each row cut after its end of text."""
+    out = hf.generate(features, max_new_tokens=max_new_tokens)
+    rows = []
+    for row in out.tolist():
+        eos = hf.config.eos_token_id
+        rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tokens_equal_transformers_generate_with_suppressed_tokens(tiny_whisper, backend):
+    """Three inputs run together give `generate`'s tokens, on the torch backend and on Triton's
+    kernels (the interpreter here). The engine suppresses what the generation config says, as
+    `generate` does: `begin_suppress_tokens` never first, `suppress_tokens` never. Chosen here
+    so that they change the greedy tokens: input 0's first token, and the most frequent one."""
+    import kernels
+
+    _, hf, model = tiny_whisper
+    features = whisper_features(3, seed=5)
+    plain = greedy(model, features, [[3]] * 3, 12)
+    first = plain[0][0]
+    counts = collections.Counter(t for row in plain for t in row[1:])
+    frequent = max(counts, key=lambda t: (counts[t], t))
+    config = hf.generation_config
+    saved = (config.begin_suppress_tokens, config.suppress_tokens)
+    config.begin_suppress_tokens, config.suppress_tokens = [first, 220, 50256], [frequent]
+    try:
+        expected = _generate(hf, features, 12)
+    finally:
+        config.begin_suppress_tokens, config.suppress_tokens = saved
+    engine = WhisperEngine(model, num_blocks=64, ops=kernels.get_backend(backend),
+                           suppress_tokens=[frequent],
+                           begin_suppress_tokens=[first, 220, 50256])  # fmt: skip
+    requests = [TranscriptionRequest(f"r{i}", features[i], [3], 12) for i in range(3)]
+    for r in requests:
+        engine.add(r)
+    engine.run()
+    assert [r.output for r in requests] == expected
+    assert expected != plain and expected[0][0] != first
+    assert all(frequent not in row for row in expected)
+    # Without suppression, `generate` is the plain greedy reference too.
+    assert _generate(hf, features, 12) == plain
