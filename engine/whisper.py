@@ -9,8 +9,8 @@ written once per request (`write_cross_kv`) from `cross_kv`; `cross_batch` lets 
 kernels read all encoder positions. `decode` attends over whole sequences held contiguously and
 `greedy` is the plain argmax loop over it: the reference the paged path equals.
 `engine/whisper_engine.py` batches requests over it (the two KV groups from one block pool,
-allocated at admission, freed with the request). Not yet done: the `/v1/audio/transcriptions`
-endpoint in front of it.
+allocated at admission, freed with the request); `engine/whisper_service.py` serves that behind
+`/v1/audio/transcriptions`.
 
 Whisper in brief: log-mel features [mel bins, 2 x positions] -> two convolutions (the second with
 stride 2) with GELU -> + learned positions -> pre-LayerNorm transformer layers (bidirectional) ->
@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine import cpu_linear
 
 WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
 
@@ -114,6 +116,12 @@ WHISPER_SHAPES = {
         decoder_ffn_dim=5120, num_mel_bins=128, max_source_positions=1500,
         max_target_positions=448, decoder_start_token_id=50258, eos_token_id=50257,
     ),
+    "whisper-tiny": dict(
+        vocab_size=51865, d_model=384, encoder_layers=4, decoder_layers=4,
+        encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=1536,
+        decoder_ffn_dim=1536, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448, decoder_start_token_id=50258, eos_token_id=50257,
+    ),
     "whisper-small": dict(
         vocab_size=51865, d_model=768, encoder_layers=12, decoder_layers=12,
         encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
@@ -170,8 +178,16 @@ def kv_plan_report(
     ])  # fmt: skip
 
 
+class _Linear(nn.Linear):
+    """nn.Linear through engine/cpu_linear.py: its oneDNN-packed weight once
+    `WhisperModel.pack_weights` attached one (on CPU), else F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, self.bias)
+
+
 def _linear(out_features: int, in_features: int, bias: bool = True) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=bias)
+    return _Linear(in_features, out_features, bias=bias)
 
 
 class _Attention(nn.Module):
@@ -318,7 +334,7 @@ class WhisperModel(nn.Module):
         x = x + dec.embed_positions.weight[: tokens.shape[1]]
         for layer, (k, v) in zip(dec.layers, cross, strict=True):
             x = layer(x, k, v)
-        return F.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
+        return cpu_linear.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
 
     # ---- paged: self-attention K/V in blocks, cross-attention K/V in blocks of their own -------
 
@@ -376,7 +392,7 @@ class WhisperModel(nn.Module):
             out = ops.paged_attention(q, ck_cache, cv_cache, *cross[:3], scale)
             x = x + a.out_proj(out.reshape(n, c.d_model))
             x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
-        return F.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
+        return cpu_linear.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -403,6 +419,19 @@ class WhisperModel(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def pack_weights(self) -> bool:
+        """Pre-pack every matmul weight (the projections and the tied embedding's logits) for
+        oneDNN where that applies (engine/cpu_linear.py: bf16 or float32 on CPU), after the
+        weights are loaded and the model is on its device and dtype; whether it did."""
+        weight = self.model.decoder.embed_tokens.weight
+        if not cpu_linear.can_pack(weight.device, weight.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, _Linear):
+                cpu_linear.pack(module.weight)
+        cpu_linear.pack(weight)
+        return True
 
 
 class PagedBatch(NamedTuple):

@@ -150,7 +150,8 @@ def load_whisper(config: EngineConfig) -> tuple[WhisperModel, Any, WhisperDecodi
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     torch.manual_seed(config.seed)
-    model = WhisperModel(wconfig).eval()
+    with device:  # random weights drawn where they run (1.5B of them for whisper-large-v3)
+        model = WhisperModel(wconfig).eval()
     has_weights = folder is not None and path.is_dir() and any(folder.glob("*.safetensors"))
     if config.load_format == "dummy" or not has_weights:
         logger.warning("Whisper model %r: random weights (no safetensors, or --load-format "
@@ -160,6 +161,7 @@ def load_whisper(config: EngineConfig) -> tuple[WhisperModel, Any, WhisperDecodi
     else:
         raise ValueError(f"--load-format {config.load_format} does not read Whisper folders")
     model.to(device, dtype)
+    model.pack_weights()
     if config.tokenizer is not None:
         tokenizer = load_tokenizer(config.tokenizer)
     elif folder is not None and any((folder / n).is_file() for n in TOKENIZER_FILES):

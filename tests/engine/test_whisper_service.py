@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from engine import cpu_linear
 from engine.async_engine import EngineDeadError, QueueFullError
 from engine.engine_config import EngineConfig
 from engine.whisper import WhisperConfig, greedy
@@ -191,6 +192,10 @@ def test_a_model_without_language_tokens_starts_from_decoder_start(tiny_whisper)
     assert d.prompt("fr", [40, 41], 64) == [40, 41, 3]
     assert tokenizer.is_synthetic and len(tokenizer) == 300
     assert next(model.parameters()).dtype == torch.float32
+    # Matmul weights pre-packed for oneDNN where it can (engine/cpu_linear.py).
+    packs = cpu_linear.can_pack(torch.device("cpu"), torch.float32)
+    assert cpu_linear.is_packed(model.model.decoder.embed_tokens.weight) == packs
+    assert cpu_linear.is_packed(model.model.encoder.layers[0].fc1.weight) == packs
 
 
 def test_blocks_planned_for_the_requests_that_can_run(tiny_whisper):
