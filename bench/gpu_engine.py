@@ -54,11 +54,11 @@ from scheduler.utils import cdiv
 REPO = Path(__file__).resolve().parents[1]
 STEPS = (
     "env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "structured",
-    "kvcap", "tp", "summary",
+    "kvcap", "tp", "whisper", "summary",
 )  # fmt: skip
 # Steps the default run of bench/gpu_engine.sh leaves out (its limits fill one device command):
 # `ONLY=moe bash bench/gpu_engine.sh` runs them; the summary lists them when they have records.
-OPTIONAL_STEPS = ("moe", "structured", "kvcap", "tp")
+OPTIONAL_STEPS = ("moe", "structured", "kvcap", "tp", "whisper")
 
 # H200: ~4.3 TB/s measured copy bandwidth (GPU.md); the roofline of a decode step is the bytes it
 # must read (weights and the KV cache) at this rate.
@@ -1215,6 +1215,84 @@ def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
         )
 
 
+# The whisper step's smoke model: whisper-tiny's vocabulary and special tokens (so its
+# generation config's suppressed ids are real ones) at a size the CPU decodes in seconds.
+SMOKE_WHISPER = dict(
+    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+    max_source_positions=150, max_target_positions=64,
+)  # fmt: skip
+# (concurrency, requests) of the served whisper-large-v3 shape, one 30 s window of audio each,
+# which decodes to the decoder's last position (random weights): 447 tokens.
+WHISPER_RUNS = ((1, 4), (16, 32), (64, 128))
+SMOKE_WHISPER_RUNS = ((1, 2), (2, 4))
+
+
+def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
+    """Whisper on the device (issue 21). The whisper-tiny shape with peaked random weights saved
+    by transformers: fp32 greedy tokens of 4 synthetic audio windows decoded together by the
+    engine (Triton's kernels, the generation config's suppressed tokens) equal transformers'
+    `generate` on the same device. Then the whisper-large-v3 shape with random weights, bf16,
+    served: audio seconds per wall second through /v1/audio/transcriptions at concurrency 1, 16
+    and 64 (bench/transcriptions.py)."""
+    import torch
+    import transformers
+
+    from bench.transcriptions import serve_and_measure, synthetic_wav
+    from engine.audio import decode_audio, log_mel, windows
+    from engine.engine_config import EngineConfig
+    from engine.whisper import WHISPER_SHAPES, WhisperConfig
+    from engine.whisper_engine import TranscriptionRequest
+    from engine.whisper_service import TranscriptionService
+
+    shape = {**WHISPER_SHAPES["whisper-tiny"], **(SMOKE_WHISPER if args.smoke else {})}
+    c = WhisperConfig(**shape)
+    folder = args.scratch / "whisper-tiny"
+    with rec.part(model="whisper-tiny", check="fp32_greedy"):
+        torch.manual_seed(0)
+        hf_config = transformers.WhisperConfig(
+            **shape, bos_token_id=c.eos_token_id, pad_token_id=c.eos_token_id, init_std=0.2
+        )
+        hf = transformers.WhisperForConditionalGeneration(hf_config).eval()
+        hf.save_pretrained(folder)
+        features = torch.cat([
+            log_mel(windows(decode_audio(synthetic_wav(c.window_seconds, seed)),
+                            c.window_seconds), c.num_mel_bins, c.num_frames)
+            for seed in range(4)
+        ])  # fmt: skip
+        max_new = sizes.correctness_tokens
+        with torch.inference_mode():
+            hf = hf.to(sizes.device)
+            out = hf.generate(features.to(sizes.device), max_new_tokens=max_new).tolist()
+        expected = [row[: row.index(c.eos_token_id) + 1] if c.eos_token_id in row else row
+                    for row in out]  # fmt: skip
+        del hf
+        free_memory()
+        config = EngineConfig(model=str(folder), device=sizes.device, dtype="float32")
+        engine = TranscriptionService.from_config(config).engine
+        requests = [TranscriptionRequest(f"r{i}", f, [c.decoder_start_token_id], max_new)
+                    for i, f in enumerate(features)]  # fmt: skip
+        for r in requests:
+            engine.add(r)
+        engine.run()
+        rec.write({
+            "model": "whisper-tiny", "check": "fp32_greedy", "engine": engine.ops.__name__,
+            **compare_tokens(expected, [r.output for r in requests]),
+            "blocks_free_after": engine.pool.num_free_blocks == engine.pool.num_blocks,
+        })  # fmt: skip
+        del engine
+        free_memory()
+
+    model = str(folder) if args.smoke else "whisper-large-v3"
+    serve_args = ["--device", sizes.device, "--dtype", sizes.dtype,
+                  "--max-num-batched-tokens", "16384"]  # fmt: skip
+    runs = SMOKE_WHISPER_RUNS if args.smoke else WHISPER_RUNS
+    with rec.part(model=model, kind="transcription"):
+        for record in serve_and_measure(model, serve_args, list(runs), c.window_seconds,
+                                        args.out / "whisper_server.log"):  # fmt: skip
+            rec.write({"kind": "transcription", **record})
+
+
 def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """Tensor parallelism on the device (issue 19). With one GPU: the tiny Llama's fp32 greedy
     tokens through the distributed path at one rank (its all-reduces, the logits' gather and the
@@ -1912,6 +1990,14 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
             f"{r['model']} {r['dtype']} cache {r['bf16_tok_s']} tok/s, fp8 cache "
             f"{r['fp8_tok_s']} tok/s ({r['ratio']}x)"
         )
+    if step == "whisper":
+        if r.get("kind") == "transcription":
+            return (
+                f"{r['model']} served c={r['concurrency']} x{r['requests']}: "
+                f"{r['audio_s_per_s']} audio s/s, {r['output_tok_s']} tok/s, latency p50 "
+                f"{r['latency_p50_s']} s"
+            )
+        return _summary_line("correctness", r)
     if step == "tp":
         if r.get("skipped"):
             return f"tiny {r['check']} skipped: {r['skipped']}"
@@ -2048,6 +2134,7 @@ def main(argv: list[str] | None = None) -> int:
         "structured": step_structured,
         "kvcap": step_kvcap,
         "tp": step_tp,
+        "whisper": step_whisper,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

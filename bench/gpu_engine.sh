@@ -71,6 +71,17 @@
 #                                then the 1B shape bf16, 256 x 512 in, both paths' throughput
 #                                (target: the distributed path < 3% slower).
 #
+# and Whisper (issue 21) behind /v1/audio/transcriptions:
+#
+#     run(command="ONLY=whisper bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=180)
+#
+#   whisper      150 s / ~80 s   whisper-tiny shape, peaked random weights saved by transformers:
+#                                fp32 greedy tokens of 4 audio windows decoded together (Triton's
+#                                kernels) = transformers' generate; then the whisper-large-v3
+#                                shape, random weights, bf16, served: audio s per wall s at
+#                                concurrency 1, 16 and 64 (4, 32 and 128 requests of one
+#                                30 s window, 447 tokens each).
+#
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
 # summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
@@ -128,6 +139,7 @@ if [ -n "${ONLY:-}" ]; then
     step structured 120 structured
     step kvcap 120 kvcap
     step tp 120 tp
+    step whisper 150 whisper
 fi
 "$PY" -m bench.gpu_engine summary --out "$OUT"
 exit $failed

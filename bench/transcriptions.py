@@ -99,15 +99,15 @@ def measure(
 def serve_and_measure(
     model: str,
     serve_args: list[str],
-    concurrencies: list[int],
-    num_requests: int,
+    runs: list[tuple[int, int]],
     audio_seconds: float,
     log_path: Path,
 ) -> list[dict[str, Any]]:
-    """Start `pagedserve serve --model MODEL SERVE_ARGS`, measure each concurrency, stop it."""
+    """Start `pagedserve serve --model MODEL SERVE_ARGS`, measure each (concurrency, number of
+    requests) of `runs`, stop it."""
     args = ["--model", model, "--served-model-name", "whisper", "--no-access-log", *serve_args]
     with server_process(args, log_path, timeout=600) as base:
-        records = [measure(base, "whisper", c, num_requests, audio_seconds) for c in concurrencies]
+        records = [measure(base, "whisper", c, n, audio_seconds) for c, n in runs]
     return [{**r, "model": model, "serve_args": " ".join(serve_args)} for r in records]
 
 
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                    for c in args.concurrency]  # fmt: skip
     else:
         log = (args.out or Path("transcriptions")).with_suffix(".server.log")
-        records = serve_and_measure(args.model, shlex.split(args.serve_args), args.concurrency,
-                                    args.num_requests, args.audio_seconds, log)  # fmt: skip
+        runs = [(c, args.num_requests) for c in args.concurrency]
+        records = serve_and_measure(args.model, shlex.split(args.serve_args), runs,
+                                    args.audio_seconds, log)  # fmt: skip
     if args.transformers is not None:
         records += [
             transformers_baseline(args.model, args.transformers, c, args.num_requests,

@@ -105,8 +105,10 @@ class WhisperEngine:
     def blocks_needed(self, request: TranscriptionRequest) -> int:
         """Blocks the request holds while it runs: its cross-attention blocks and those of its
         longest decoding."""
-        longest = len(request.prompt) + request.max_tokens
-        tokens = min(longest, self.model.config.max_target_positions)
+        return self._blocks_for(len(request.prompt), request.max_tokens)
+
+    def _blocks_for(self, prompt_len: int, max_tokens: int) -> int:
+        tokens = min(prompt_len + max_tokens, self.model.config.max_target_positions)
         return self.cross_blocks_per_request + cdiv(tokens, self.block_size)
 
     def add(self, request: TranscriptionRequest) -> None:
@@ -124,21 +126,27 @@ class WhisperEngine:
                 f"features must be [{c.num_mel_bins}, {c.num_frames}], got "
                 f"{tuple(request.features.shape)}"
             )
-        if not request.prompt or len(request.prompt) >= c.max_target_positions:
+        self.check_decoding(request.prompt, request.max_tokens, request.temperature)
+
+    def check_decoding(self, prompt: list[int], max_tokens: int, temperature: float) -> None:
+        """`check` without the features: what a request decoding from `prompt` needs."""
+        c = self.model.config
+        if not prompt or len(prompt) >= c.max_target_positions:
             raise ValueError(
                 f"the decoder prompt must hold 1 to {c.max_target_positions - 1} tokens, got "
-                f"{len(request.prompt)}"
+                f"{len(prompt)}"
             )
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if self.blocks_needed(request) > self.pool.num_blocks:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        need = self._blocks_for(len(prompt), max_tokens)
+        if need > self.pool.num_blocks:
             raise ValueError(
-                f"a request needs {self.blocks_needed(request)} KV blocks "
-                f"({self.cross_blocks_per_request} for cross-attention), the pool has "
-                f"{self.pool.num_blocks}: give the cache more blocks"
+                f"a request needs {need} KV blocks ({self.cross_blocks_per_request} for "
+                f"cross-attention), the pool has {self.pool.num_blocks}: give the cache more "
+                "blocks"
             )
-        if request.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
 
     def abort(self, request_id: str) -> bool:
         """End a request, waiting or running, freeing both its groups; False if unknown."""

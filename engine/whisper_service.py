@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 import kernels
@@ -35,6 +36,7 @@ from engine.async_engine import (
     QueueFullError,
     _post,
 )
+from engine.audio import log_mel
 from engine.engine_config import EngineConfig
 from engine.kv_cache import GiB, default_cpu_kv_memory
 from engine.messages import EngineStats
@@ -217,8 +219,12 @@ class TranscriptionStream:
     """The windows of one transcription, as their tokens come: iterate once. Leaving the loop
     early aborts the windows still running."""
 
-    def __init__(self, service: TranscriptionService, request_ids: list[str]) -> None:
+    def __init__(self, service: TranscriptionService, request_ids: list[str], deltas: bool) -> None:
         self.request_ids = request_ids
+        # False: each window's tokens come whole when it finishes, waking the event loop once
+        # per window rather than every step (on 2 CPU cores those per-step wake-ups slowed the
+        # engine's steps 1.9x: BENCHMARKS.md, "Whisper").
+        self.deltas = deltas
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[WindowOutput | BaseException] = asyncio.Queue()
         self._service = service
@@ -335,26 +341,28 @@ class TranscriptionService(CommandLoop):
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(
-        self, features: torch.Tensor, prompt: list[int], temperature: float, request_id: str
+        self,
+        windows: Sequence[np.ndarray],
+        prompt: list[int],
+        temperature: float,
+        request_id: str,
+        deltas: bool = True,
     ) -> TranscriptionStream:
-        """Queue one request per window of `features` [windows, mel bins, frames], each decoding
-        from `prompt` for as long as the decoder's positions allow. Call from a running event
-        loop. Raises (nothing queued) ValueError for what the engine cannot run,
+        """Queue one request per window of audio (16 kHz samples, engine/audio.py `windows`),
+        each decoding from `prompt` for as long as the decoder's positions allow; `deltas`: a
+        window's new tokens after every step (else all at once when it finishes). Call from a
+        running event loop. Raises (nothing queued) ValueError for what the engine cannot run,
         QueueFullError, DrainingError and EngineDeadError."""
         if not self.is_running:
             raise EngineDeadError(f"the engine has stopped ({self._error!r}); restart the server")
         if self.draining:
             raise DrainingError("the server is shutting down and accepts no new requests")
+        if not windows:
+            raise ValueError("no audio to transcribe")
         max_tokens = self.config.max_target_positions - len(prompt)
-        requests = [
-            TranscriptionRequest(
-                f"{request_id}-{i}", window, list(prompt), max_tokens, temperature
-            )  # fmt: skip
-            for i, window in enumerate(features)
-        ]
-        for request in requests:
-            self.engine.check(request)
-        stream = TranscriptionStream(self, [r.request_id for r in requests])
+        self.engine.check_decoding(prompt, max_tokens, temperature)
+        ids = [f"{request_id}-{i}" for i in range(len(windows))]
+        stream = TranscriptionStream(self, ids, deltas)
         with self._lock:
             in_transit = self._num_submitted - self.stats.num_requests_added
             waiting = self.stats.num_waiting + in_transit
@@ -363,10 +371,21 @@ class TranscriptionService(CommandLoop):
                     f"the server's waiting queue is full ({waiting} windows of audio wait, "
                     f"--max-queue-len {self.max_queue_len}); retry later"
                 )
-            self._num_submitted += len(requests)
-            self._windows_left[id(stream)] = len(requests)
-        self._commands.put(("add", (requests, stream)))
+            self._num_submitted += len(ids)
+            self._windows_left[id(stream)] = len(ids)
+        self._commands.put(("add", (stream, list(windows), list(prompt), max_tokens, temperature)))
         return stream
+
+    def _add(self, stream: TranscriptionStream, windows, prompt, max_tokens, temperature) -> None:
+        """On the loop's thread: the windows' features, then their requests. Features are made
+        here, not on the caller's thread: torch's parallel work on a second thread left the
+        engine's steps 1.8x slower on 2 CPU cores (BENCHMARKS.md, "Whisper")."""
+        c = self.config
+        features = log_mel(windows, c.num_mel_bins, c.num_frames)
+        for window, (request_id, f) in enumerate(zip(stream.request_ids, features, strict=True)):
+            request = TranscriptionRequest(request_id, f, prompt, max_tokens, temperature)
+            self.engine.add(request)
+            self._live[request_id] = (stream, window, 0)
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", request_ids))
@@ -390,10 +409,10 @@ class TranscriptionService(CommandLoop):
                         self._fail_all(EngineDeadError("the server is shutting down"), commands)
                         return
                     if kind == "add":
-                        requests, stream = payload
-                        for window, request in enumerate(requests):
-                            engine.add(request)
-                            self._live[request.request_id] = (stream, window, 0)
+                        try:
+                            self._add(*payload)
+                        except Exception as e:  # noqa: BLE001 - that request's, not the loop's
+                            self._fail_stream(payload[0], e)
                     else:
                         for request_id in payload:
                             if engine.abort(request_id):
@@ -415,7 +434,7 @@ class TranscriptionService(CommandLoop):
             if entry is None:
                 continue
             stream, window, sent = entry
-            if len(r.output) == sent and r.finish_reason is None:
+            if r.finish_reason is None and (len(r.output) == sent or not stream.deltas):
                 continue
             output = WindowOutput(window, r.output[sent:], r.finish_reason)
             _post(stream.loop, stream.queue.put_nowait, output)
@@ -432,6 +451,16 @@ class TranscriptionService(CommandLoop):
             if not self._windows_left[key]:
                 del self._windows_left[key]
 
+    def _fail_stream(self, stream: TranscriptionStream, error: BaseException) -> None:
+        """A transcription whose windows could not be added: its own error, the others go on."""
+        logger.exception("transcription %s failed", stream.request_ids[0], exc_info=error)
+        for request_id in stream.request_ids:
+            if self.engine.abort(request_id):
+                del self._live[request_id]
+        with self._lock:
+            self._windows_left.pop(id(stream), None)
+        _post(stream.loop, stream.queue.put_nowait, error)
+
     def _fail_all(self, error: BaseException, commands: list[tuple] = ()) -> None:
         """Every stream gets `error`: those running and those whose windows are still among the
         commands not taken yet."""
@@ -441,7 +470,7 @@ class TranscriptionService(CommandLoop):
             except queue.Empty:
                 break
         streams = {id(s): s for s, _, _ in self._live.values()}
-        streams.update((id(p[1]), p[1]) for kind, p in commands if kind == "add")
+        streams.update((id(p[0]), p[0]) for kind, p in commands if kind == "add")
         for stream in streams.values():
             _post(stream.loop, stream.queue.put_nowait, error)
         self._live.clear()

@@ -20,13 +20,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from starlette.datastructures import UploadFile
 
-from engine.audio import decode_audio, duration, log_mel, windows
+from engine.audio import decode_audio, duration, windows
 from engine.detokenizer import IncrementalDetokenizer
 from engine.whisper_service import TranscriptionService, TranscriptionStream
 from server.errors import APIError
@@ -165,13 +165,11 @@ async def read_form(request: Request) -> TranscriptionForm:
     )  # fmt: skip
 
 
-def audio_features(data: bytes, service: TranscriptionService) -> tuple[torch.Tensor, float]:
-    """(log-mel features of each window [windows, mel bins, frames], seconds of audio) of an
-    uploaded file; ValueError for bytes that are not audio."""
-    c = service.config
+def audio_windows(data: bytes, window_seconds: float) -> tuple[list[np.ndarray], float]:
+    """(the windows of 16 kHz samples, seconds of audio) of an uploaded file; ValueError for
+    bytes that are not audio. (Their features are made on the engine's thread: submit.)"""
     samples = decode_audio(data)
-    parts = windows(samples, c.window_seconds)
-    return log_mel(parts, c.num_mel_bins, c.num_frames), duration(samples)
+    return windows(samples, window_seconds), duration(samples)
 
 
 async def create_transcription(state: TranscriptionState, raw_request: Request) -> Response:
@@ -190,11 +188,11 @@ async def create_transcription(state: TranscriptionState, raw_request: Request) 
     prompt = service.decoding.prompt(language, previous, service.config.max_target_positions)
     data = await form.upload.read()
     try:
-        features, seconds = await asyncio.to_thread(audio_features, data, service)
+        parts, seconds = await asyncio.to_thread(audio_windows, data, service.config.window_seconds)
     except ValueError as e:
         raise APIError(400, str(e), param="file") from None
-    stream = service.submit(features, prompt, form.temperature, new_id("trsc"))
-    num_windows = len(features)
+    stream = service.submit(parts, prompt, form.temperature, new_id("trsc"), form.stream)
+    num_windows = len(parts)
     state.metrics.prompt_tokens.inc(len(prompt) * num_windows)
     request = _Transcription(state, stream, prompt, num_windows, seconds, language, arrival)
     if form.stream:

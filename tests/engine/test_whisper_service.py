@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from engine import cpu_linear
 from engine.async_engine import EngineDeadError, QueueFullError
+from engine.audio import log_mel
 from engine.engine_config import EngineConfig
 from engine.whisper import WhisperConfig, greedy
 from engine.whisper_engine import WhisperEngine
@@ -22,7 +24,19 @@ from engine.whisper_service import (
     load_whisper,
     plan_blocks,
 )
-from tests.helpers import whisper_features
+
+
+def _audio(n: int, seed: int = 0) -> list[np.ndarray]:
+    """n windows of 3 s of 16 kHz audio (the tiny model's window): tones under noise."""
+    gen = np.random.default_rng(seed)
+    t = np.arange(48_000) / 16_000
+    return [(0.3 * np.sin(2 * np.pi * (200 + 70 * i) * t)
+             + 0.05 * gen.standard_normal(len(t))).astype(np.float32)
+            for i in range(n)]  # fmt: skip
+
+
+def _features(windows: list[np.ndarray]) -> torch.Tensor:
+    return log_mel(windows, 80, 300)
 
 
 def _service(model, num_blocks=64, max_num_seqs=16, max_queue_len=None) -> TranscriptionService:
@@ -39,14 +53,15 @@ async def _gather(stream) -> dict[int, list[int]]:
 
 def test_windows_come_back_with_the_reference_tokens(tiny_whisper):
     _, _, model = tiny_whisper
-    features = whisper_features(5, seed=3)
+    audio = _audio(5, seed=3)
+    features = _features(audio)
     service = _service(model, max_num_seqs=3)  # 5 windows, 3 at a time
     service.start()
     try:
 
         async def main():
-            first = service.submit(features[:2], [3], 0.0, "a")
-            second = service.submit(features[2:], [3, 10], 0.0, "b")
+            first = service.submit(audio[:2], [3], 0.0, "a", deltas=False)  # whole windows
+            second = service.submit(audio[2:], [3, 10], 0.0, "b")  # tokens after each step
             return await asyncio.gather(_gather(first), _gather(second))
 
         got_a, got_b = asyncio.run(main())
@@ -69,7 +84,7 @@ def test_leaving_a_stream_early_aborts_its_windows_and_frees_their_blocks(tiny_w
     try:
 
         async def main():
-            stream = service.submit(whisper_features(3), [3], 0.0, "t")
+            stream = service.submit(_audio(3), [3], 0.0, "t")
             async for out in stream:
                 assert out.window == 0 and out.finish_reason is None
                 break  # the client went away after window 0's first token
@@ -92,7 +107,7 @@ def test_shutdown_ends_the_streams_in_flight_with_an_error(tiny_whisper):
     service.start()
 
     async def main():
-        stream = service.submit(whisper_features(3), [3], 0.0, "t")
+        stream = service.submit(_audio(3), [3], 0.0, "t")
         outputs = aiter(stream)
         await anext(outputs)
         await asyncio.to_thread(service.shutdown)
@@ -100,7 +115,7 @@ def test_shutdown_ends_the_streams_in_flight_with_an_error(tiny_whisper):
             while True:
                 await anext(outputs)
         with pytest.raises(EngineDeadError, match="has stopped"):
-            service.submit(whisper_features(1), [3], 0.0, "late")
+            service.submit(_audio(1), [3], 0.0, "late")
 
     asyncio.run(main())
     assert service.num_unfinished_requests == 0
@@ -112,10 +127,10 @@ def test_the_waiting_queue_limit_counts_windows(tiny_whisper):
 
     async def main():
         service._running = True  # accept requests without a loop taking them
-        service.submit(whisper_features(3), [3], 0.0, "a")
-        service.submit(whisper_features(1), [3], 0.0, "b")  # 3 windows wait: room for more
+        service.submit(_audio(3), [3], 0.0, "a")
+        service.submit(_audio(1), [3], 0.0, "b")  # 3 windows wait: room for more
         with pytest.raises(QueueFullError, match=r"full \(4 windows of audio wait"):
-            service.submit(whisper_features(1), [3], 0.0, "c")
+            service.submit(_audio(1), [3], 0.0, "c")
 
     asyncio.run(main())
 
@@ -127,7 +142,7 @@ def test_a_request_the_engine_cannot_run_is_refused_before_queueing(tiny_whisper
 
     async def main():
         with pytest.raises(ValueError, match="needs 14 KV blocks .* the pool has 10"):
-            service.submit(whisper_features(1), [3], 0.0, "a")
+            service.submit(_audio(1), [3], 0.0, "a")
 
     asyncio.run(main())
     assert service._commands.empty() and service.num_unfinished_requests == 0
@@ -206,3 +221,24 @@ def test_blocks_planned_for_the_requests_that_can_run(tiny_whisper):
     assert plan_blocks(memory, c, torch.float32) == 30
     explicit = EngineConfig(model=str(folder), num_kv_blocks=17)
     assert plan_blocks(explicit, c, torch.float32) == 17
+
+
+def test_a_transcription_that_fails_to_start_fails_alone(tiny_whisper):
+    """Features are made on the loop's thread: a window they cannot be made of (here a 3-D
+    array) fails its own transcription; the loop and the next one go on."""
+    _, _, model = tiny_whisper
+    service = _service(model)
+    service.start()
+    try:
+
+        async def main():
+            bad = service.submit([np.zeros((2, 2, 2), np.float32)], [3], 0.0, "bad")
+            with pytest.raises(ValueError):
+                await _gather(bad)
+            return await _gather(service.submit(_audio(1), [3], 0.0, "good"))
+
+        got = asyncio.run(main())
+    finally:
+        service.shutdown()
+    assert got == dict(enumerate(greedy(model, _features(_audio(1)), [[3]], 63)))
+    assert service.engine.pool.num_free_blocks == 64 and service.num_unfinished_requests == 0
