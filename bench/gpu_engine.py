@@ -1277,20 +1277,20 @@ def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
         engine.run()
         rec.write({
             "model": "whisper-tiny", "check": "fp32_greedy", "engine": engine.ops.__name__,
-            **compare_tokens(expected, [r.output for r in requests]),
+            **compare_tokens(expected, [r.output for r in requests]), "num_tokens": max_new,
             "blocks_free_after": engine.pool.num_free_blocks == engine.pool.num_blocks,
         })  # fmt: skip
         del engine
         free_memory()
 
-    model = str(folder) if args.smoke else "whisper-large-v3"
+    model, label = (str(folder), "whisper-tiny-smoke") if args.smoke else ("whisper-large-v3",) * 2
     serve_args = ["--device", sizes.device, "--dtype", sizes.dtype,
                   "--max-num-batched-tokens", "16384"]  # fmt: skip
     runs = SMOKE_WHISPER_RUNS if args.smoke else WHISPER_RUNS
-    with rec.part(model=model, kind="transcription"):
+    with rec.part(model=label, kind="transcription"):
         for record in serve_and_measure(model, serve_args, list(runs), c.window_seconds,
                                         args.out / "whisper_server.log"):  # fmt: skip
-            rec.write({"kind": "transcription", **record})
+            rec.write({"kind": "transcription", **record, "model": label})
 
 
 def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:

@@ -2,9 +2,10 @@
 handlers' event loops (server/serving_transcriptions.py), and what the model folder says about
 decoding: the decoder prompt's special tokens and the tokens `generate` suppresses.
 
-One transcription is one request per 30-second window of its audio, submitted together: they
-run in the same continuous batch as everyone else's, and the stream of the transcription gets
-each window's new tokens after every step. Leaving the stream early (a client that went away, a
+One transcription is one request per 30-second window of its audio, submitted together: the
+loop makes their log-mel features at admission, they run in the same continuous batch as
+everyone else's, and the transcription's stream gets each window's new tokens after every step
+(or, when it asks for no deltas, each window's tokens when it finishes). Leaving the stream early (a client that went away, a
 timeout) aborts the windows still running, which frees both their KV groups at once.
 
 The engine loop runs in the server's own process (on the main thread under `pagedserve serve`,
@@ -222,8 +223,7 @@ class TranscriptionStream:
     def __init__(self, service: TranscriptionService, request_ids: list[str], deltas: bool) -> None:
         self.request_ids = request_ids
         # False: each window's tokens come whole when it finishes, waking the event loop once
-        # per window rather than every step (on 2 CPU cores those per-step wake-ups slowed the
-        # engine's steps 1.9x: BENCHMARKS.md, "Whisper").
+        # per window rather than every step (a whole answer needs nothing earlier).
         self.deltas = deltas
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[WindowOutput | BaseException] = asyncio.Queue()
@@ -379,7 +379,8 @@ class TranscriptionService(CommandLoop):
     def _add(self, stream: TranscriptionStream, windows, prompt, max_tokens, temperature) -> None:
         """On the loop's thread: the windows' features, then their requests. Features are made
         here, not on the caller's thread: torch's parallel work on a second thread left the
-        engine's steps 1.8x slower on 2 CPU cores (BENCHMARKS.md, "Whisper")."""
+        engine's steps 1.8x slower on 2 CPU cores (BENCHMARKS.md, "Whisper: transcription
+        throughput through the endpoint")."""
         c = self.config
         features = log_mel(windows, c.num_mel_bins, c.num_frames)
         for window, (request_id, f) in enumerate(zip(stream.request_ids, features, strict=True)):

@@ -474,3 +474,22 @@ def test_the_tp_step_runs_alone_and_checks_the_distributed_path(tmp_path):
     assert throughput["plain_tok_s"] > 0 and throughput["tp1_tok_s"] > 0
     summary = (tmp_path / "summary.txt").read_text()
     assert "tp: tiny fp32_tp2_greedy default equal=True prompts 8/8" in summary
+
+
+def test_the_whisper_step_runs_alone_and_checks_transcriptions(tmp_path):
+    done = _run_script(tmp_path, ONLY="whisper")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("whisper: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "whisper")
+    _no_errors(records)
+    (check,) = [r for r in records if r.get("check") == "fp32_greedy"]
+    assert (check["equal"], check["num_prompts"], check["blocks_free_after"]) == (True, 4, True)
+    served = [r for r in records if r.get("kind") == "transcription"]
+    assert [(r["concurrency"], r["requests"]) for r in served] == [(1, 2), (2, 4)]
+    # 3 s windows of the smoke model, each decoding at most 63 tokens (64 positions).
+    assert all(r["audio_seconds_each"] == 3.0 for r in served)
+    assert all(0 < r["output_tokens"] <= 63 * r["requests"] for r in served)
+    summary = (tmp_path / "summary.txt").read_text()
+    line = f"whisper: whisper-tiny fp32_greedy {check['engine']} equal=True prompts 4/4"
+    assert line in summary
+    assert "served c=2 x4:" in summary
