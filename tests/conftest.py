@@ -211,4 +211,49 @@ def tiny_whisper(tmp_path_factory):
     return folder, hf, ours
 
 
+# Whisper's special tokens after a byte-level vocabulary of the 256 bytes: ids 256-263.
+WHISPER_SPECIALS = ("<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>",
+                    "<|transcribe|>", "<|startofprev|>", "<|notimestamps|>")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def multilingual_whisper(tmp_path_factory):
+    """(its folder, transformers' model, its tokenizer): a tiny random multilingual Whisper
+    with a real WhisperTokenizer (byte-level BPE over the 256 bytes, no merges, then Whisper's
+    special tokens) and the generation config a real checkpoint has (languages, tasks,
+    <|startofprev|>, <|notimestamps|>, suppressed tokens), saved as Hugging Face ships one."""
+    import transformers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    folder = tmp_path_factory.mktemp("multilingual-whisper")
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    eos = WHISPER_SPECIALS[0]
+    tokenizer = transformers.WhisperTokenizer(
+        str(folder / "vocab.json"), str(folder / "merges.txt"), unk_token=eos, bos_token=eos,
+        eos_token=eos, pad_token=eos,
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": list(WHISPER_SPECIALS[1:])})
+    tokenizer.save_pretrained(folder)
+    ids = dict(zip(WHISPER_SPECIALS, tokenizer.convert_tokens_to_ids(list(WHISPER_SPECIALS)),
+                   strict=True))  # fmt: skip
+    assert list(ids.values()) == list(range(256, 264))
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        **{**TINY_WHISPER, "vocab_size": 264, "bos_token_id": 256, "eos_token_id": 256,
+           "pad_token_id": 256, "decoder_start_token_id": ids["<|startoftranscript|>"]},
+        begin_suppress_tokens=[220, 256], suppress_tokens=[1, 2, 3],
+    )  # fmt: skip
+    hf = transformers.WhisperForConditionalGeneration(config).eval()
+    g = hf.generation_config
+    g.is_multilingual = True
+    g.lang_to_id = {"<|en|>": ids["<|en|>"], "<|de|>": ids["<|de|>"]}
+    g.task_to_id = {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]}
+    g.prev_sot_token_id = ids["<|startofprev|>"]
+    g.no_timestamps_token_id = ids["<|notimestamps|>"]
+    hf.save_pretrained(folder)
+    return folder, hf, tokenizer
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

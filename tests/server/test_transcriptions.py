@@ -207,3 +207,55 @@ def test_a_decoder_only_model_says_it_does_not_transcribe(server):
         client(server).audio.transcriptions.create(file=("a.wav", _wav(1.0, 440.0)), model="x")
     assert e.value.body["code"] == "model_not_supported"
     assert "does not transcribe audio: serve a Whisper model" in e.value.body["message"]
+
+
+@pytest.fixture(scope="module")
+def multilingual(multilingual_whisper, tmp_path_factory):
+    folder, hf, tokenizer = multilingual_whisper
+    log = tmp_path_factory.mktemp("multilingual-whisper-server") / "server.log"
+    with run_server(log, "--model", str(folder), "--dtype", "float32", "--served-model-name",
+                    "multilingual") as server:  # fmt: skip
+        yield server, hf, tokenizer
+
+
+def _generate(hf, wav: bytes, **options) -> list[list[int]]:
+    """transformers' `generate` for each window, as far as the decoder's positions allow, each
+    row cut before its end of text."""
+    features = log_mel(windows(decode_audio(wav), WINDOW_S), 80, 300)
+    # <|startofprev|> and the prompt, then <|startoftranscript|><|lang|><|transcribe|>
+    # <|notimestamps|>
+    prompt = len(options.get("prompt_ids", [])) + 4
+    out = hf.generate(features, max_new_tokens=POSITIONS - prompt, **options).tolist()
+    eos = hf.config.eos_token_id
+    return [row[: row.index(eos)] if eos in row else row for row in out]
+
+
+def test_a_real_whisper_tokenizer_and_generation_config(multilingual):
+    """With a WhisperTokenizer and a multilingual generation config: the decoder prompt is
+    <|startofprev|> prompt <|startoftranscript|><|de|><|transcribe|><|notimestamps|>, the
+    suppressed tokens are suppressed, and the text is the tokenizer's: the tokens of
+    transformers' `generate(language="de", task="transcribe", prompt_ids=...)`, whole and
+    streamed."""
+    server, hf, tokenizer = multilingual
+    wav = _wav(4.0, 520.0)  # 2 windows
+    prompt_ids = tokenizer.get_prompt_ids("hi there", return_tensors="pt")
+    assert prompt_ids.tolist() == [262, *tokenizer.encode(" hi there", add_special_tokens=False)]
+    expected = _generate(hf, wav, language="de", task="transcribe", prompt_ids=prompt_ids)
+    api = client(server)
+    got = api.audio.transcriptions.create(
+        file=("a.wav", wav), model="multilingual", language="German", prompt="hi there",
+        response_format="verbose_json",
+    )  # fmt: skip
+    assert [s.tokens for s in got.segments] == expected
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in expected]
+    assert got.text == "".join(texts).strip() and got.language == "german"
+    # English by default, without a prompt; the stream's deltas make the same text.
+    expected_en = _generate(hf, wav, language="en", task="transcribe")
+    text_en = "".join(tokenizer.decode(row, skip_special_tokens=True) for row in expected_en)
+    plain = api.audio.transcriptions.create(file=("a.wav", wav), model="multilingual")
+    assert plain.text == text_en.strip()
+    events = list(
+        api.audio.transcriptions.create(file=("a.wav", wav), model="multilingual", stream=True)
+    )
+    assert "".join(e.delta for e in events[:-1]) == events[-1].text == text_en.strip()
+    assert expected != expected_en  # the language token reached the decoder
