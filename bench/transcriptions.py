@@ -157,7 +157,7 @@ def transformers_baseline(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.transcriptions", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default="whisper-tiny", help="Whisper folder or built-in shape")
@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         help="then transformers' generate on the same audio in this dtype, batches of each "
         "concurrency (built-in shapes only)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.base_url is not None:
         records = [measure(args.base_url, args.model, c, args.num_requests, args.audio_seconds)
                    for c in args.concurrency]  # fmt: skip
