@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine on the H200 (issue 5), as one script for the device tool:
 #
-#     ../shared/device/wheels.sh click pyzmq msgspec xgrammar  # once, here: writes .whl/ (fastapi, gguf, uvicorn's click, pyzmq, msgspec, xgrammar, ...)
+#     ../shared/device/wheels.sh click pyzmq msgspec xgrammar soundfile soxr python-multipart  # once, here: writes .whl/ (fastapi, gguf, uvicorn's click, pyzmq, msgspec, xgrammar, Whisper's audio and forms, ...)
 #     run(command="bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=590)
 #
 # Steps in order of importance, each under its own time limit so that one that hangs cannot take
