@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -85,6 +86,7 @@ def run_server(
     Whisper model (engine/whisper_service.py) is served in this process, by one engine."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
+    _check_port_free(host, port)  # before loading: a model can take minutes to load
     if data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
     if data_parallel_size > 1:
@@ -194,6 +196,22 @@ def run_server(
     if client.error is not None:
         logger.error("the server stops because the engine failed: %r", client.error)
         raise SystemExit(1)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError when (host, port) cannot be bound now (another server listens there, or the
+    host is not this machine's). uvicorn binds it again later; this only fails early."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as e:
+        raise ValueError(
+            f"could not serve on {host}:{port}: {e.strerror or e}; pick another --port or --host"
+        ) from None
 
 
 def _where(client: EngineClient) -> str:

@@ -140,7 +140,9 @@ def test_a_dead_core_ends_streams_with_an_error_turns_health_503_and_exits_non_z
 # KeyboardInterrupt); it runs with `make test-slow`, to keep `make test` within its time.
 @pytest.mark.parametrize("how", ["ctrl-c", pytest.param("sigterm", marks=pytest.mark.slow)])
 def test_ctrl_c_and_sigterm_stop_both_processes_and_end_streams(tmp_path, how):
-    with _server(tmp_path) as server:
+    # A short drain: the stream outlasts it and gets the final error event at its end (the
+    # default 20 s drain is test_shutdown.py's subject).
+    with _server(tmp_path, "--shutdown-timeout", "0.5") as server:
         children = child_pids(server.proc.pid)
         stream = _Stream(server.base)
         stream.start()
