@@ -5,8 +5,9 @@ decoding: the decoder prompt's special tokens and the tokens `generate` suppress
 One transcription is one request per 30-second window of its audio, submitted together: the
 loop makes their log-mel features at admission, they run in the same continuous batch as
 everyone else's, and the transcription's stream gets each window's new tokens after every step
-(or, when it asks for no deltas, each window's tokens when it finishes). Leaving the stream early (a client that went away, a
-timeout) aborts the windows still running, which frees both their KV groups at once.
+(or, when it asks for no deltas, each window's tokens when it finishes). Leaving the stream
+early (a client that went away, a timeout) aborts the windows still running, which frees both
+their KV groups at once.
 
 The engine loop runs in the server's own process (on the main thread under `pagedserve serve`,
 as the decoder-only in-process engine does): the encoder and decoder are one model on one
