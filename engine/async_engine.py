@@ -323,7 +323,7 @@ def check_core_index(engine: int, num_cores: int) -> None:
 _STOP = object()
 
 
-class CommandLoop:
+class CommandLoop(ABC):
     """An engine loop fed by a command queue, run on the calling thread (`run`) or a thread of
     its own (`start`) until a ("stop", ...) command (`shutdown`). Subclasses implement `_loop`
     and set `_running` and `_thread` up (False, None) with `_commands`."""
@@ -332,8 +332,9 @@ class CommandLoop:
     _thread: threading.Thread | None
     _commands: queue.SimpleQueue[tuple]
 
+    @abstractmethod
     def _loop(self) -> None:
-        raise NotImplementedError
+        """Take commands and step the engine until a "stop" command (or a failure)."""
 
     def run(self) -> None:
         """Run the loop in the calling thread until `shutdown()` (or an engine failure)."""
