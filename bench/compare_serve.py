@@ -1,6 +1,6 @@
 """HTTP serving against offline generation, same prompts, same run, side by side:
 
-    python -m bench.compare_serve --dtype bfloat16 --num-prompts 64 --input-len 128 \
+    python -m pagedserve.bench.compare_serve --dtype bfloat16 --num-prompts 64 --input-len 128 \
         --output-len 64 --max-concurrency 16 --json bench_results/serve_vs_offline.json
 
 1. offline: `LLM.generate` on all prompts at once (what `pagedserve bench throughput` does), and
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import serve as bench_serve
-from engine.cpu_allocator import keep_large_allocations_in_heap
-from engine.engine_config import EngineConfig
-from server.launch import server_process
+from pagedserve.bench import serve as bench_serve
+from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.server.launch import server_process
 
 LATENCY_KEYS = (
     "median_ttft_ms",
@@ -50,7 +50,7 @@ LATENCY_KEYS = (
 
 
 def _offline_worker(args: argparse.Namespace) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     keep_large_allocations_in_heap()  # as `pagedserve serve` does
     prompts = bench_serve.random_token_ids(args.num_prompts, args.input_len, args.seed)
@@ -71,7 +71,7 @@ def _offline_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_offline(args: argparse.Namespace, max_num_seqs: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.compare_serve", "--worker"]
+    cmd = [sys.executable, "-m", "pagedserve.bench.compare_serve", "--worker"]
     cmd += _common_args(args) + ["--max-num-seqs", str(max_num_seqs)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:

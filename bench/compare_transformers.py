@@ -1,9 +1,9 @@
 """pagedserve against transformers on the same prompts, each engine in a fresh subprocess:
 
-    python -m bench.compare_transformers --num-prompts 64 --input-len 128 --output-len 64 \
+    python -m pagedserve.bench.compare_transformers --num-prompts 64 --input-len 128 --output-len 64 \
         --dtypes float32 bfloat16 --json bench_results/compare.json
 
-    python -m bench.compare_transformers --model llama-3.2-1b --load-format dummy --device cuda \
+    python -m pagedserve.bench.compare_transformers --model llama-3.2-1b --load-format dummy --device cuda \
         --dtypes bfloat16 --num-prompts 256 --input-len 512 --output-len 256 \
         --engines pagedserve transformers transformers-static --transformers-num-prompts 64
 
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from bench.throughput import measure, random_token_prompts
-from engine.cpu_allocator import keep_large_allocations_in_heap
-from engine.model_source import resolve_model
-from scheduler.utils import cdiv
+from pagedserve.bench.throughput import measure, random_token_prompts
+from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
+from pagedserve.engine.model_source import resolve_model
+from pagedserve.scheduler.utils import cdiv
 
 ENGINES = ("pagedserve", "transformers", "transformers-static")
 # Row keys of each engine's output tokens/s (the first two are the historical names).
@@ -57,7 +57,7 @@ def _sync(device: str) -> None:
 def run_pagedserve(
     prompts: list[list[int]], output_len: int, dtype: str, model: str, **engine_kwargs: Any
 ) -> dict[str, Any]:
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     keep_large_allocations_in_heap()  # as `pagedserve` does; transformers' worker runs without
     engine_kwargs.setdefault("device", "cpu")
@@ -122,7 +122,7 @@ def load_hf_model(model: str, dtype: str, device: str, load_format: str):
     load format or a built-in shape) the engine's dummy weights."""
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import dummy_weights
+    from pagedserve.engine.weights import dummy_weights
 
     source = resolve_model(model)
     torch_dtype = getattr(torch, dtype)
@@ -264,7 +264,7 @@ def measure_in_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> 
     cmd = [
         sys.executable,
         "-m",
-        "bench.compare_transformers",
+        "pagedserve.bench.compare_transformers",
         "--worker",
         engine,
         "--dtypes",

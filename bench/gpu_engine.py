@@ -2,22 +2,22 @@
 throughput, speculative decoding and shared blocks, as steps of one script.
 `bench/gpu_engine.sh` runs them in order, each under its own time limit:
 
-    python -m bench.gpu_engine env          versions, GPU, commit
-    python -m bench.gpu_engine correctness  greedy tokens against transformers' (fp32 exact, bf16
+    python -m pagedserve.bench.gpu_engine env          versions, GPU, commit
+    python -m pagedserve.bench.gpu_engine correctness  greedy tokens against transformers' (fp32 exact, bf16
                                             counted), CUDA graphs against eager
-    python -m bench.gpu_engine decode       decode step time at batch 1 and 256 with ~1k context,
+    python -m pagedserve.bench.gpu_engine decode       decode step time at batch 1 and 256 with ~1k context,
                                             graphs and eager, against the memory roofline; the
                                             host-time split of a step; a profiler summary
-    python -m bench.gpu_engine offline      pagedserve against transformers' generate_batch and
+    python -m pagedserve.bench.gpu_engine offline      pagedserve against transformers' generate_batch and
                                             generate (bench.compare_transformers)
-    python -m bench.gpu_engine nano --model M   nano-vllm's workload (`pagedserve bench throughput`)
-    python -m bench.gpu_engine online       `pagedserve serve` + `pagedserve bench serve` at
+    python -m pagedserve.bench.gpu_engine nano --model M   nano-vllm's workload (`pagedserve bench throughput`)
+    python -m pagedserve.bench.gpu_engine online       `pagedserve serve` + `pagedserve bench serve` at
                                             concurrency 1, 64 and 256, and offline on the same
                                             requests
-    python -m bench.gpu_engine spec         speculative decoding by prompt lookup against plain
+    python -m pagedserve.bench.gpu_engine spec         speculative decoding by prompt lookup against plain
                                             decoding (speed, acceptance, equal greedy tokens);
                                             n = 4 samples on shared blocks against 4 requests
-    python -m bench.gpu_engine summary      a table of everything under --out
+    python -m pagedserve.bench.gpu_engine summary      a table of everything under --out
 
 Each step appends JSON lines to OUT/<step>.jsonl (and prints them); OUT is --out, else $OUT,
 else bench/results/gpu_engine. A part that fails writes a record with "error" and the step goes
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.utils import cdiv
+from pagedserve.scheduler.utils import cdiv
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = (
@@ -324,7 +324,7 @@ def kv_blocks_for(seq_lens: Sequence[int], max_model_len: int) -> int:
     """Enough KV blocks (of the engine's default block size) for all these sequences at once, and
     at least one of max_model_len: steps that run several engines in one process size each cache
     explicitly rather than letting every engine take --gpu-memory-utilization of the GPU."""
-    from engine.engine_config import EngineConfig
+    from pagedserve.engine.engine_config import EngineConfig
 
     block_size = EngineConfig().block_size
     need = sum(cdiv(n, block_size) for n in seq_lens)
@@ -342,7 +342,7 @@ def reuse_dummy_weights() -> Iterator[dict[str, int]]:
     """
     import torch
 
-    import engine.weights as weights
+    import pagedserve.engine.weights as weights
 
     original = weights.dummy_weights
     cache: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
@@ -448,8 +448,8 @@ def transformers_greedy(
     and the logits behind each step's choice ([num_tokens, vocab] per prompt, on the CPU)."""
     import torch
 
-    from bench.compare_transformers import hf_model_from_weights
-    from engine.weights import dummy_weights
+    from pagedserve.bench.compare_transformers import hf_model_from_weights
+    from pagedserve.engine.weights import dummy_weights
 
     torch_dtype = getattr(torch, dtype)
     hf = hf_model_from_weights(config, dummy_weights(config, torch_dtype), torch_dtype, device)
@@ -485,7 +485,7 @@ def engine_greedy(
     enforce_eager: bool,
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """pagedserve's greedy tokens for all prompts generated together, and the engine's setup."""
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     max_model_len = max(256, cdiv(max(map(len, prompts)) + num_tokens, 256) * 256)
     llm = LLM(
@@ -543,7 +543,7 @@ def compare_tokens(
 
 
 def step_correctness(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    from engine.model_source import resolve_model
+    from pagedserve.engine.model_source import resolve_model
 
     n = sizes.correctness_tokens
     with reuse_dummy_weights() as weight_stats:
@@ -724,7 +724,7 @@ class _DecodeBatch:
     requests on exit."""
 
     def __init__(self, engine, batch_size: int, sizes: Sizes, num_steps: int) -> None:
-        from engine import SamplingParams
+        from pagedserve.engine import SamplingParams
 
         self.engine = engine
         self.batch_size = batch_size
@@ -902,7 +902,7 @@ def _profile_decode(
 def step_decode(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """Timings first for both engines, profiles after (eager first): a profiler that fails or
     hangs with CUDA graphs cannot cost the timings."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     model = model_path(args.model, args.scratch)
     max_batch = max(sizes.decode_batch_sizes)
@@ -945,7 +945,7 @@ def step_decode(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 
 
 def step_offline(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    from bench import compare_transformers
+    from pagedserve.bench import compare_transformers
 
     model = model_path(args.model, args.scratch)
     max_model_len = sizes.offline_input_len + sizes.offline_output_len + 256
@@ -992,8 +992,8 @@ def step_offline(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 def step_moe(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """A tiny Qwen3-MoE's fp32 greedy tokens against transformers' (the fused MoE kernel
     compiled, graphs and eager), then offline throughput of a Qwen3-30B-A3B-shaped model."""
-    from engine.model_config import BUILTIN_SHAPES, ModelConfig
-    from server import cli
+    from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig
+    from pagedserve.server import cli
 
     tiny = args.scratch / "tiny-qwen3-moe"
     tiny.mkdir()
@@ -1087,7 +1087,7 @@ STRUCTURED_THROUGHPUT_REGEX = r"([a-z]{1,8} ){16,400}[a-z]{1,8}\."
 def offline_tok_s(llm, sizes: Sizes) -> float:
     """Output tokens per second of `sizes.offline_*` random prompts, greedy, after a short run
     that compiles out of the timing."""
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     num, max_tokens = sizes.offline_prompts, sizes.offline_output_len
     ids = random_ids(num, sizes.offline_input_len, llm.engine.model_config.vocab_size, 11)
@@ -1119,7 +1119,7 @@ def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     step (scales set in place after the graphs were captured), the share of positions that
     agree with the fp32 cache on the device; then the 1B shape, offline throughput with the fp8
     cache against bf16's in the same run."""
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     tiny = write_tiny_model(args.scratch / "tiny-llama")
     vocab = TINY_LLAMA["vocab_size"]
@@ -1238,12 +1238,12 @@ def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     import torch
     import transformers
 
-    from bench.transcriptions import serve_and_measure, synthetic_wav
-    from engine.audio import decode_audio, log_mel, windows
-    from engine.engine_config import EngineConfig
-    from engine.whisper import WHISPER_SHAPES, WhisperConfig
-    from engine.whisper_engine import TranscriptionRequest
-    from engine.whisper_service import TranscriptionService
+    from pagedserve.bench.transcriptions import serve_and_measure, synthetic_wav
+    from pagedserve.engine.audio import decode_audio, log_mel, windows
+    from pagedserve.engine.engine_config import EngineConfig
+    from pagedserve.engine.whisper import WHISPER_SHAPES, WhisperConfig
+    from pagedserve.engine.whisper_engine import TranscriptionRequest
+    from pagedserve.engine.whisper_service import TranscriptionService
 
     shape = {**WHISPER_SHAPES["whisper-tiny"], **(SMOKE_WHISPER if args.smoke else {})}
     c = WhisperConfig(**shape)
@@ -1300,9 +1300,9 @@ def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     engine's, graphs and eager; then the 1B shape's offline throughput both ways in the same run
     (target: the distributed path < 3% slower). Two ranks when there are two devices (on CPU,
     the --smoke run, always): the tiny Llama's greedy tokens equal one rank's."""
-    from engine import LLM, SamplingParams
-    from engine.engine_config import EngineConfig
-    from engine.parallel import TPEndpoint, free_port
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.engine.engine_config import EngineConfig
+    from pagedserve.engine.parallel import TPEndpoint, free_port
 
     def build(distributed: bool, model: str, **kwargs) -> LLM:
         config = EngineConfig(model, device=sizes.device, load_format="dummy", **kwargs)
@@ -1384,8 +1384,8 @@ def step_structured(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> No
     tests/engine/test_structured_outputs.py), graphs and eager; then the 1B shape, a regex
     constraint against free generation of the same token counts (the constrained engine steps
     synchronously, the free one with async scheduling)."""
-    from engine import LLM, SamplingParams
-    from scheduler import StructuredOutputs
+    from pagedserve.engine import LLM, SamplingParams
+    from pagedserve.scheduler import StructuredOutputs
 
     tiny = write_tiny_model(args.scratch / "tiny-llama")
     vocab = TINY_LLAMA["vocab_size"]
@@ -1478,9 +1478,9 @@ def step_structured(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> No
 
 
 def step_nano(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    from bench.throughput import random_length_workload
-    from engine.model_source import resolve_model
-    from server import cli
+    from pagedserve.bench.throughput import random_length_workload
+    from pagedserve.engine.model_source import resolve_model
+    from pagedserve.server import cli
 
     model = model_path(TINY if args.smoke else args.model, args.scratch)
     out = args.scratch / "nano.json"
@@ -1548,8 +1548,8 @@ def write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> str:
 
 def tokenizer_args(model: str, scratch: Path) -> list[str]:
     """[] when the engine gives the model a tokenizer, else --tokenizer with a word-level one."""
-    from engine.model_source import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from pagedserve.engine.model_source import resolve_model
+    from pagedserve.engine.tokenizer import load_tokenizer
 
     source = resolve_model(model)
     if load_tokenizer(source) is not None:
@@ -1561,8 +1561,8 @@ def tokenizer_args(model: str, scratch: Path) -> list[str]:
 def offline_serve_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Offline `LLM.generate` on exactly the requests `bench serve` sends with --seed: random
     ids from bench.serve, greedy, ignore_eos, all at once. Printed as one JSON line."""
-    from bench import serve as bench_serve
-    from engine import LLM, SamplingParams
+    from pagedserve.bench import serve as bench_serve
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM(
         args.model,
@@ -1591,7 +1591,7 @@ def offline_serve_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_serve(base_url: str, argv: list[str]) -> dict[str, Any]:
-    from bench import serve as bench_serve
+    from pagedserve.bench import serve as bench_serve
 
     return bench_serve.run(bench_serve.parse_args(["--base-url", base_url, *argv]))
 
@@ -1620,7 +1620,7 @@ def _round(value: Any) -> Any:
 
 
 def step_online(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    from server.launch import DEFAULT_COMMAND, server_process
+    from pagedserve.server.launch import DEFAULT_COMMAND, server_process
 
     model = model_path(args.model, args.scratch)
     max_model_len = sizes.online_input_len + sizes.online_output_len + 256
@@ -1636,7 +1636,7 @@ def step_online(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     offline: dict[str, Any] | None = None
     with rec.part(**base, kind="offline"):
         cmd = [
-            sys.executable, "-m", "bench.gpu_engine", "offline-serve-worker",
+            sys.executable, "-m", "pagedserve.bench.gpu_engine", "offline-serve-worker",
             "--model", model,
             "--device", sizes.device,
             "--dtype", sizes.dtype,
@@ -1741,8 +1741,8 @@ def _generate_ids(
 def step_spec(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """Plain and speculative engines on the same greedy requests at each batch size, then one
     n = 4 request against 4 seeded requests of its samples on the plain engine."""
-    from engine import LLM, EngineConfig, SamplingParams
-    from engine.model_source import resolve_model
+    from pagedserve.engine import LLM, EngineConfig, SamplingParams
+    from pagedserve.engine.model_source import resolve_model
 
     model = model_path(args.model, args.scratch)
     vocab = resolve_model(model).config.vocab_size

@@ -116,7 +116,7 @@ step() {
     fi
     local start=$SECONDS
     # timeout signals the whole process group: the server and workers a step started go too.
-    timeout -k 10 "$limit" "$PY" -m bench.gpu_engine "$@" $SMOKE_FLAG --out "$OUT" \
+    timeout -k 10 "$limit" "$PY" -m pagedserve.bench.gpu_engine "$@" $SMOKE_FLAG --out "$OUT" \
         > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "$name: rc=$rc in $((SECONDS - start)) s (limit $limit s)"
@@ -141,5 +141,5 @@ if [ -n "${ONLY:-}" ]; then
     step tp 120 tp
     step whisper 150 whisper
 fi
-"$PY" -m bench.gpu_engine summary --out "$OUT"
+"$PY" -m pagedserve.bench.gpu_engine summary --out "$OUT"
 exit $failed

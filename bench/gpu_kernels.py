@@ -1,13 +1,13 @@
 """GPU benchmark of the Triton kernels: correctness against the torch reference first, then speed
 against torch's own kernels, both measured side by side in one run.
 
-    python -m bench.gpu_kernels                                 # every case on a CUDA device
-    python -m bench.gpu_kernels --only decode,cache --out $OUT/kernels.jsonl
-    python -m bench.gpu_kernels --only fused                    # the fused layer ops alone
-    python -m bench.gpu_kernels --only copy                     # copy_blocks alone
-    python -m bench.gpu_kernels --only moe                      # the fused MoE alone
-    python -m bench.gpu_kernels --sweep                         # launch configurations instead
-    TRITON_INTERPRET=1 python -m bench.gpu_kernels --smoke      # tiny shapes, also on CPU
+    python -m pagedserve.bench.gpu_kernels                                 # every case on a CUDA device
+    python -m pagedserve.bench.gpu_kernels --only decode,cache --out $OUT/kernels.jsonl
+    python -m pagedserve.bench.gpu_kernels --only fused                    # the fused layer ops alone
+    python -m pagedserve.bench.gpu_kernels --only copy                     # copy_blocks alone
+    python -m pagedserve.bench.gpu_kernels --only moe                      # the fused MoE alone
+    python -m pagedserve.bench.gpu_kernels --sweep                         # launch configurations instead
+    TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke      # tiny shapes, also on CPU
 
 Scenarios, in bf16 (--dtype) over a paged cache of block size 16 whose blocks lie in a random
 permutation (the scatter a long-running server's block pool ends up with):
@@ -85,15 +85,15 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.fp8 import FP8_KV_DTYPES, kv_scale_from_amax, quantize_kv
-from kernels.triton_attention import KernelConfig
+from pagedserve.kernels import reference
+from pagedserve.kernels.fp8 import FP8_KV_DTYPES, kv_scale_from_amax, quantize_kv
+from pagedserve.kernels.triton_attention import KernelConfig
 
-KERNELS_MODULE = "kernels.triton_attention"
+KERNELS_MODULE = "pagedserve.kernels.triton_attention"
 SCENARIOS = ("decode", "prefill", "cache", "copy", "fused", "moe")
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
-FUSED_KERNELS_MODULE = "kernels.triton_fused"
-MOE_KERNELS_MODULE = "kernels.triton_moe"
+FUSED_KERNELS_MODULE = "pagedserve.kernels.triton_fused"
+MOE_KERNELS_MODULE = "pagedserve.kernels.triton_moe"
 SWEEP_SCENARIOS = ("decode", "prefill")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP8_KV = "fp8"  # the fp8 decode cases' cache: FP8_KV_DTYPES["fp8"], e4m3
@@ -1252,7 +1252,7 @@ def run_all(report: Report, setup: Setup, plan: Plan, scenarios: list[str]) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu_kernels", description=__doc__.split("\n\n")[0]
+        prog="python -m pagedserve.bench.gpu_kernels", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--only", action="append", metavar="|".join(SCENARIOS))
     parser.add_argument("--smoke", "--quick", action="store_true", help="tiny shapes; CPU too")
@@ -1307,8 +1307,8 @@ def main(argv: list[str] | None = None) -> int:
             print("warning: on CPU the Triton kernels need TRITON_INTERPRET=1", file=sys.stderr)
     else:
         print(
-            "bench.gpu_kernels: no CUDA device. The benchmark needs a GPU; to check the code path "
-            "on CPU run: TRITON_INTERPRET=1 python -m bench.gpu_kernels --smoke",
+            "pagedserve.bench.gpu_kernels: no CUDA device. The benchmark needs a GPU; to check the code path "
+            "on CPU run: TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke",
             file=sys.stderr,
         )
         return 2
@@ -1320,7 +1320,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = {role: importlib.import_module(name) for role, name in modules.items()}
     except ImportError as exc:
-        print(f"bench.gpu_kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
+        print(f"pagedserve.bench.gpu_kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("fp16" if device.type == "cpu" else "bf16")
     graph = args.cuda_graph and device.type == "cuda"

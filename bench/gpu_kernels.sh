@@ -24,7 +24,7 @@ step() {
     local name=$1 limit=$2
     shift 2
     local start=$SECONDS
-    timeout "$limit" python3 -m bench.gpu_kernels "$@" --out "$OUT/$name.jsonl" 2> "$OUT/$name.txt"
+    timeout "$limit" python3 -m pagedserve.bench.gpu_kernels "$@" --out "$OUT/$name.jsonl" 2> "$OUT/$name.txt"
     echo "$name: rc=$? in $((SECONDS - start)) s"
     tail -n 40 "$OUT/$name.txt"
 }

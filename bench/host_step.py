@@ -1,9 +1,9 @@
 """Host time of one decode step: scheduling, input preparation, sampling bookkeeping, output
 updates and detokenization, with the model's forward stubbed out.
 
-    python -m bench.host_step --batch-size 256 --context 1000 --steps 60
-    python -m bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling
-    python -m bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling \
+    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --steps 60
+    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling
+    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling \
         --core-loop
 
 A 1-layer, 64-wide Llama on CPU (vocab 2048, dummy weights) whose forward returns zeros, with
@@ -34,9 +34,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from engine.cpu_allocator import keep_large_allocations_in_heap
-from engine.messages import CoreOutputs
-from scheduler.utils import cdiv
+from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
+from pagedserve.engine.messages import CoreOutputs
+from pagedserve.scheduler.utils import cdiv
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -62,7 +62,7 @@ def measure(
     async_scheduling: bool = False,
     core_loop: bool = False,
 ) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
@@ -183,7 +183,7 @@ def simulate_device(runner, seconds: float):
     it starts when both it is launched and the previous step is done, and its result() waits
     until it is over. A deadline per step, no thread: a device needs no host thread (nor the
     GIL) while it runs. Returns what undoes the patches."""
-    import engine.model_runner as model_runner
+    import pagedserve.engine.model_runner as model_runner
 
     launch = runner.launch
     result = model_runner.StepHandle.result

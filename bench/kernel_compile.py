@@ -1,6 +1,6 @@
 """Compile the Triton kernels for a GPU architecture on a machine without a GPU.
 
-    python -m bench.kernel_compile [--arch 90] [--json]
+    python -m pagedserve.bench.kernel_compile [--arch 90] [--json]
 
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they compile:
 a construct the interpreter accepts may still be rejected by Triton's compiler, and the compiled
@@ -196,7 +196,7 @@ def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
 
 def _launch(variant: Variant) -> None:
     """Call the public wrapper (or the decode entry with a forced split) on CPU tensors."""
-    from kernels import triton_attention
+    from pagedserve.kernels import triton_attention
 
     if variant.kind in FUSED_KINDS:
         _launch_fused(variant)
@@ -239,7 +239,7 @@ def _launch(variant: Variant) -> None:
 
 def _kv_scales(variant: Variant) -> dict[str, torch.Tensor]:
     """k_scale and v_scale for an fp8 cache (float32 [1], as the engine passes them), else none."""
-    from kernels.fp8 import is_fp8
+    from pagedserve.kernels.fp8 import is_fp8
 
     if not is_fp8(variant.cache_dtype):
         return {}
@@ -247,7 +247,7 @@ def _kv_scales(variant: Variant) -> dict[str, torch.Tensor]:
 
 
 def _launch_fused(variant: Variant) -> None:
-    from kernels import triton_fused
+    from pagedserve.kernels import triton_fused
 
     dtype, num_tokens = variant.dtype, 8
     if variant.kind in ("rms_norm", "add_rms_norm"):
@@ -275,7 +275,7 @@ def _launch_fused(variant: Variant) -> None:
 
 
 def _launch_moe(variant: Variant) -> None:
-    from kernels import triton_moe
+    from pagedserve.kernels import triton_moe
 
     dtype, n, k = variant.dtype, variant.num_tokens, variant.top_k
     h, i, e = variant.hidden_size, variant.intermediate_size, variant.num_experts
@@ -313,7 +313,7 @@ def compile_all(arch: int) -> list[dict[str, Any]]:
     import triton
 
     compiled = _install_compile_only_driver(arch)
-    from kernels import triton_attention
+    from pagedserve.kernels import triton_attention
 
     # The wrappers refuse CPU tensors outside the interpreter; here nothing is launched.
     triton_attention.check_runnable = lambda device: None

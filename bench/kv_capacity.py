@@ -1,8 +1,8 @@
 """KV capacity on CPU, side by side in one run (BENCHMARKS.md, "KV capacity: fp8 cache and swap
 preemption"):
 
-    python -m bench.kv_capacity fp8 --repeats 3 --json bench_results/kv_fp8.json
-    python -m bench.kv_capacity swap --repeats 2 --json bench_results/kv_swap.json
+    python -m pagedserve.bench.kv_capacity fp8 --repeats 3 --json bench_results/kv_fp8.json
+    python -m pagedserve.bench.kv_capacity swap --repeats 2 --json bench_results/kv_swap.json
 
 fp8   `pagedserve bench throughput` (offline, bf16 weights) with the bf16 cache and with the fp8
       cache, each run in its own process, interleaved repeats, medians; plus what each plan holds
@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
-from bench import serve as bench_serve
-from scheduler.utils import cdiv
-from server.launch import server_process
+from pagedserve.bench import serve as bench_serve
+from pagedserve.scheduler.utils import cdiv
+from pagedserve.server.launch import server_process
 
 PAGEDSERVE = str(Path(sys.executable).parent / "pagedserve")
 BLOCK_SIZE = 16  # the servers' default

@@ -1,10 +1,10 @@
 """Quantized weights kept quantized on CPU (`--quantization gguf`) against the same GGUF file
 dequantized to bfloat16 at load (`--quantization none`), on the embedded SmolLM2 Q4_1 file:
 
-    python -m bench.quantized_cpu                   # both parts
-    python -m bench.quantized_cpu --part matmul     # per-step matmul times by rows
-    python -m bench.quantized_cpu --part agreement  # greedy agreement, 16 prompts x 64 tokens
-    python -m bench.quantized_cpu --part step       # decode step by part, 1 and 64 sequences
+    python -m pagedserve.bench.quantized_cpu                   # both parts
+    python -m pagedserve.bench.quantized_cpu --part matmul     # per-step matmul times by rows
+    python -m pagedserve.bench.quantized_cpu --part agreement  # greedy agreement, 16 prompts x 64 tokens
+    python -m pagedserve.bench.quantized_cpu --part step       # decode step by part, 1 and 64 sequences
 
 matmul: the model's own weights (30 layers' q/k/v, o, gate/up, down and the lm_head), each
 multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: torch's
@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from engine.cpu_linear import linear, pack
-from engine.model_source import resolve_model
-from engine.quantized_linear import QuantizedRows, QuantizedWeight, compiled_gemm
-from engine.weights import iter_gguf_weights
+from pagedserve.engine.cpu_linear import linear, pack
+from pagedserve.engine.model_source import resolve_model
+from pagedserve.engine.quantized_linear import QuantizedRows, QuantizedWeight, compiled_gemm
+from pagedserve.engine.weights import iter_gguf_weights
 
 PROMPTS = [
     "The capital of France is",
@@ -122,21 +122,21 @@ def _timed(fn, spent: dict[str, float], part_of):
 
 
 def step_part(args: argparse.Namespace) -> list[dict]:
-    import engine.model
-    import kernels.cpu_ops
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import model as engine_model
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.engine import LLM, SamplingParams
 
     results = []
     for quantization in ("gguf", "none"):
         llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype="bfloat16")
         lm_head = llm.engine.model.matmul_weights()[-1]
         spent = dict.fromkeys(("matmuls", "lm_head", "attention"), 0.0)
-        linear_fn, attention_fn = engine.model.linear, kernels.cpu_ops.paged_attention
+        linear_fn, attention_fn = engine_model.linear, cpu_ops.paged_attention
 
-        engine.model.linear = _timed(
+        engine_model.linear = _timed(
             linear_fn, spent, lambda a, head=lm_head: "lm_head" if a[1] is head else "matmuls"
         )
-        kernels.cpu_ops.paged_attention = _timed(attention_fn, spent, lambda a: "attention")
+        cpu_ops.paged_attention = _timed(attention_fn, spent, lambda a: "attention")
         try:
             for batch in args.batch:
                 prompts = [[100 + i + j for j in range(8)] for i in range(batch)]
@@ -154,13 +154,13 @@ def step_part(args: argparse.Namespace) -> list[dict]:
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
                                   for k, v in record.items()}), flush=True)  # fmt: skip
         finally:
-            engine.model.linear, kernels.cpu_ops.paged_attention = linear_fn, attention_fn
+            engine_model.linear, cpu_ops.paged_attention = linear_fn, attention_fn
     return results
 
 
 def _agreement(model, reference, prompts: list[list[int]], tokens: int) -> dict:
     """How `model`'s greedy continuations agree with `reference`'s (both `LLM`s)."""
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in model.generate(prompts, params)]
@@ -191,7 +191,7 @@ def _agreement(model, reference, prompts: list[list[int]], tokens: int) -> dict:
 def agreement_part(args: argparse.Namespace) -> list[dict]:
     """Kept quantized against dequantized, both bf16; and, for scale, dequantized bf16 against
     dequantized float32 (what bf16 arithmetic alone changes)."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     def load(quantization: str, dtype: str) -> LLM:
         return LLM(

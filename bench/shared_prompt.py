@@ -1,6 +1,6 @@
 """n samples of one long prompt against n separate requests: KV blocks and tokens computed.
 
-python -m bench.shared_prompt --num-samples 8 --prompt-len 1024 --output-len 32
+python -m pagedserve.bench.shared_prompt --num-samples 8 --prompt-len 1024 --output-len 32
 
 One request with n samples shares the prompt's blocks (the samples fork the first one's blocks,
 the partial last one included, and copy that one when they first write into it). n separate
@@ -17,7 +17,7 @@ import json
 import random
 import time
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> dict:

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.serve import (
+from pagedserve.bench.serve import (
     ENDPOINT_PATHS,
     NUM_FAILURES_SHOWN,
     SSEDecoder,
@@ -53,7 +53,7 @@ from bench.serve import (
     _stats,
     random_token_ids,
 )
-from server.limits import DEFAULT_MAX_N
+from pagedserve.server.limits import DEFAULT_MAX_N
 
 # Outcomes of one request.
 OK = "ok"  # a valid request answered in full

@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup against plain decoding, side by side in one run.
 
-python -m bench.spec_decode --batch-sizes 1 16 --output-len 128 --repeats 3
+python -m pagedserve.bench.spec_decode --batch-sizes 1 16 --output-len 128 --repeats 3
 
 The workload is one where the output repeats the prompt, as in code edits or "repeat this text":
 chat requests asking the model to repeat a passage exactly, greedy. Each repeat runs the plain
@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 
 PASSAGES = [
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "

@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine import LLM
-from engine.engine_config import EngineConfig
-from scheduler import SamplingParams
+from pagedserve.engine import LLM
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.scheduler import SamplingParams
 
 
 def random_token_prompts(

@@ -2,9 +2,9 @@
 transcribed per wall second at each concurrency, with request latency, for a Whisper model
 served by `pagedserve serve`:
 
-    python -m bench.transcriptions --model whisper-tiny --concurrency 1 16
-    python -m bench.transcriptions --model DIR --serve-args="--dtype float32" --out FILE.json
-    python -m bench.transcriptions --base-url http://127.0.0.1:8000 --model NAME   # a server up
+    python -m pagedserve.bench.transcriptions --model whisper-tiny --concurrency 1 16
+    python -m pagedserve.bench.transcriptions --model DIR --serve-args="--dtype float32" --out FILE.json
+    python -m pagedserve.bench.transcriptions --base-url http://127.0.0.1:8000 --model NAME   # a server up
 
 Each request uploads its own synthetic WAV of --audio-seconds (a gliding tone under noise) and
 asks for verbose_json, whose segments carry the tokens decoded, so the output tokens are counted
@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.audio import SAMPLE_RATE
-from server.launch import server_process
+from pagedserve.engine.audio import SAMPLE_RATE
+from pagedserve.server.launch import server_process
 
 
 def synthetic_wav(seconds: float, seed: int) -> bytes:
@@ -121,9 +121,9 @@ def transformers_baseline(
     import torch
     import transformers
 
-    from engine.audio import decode_audio, log_mel, windows
-    from engine.engine_config import DTYPES
-    from engine.whisper import WHISPER_SHAPES, WhisperConfig
+    from pagedserve.engine.audio import decode_audio, log_mel, windows
+    from pagedserve.engine.engine_config import DTYPES
+    from pagedserve.engine.whisper import WHISPER_SHAPES, WhisperConfig
 
     c = WhisperConfig(**WHISPER_SHAPES[shape])
     hf_config = transformers.WhisperConfig(
@@ -158,7 +158,7 @@ def transformers_baseline(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.transcriptions", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pagedserve.bench.transcriptions", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default="whisper-tiny", help="Whisper folder or built-in shape")
     p.add_argument("--serve-args", default="", help="more `pagedserve serve` flags, one string")

@@ -1,18 +1,18 @@
 """pagedserve engine: models, weights, tokenizer, sampler, model runner, LLMEngine and the offline
 LLM API."""
 
-from engine.beam_search import BeamSearchParams
-from engine.engine_config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import (
+from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.llm import LLM
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
     Logprob,
     RequestOutput,
 )
-from scheduler import SamplingParams
+from pagedserve.scheduler import SamplingParams
 
 __all__ = [
     "LLM",

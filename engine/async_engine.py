@@ -33,11 +33,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 
-from engine.inputs import InputProcessor, Prompt
-from engine.llm_engine import LLMEngine
-from engine.messages import EngineStats
-from engine.outputs import RequestOutput
-from scheduler import SamplingParams
+from pagedserve.engine.inputs import InputProcessor, Prompt
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.messages import EngineStats
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.messages import CoreRequest, SampleOutput
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from pagedserve.engine.messages import CoreRequest, SampleOutput
+from pagedserve.scheduler import Request, RequestStatus, SamplingParams, Scheduler
 
 
 @dataclass(frozen=True)

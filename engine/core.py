@@ -17,12 +17,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import msgspec
 import torch
 
-import kernels
-from engine.beam_search import BeamSearch, start_beam_search
-from engine.cpu_linear import can_pack
-from engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
-from engine.engine_config import EngineConfig
-from engine.kv_cache import (
+from pagedserve import kernels
+from pagedserve.engine.beam_search import BeamSearch, start_beam_search
+from pagedserve.engine.cpu_linear import can_pack
+from pagedserve.engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.kv_cache import (
     GiB,
     KVCachePlan,
     allocate_kv_caches,
@@ -31,24 +31,24 @@ from engine.kv_cache import (
     kv_cache_groups,
     plan_kv_cache,
 )
-from engine.messages import CoreRequest, EngineStats, SampleOutput
-from engine.model import CausalLM
-from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
-from engine.model_source import ModelSource, resolve_model
-from engine.parallel import TPEndpoint, TPGroup, describe_shards, free_port, plan_shards
-from engine.quantized_linear import describe, keep_quantized
-from engine.structured_output import StructuredOutputManager
-from engine.tokenizer import eos_token_ids, load_tokenizer
-from engine.weights import load_weights
-from scheduler import (
+from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
+from pagedserve.engine.model import CausalLM
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
+from pagedserve.engine.model_source import ModelSource, resolve_model
+from pagedserve.engine.parallel import TPEndpoint, TPGroup, describe_shards, free_port, plan_shards
+from pagedserve.engine.quantized_linear import describe, keep_quantized
+from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from pagedserve.engine.weights import load_weights
+from pagedserve.scheduler import (
     Request,
     RequestStatus,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from scheduler.utils import cdiv
+from pagedserve.scheduler.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
 
@@ -106,7 +106,7 @@ class EngineCore:
         if endpoint is None:  # rank 0 on one node: start the others
             threads = max(1, torch.get_num_threads() // size)
             endpoint = TPEndpoint(0, size, "127.0.0.1", free_port(), 0, threads)
-            from engine.tp_worker import start_workers
+            from pagedserve.engine.tp_worker import start_workers
 
             self._workers = start_workers(config, endpoint)
             self._workers.watch()

@@ -38,10 +38,10 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engine.async_engine import EngineClient, EngineDeadError, RequestStream, _post
-from engine.engine_config import EngineConfig
-from engine.inputs import InputProcessor, Prompt
-from engine.messages import (
+from pagedserve.engine.async_engine import EngineClient, EngineDeadError, RequestStream, _post
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.inputs import InputProcessor, Prompt
+from pagedserve.engine.messages import (
     AbortSamples,
     AddRequest,
     CoreFailed,
@@ -54,10 +54,10 @@ from engine.messages import (
     RewindSamples,
     Shutdown,
 )
-from engine.model_source import resolve_model
-from engine.output_processor import OutputProcessor
-from engine.tokenizer import load_tokenizer
-from scheduler import SamplingParams
+from pagedserve.engine.model_source import resolve_model
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -363,8 +363,8 @@ def run_engine_core(
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     import torch
 
-    from engine.core import EngineCore  # torch and the model code: only in this process
-    from engine.cpu_allocator import keep_large_allocations_in_heap
+    from pagedserve.engine.core import EngineCore  # torch and the model code: only in this process
+    from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 
     keep_large_allocations_in_heap()  # the process's own entry point sets it (why: there)
     if num_threads is not None:  # this process's share of the CPUs (engine/data_parallel.py)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quantized_linear import quantized
+from pagedserve.engine.quantized_linear import quantized
 
 _PACKED = "_pagedserve_onednn_packed"
 PACKED_DTYPES = (torch.bfloat16, torch.float32)

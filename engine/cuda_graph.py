@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.engine_config import GiB
-from engine.model import CausalLM, KVCache
+from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.engine_config import GiB
+from pagedserve.engine.model import CausalLM, KVCache
 
 logger = logging.getLogger("pagedserve")
 

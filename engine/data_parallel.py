@@ -59,13 +59,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.async_engine import EngineClient, EngineDeadError, RequestStream, check_core_index
-from engine.core_process import ProcessEngine, front_end_inputs
-from engine.engine_config import EngineConfig
-from engine.inputs import InputProcessor, Prompt
-from engine.messages import EngineStats
-from scheduler import SamplingParams
-from scheduler.block_hash import hash_block_tokens
+from pagedserve.engine.async_engine import EngineClient, EngineDeadError, RequestStream, check_core_index
+from pagedserve.engine.core_process import ProcessEngine, front_end_inputs
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.inputs import InputProcessor, Prompt
+from pagedserve.engine.messages import EngineStats
+from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler.block_hash import hash_block_tokens
 
 logger = logging.getLogger("pagedserve")
 

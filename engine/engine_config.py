@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from engine.cpu_linear import cpu_computes_bf16
-from engine.quantized_linear import QUANTIZATIONS
-from kernels import BACKENDS, FP8_KV_DTYPES
+from pagedserve.engine.cpu_linear import cpu_computes_bf16
+from pagedserve.engine.quantized_linear import QUANTIZATIONS
+from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES
 
 DTYPES = {
     "float32": torch.float32,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler import SamplingParams, SchedulerOutput
-from scheduler.outputs import NewRequestData
+from pagedserve.scheduler import SamplingParams, SchedulerOutput
+from pagedserve.scheduler.outputs import NewRequestData
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.structured_output import check as check_structured_outputs
-from scheduler import SamplingParams
+from pagedserve.engine.structured_output import check as check_structured_outputs
+from pagedserve.scheduler import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_config import GiB
-from engine.model_config import ModelConfig
-from scheduler.kv_groups import KVCacheGroup, blocks_per_request, group_layers, layers_per_block
-from scheduler.utils import cdiv
+from pagedserve.engine.engine_config import GiB
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.scheduler.kv_groups import KVCacheGroup, blocks_per_request, group_layers, layers_per_block
+from pagedserve.scheduler.utils import cdiv
 
 
 def kv_cache_groups(config: ModelConfig) -> tuple[KVCacheGroup, ...]:
@@ -209,7 +209,7 @@ def _tensor_parallel_lines(
 ) -> list[str]:
     """Each rank's KV heads and bytes for `num_tokens` tokens; every rank's pool has as many
     blocks as the one with the most heads has room for."""
-    from engine.parallel import describe_shards, plan_shards  # torch.distributed: only here
+    from pagedserve.engine.parallel import describe_shards, plan_shards  # torch.distributed: only here
 
     shards = plan_shards(config, size)
     lines = [describe_shards(config, shards)]

@@ -8,13 +8,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.beam_search import BeamSearchParams, beam_score
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from engine.parallel import TPEndpoint
-from engine.tokenizer import apply_chat_template
-from scheduler import SamplingParams
+from pagedserve.engine.beam_search import BeamSearchParams, beam_score
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.engine.parallel import TPEndpoint
+from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.scheduler import SamplingParams
 
 PromptInput = str | Sequence[int]
 Message = dict[str, Any]

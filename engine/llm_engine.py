@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.inputs import InputProcessor, Prompt
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.parallel import TPEndpoint
-from scheduler import SamplingParams
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.inputs import InputProcessor, Prompt
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.parallel import TPEndpoint
+from pagedserve.scheduler import SamplingParams
 
 
 class LLMEngine(EngineCore):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler import SamplingParams
+from pagedserve.scheduler import SamplingParams
 
 # One position: (token logprob, token rank (1 = most likely), [(token id, logprob)] top-k).
 TokenLogprobs = tuple[float, int, list[tuple[int, float]]]

@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from engine.attention_metadata import AttentionMetadata
-from engine.cpu_linear import linear, pack
-from engine.kv_cache import kv_cache_groups
-from engine.model_config import ModelConfig
-from engine.parallel import TPGroup, TPShard
-from engine.quantized_linear import QuantizedRows, QuantizedWeight, attach, quantized
-from engine.rotary import RotaryEmbedding
+from pagedserve import kernels
+from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.cpu_linear import linear, pack
+from pagedserve.engine.kv_cache import kv_cache_groups
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.parallel import TPGroup, TPShard
+from pagedserve.engine.quantized_linear import QuantizedRows, QuantizedWeight, attach, quantized
+from pagedserve.engine.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
 

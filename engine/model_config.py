@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.rotary import ROPE_SCALING_KEYS, rope_attention_factor, rope_inv_freq
+from pagedserve.engine.rotary import ROPE_SCALING_KEYS, rope_attention_factor, rope_inv_freq
 
 if TYPE_CHECKING:
     import gguf

@@ -12,13 +12,13 @@ from types import ModuleType
 import numpy as np
 import torch
 
-import kernels
-from engine.attention_metadata import AttentionMetadata
-from engine.cuda_graph import DecodeGraphs
-from engine.input_batch import Batch, InputBatch
-from engine.model import CausalLM, KVCache
-from engine.parallel import TPGroup
-from engine.sampler import (
+from pagedserve import kernels
+from pagedserve.engine.attention_metadata import AttentionMetadata
+from pagedserve.engine.cuda_graph import DecodeGraphs
+from pagedserve.engine.input_batch import Batch, InputBatch
+from pagedserve.engine.model import CausalLM, KVCache
+from pagedserve.engine.parallel import TPGroup
+from pagedserve.engine.sampler import (
     DeviceSample,
     LogprobTensors,
     Sampler,
@@ -26,9 +26,9 @@ from engine.sampler import (
     TokenLogprobs,
     to_device,
 )
-from engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
-from scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from scheduler.utils import cdiv
+from pagedserve.engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
+from pagedserve.scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from pagedserve.scheduler.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Literal
 import gguf
 import numpy as np
 
-from engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
+from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -14,11 +14,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from engine.inputs import Prompt
-from engine.messages import CoreRequest, SampleOutput, TokenLogprobs
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from scheduler import SamplingParams
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from pagedserve.engine.inputs import Prompt
+from pagedserve.engine.messages import CoreRequest, SampleOutput, TokenLogprobs
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 

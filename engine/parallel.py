@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.model_config import ModelConfig
-from scheduler.utils import cdiv
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.scheduler.utils import cdiv
 
 # How long the ranks wait for each other to appear at start-up (loading weights comes after).
 STARTUP_TIMEOUT = datetime.timedelta(minutes=10)

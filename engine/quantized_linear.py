@@ -126,7 +126,7 @@ def gguf_rows(
 def compiled_gemm() -> bool:
     """Whether pagedserve's compiled GEMM for quantized weights runs here (kernels/csrc/
     cpu_quant.cpp: a C++ compiler and an AVX512-BF16 CPU)."""
-    from kernels import cpu_ops
+    from pagedserve.kernels import cpu_ops
 
     return cpu_ops.available() and bool(torch.ops.pagedserve_cpu.quantized_gemm_available())
 

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.messages import TokenLogprobs
-from scheduler import SamplingParams
+from pagedserve.engine.messages import TokenLogprobs
+from pagedserve.scheduler import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct stream positions
 _MASK64 = (1 << 64) - 1

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scheduler import StructuredOutputs
+from pagedserve.scheduler import StructuredOutputs
 
 if TYPE_CHECKING:
     import xgrammar

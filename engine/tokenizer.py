@@ -17,8 +17,8 @@ import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.model_config import ModelConfig
-from engine.model_source import (
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.model_source import (
     EMBEDDED_MODELS,
     TOKENIZER_FILES,
     ModelSource,
@@ -26,7 +26,7 @@ from engine.model_source import (
     gguf_files_for_everyone,
     resolve_model,
 )
-from kernels.paths import cache_dir
+from pagedserve.kernels.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 

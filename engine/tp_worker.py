@@ -33,8 +33,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from engine.engine_config import EngineConfig
-from engine.parallel import TPEndpoint
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.parallel import TPEndpoint
 
 logger = logging.getLogger("pagedserve")
 
@@ -119,7 +119,7 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
                 level,
             )
             process = subprocess.Popen(
-                [sys.executable, "-m", "engine.tp_worker"], stdin=subprocess.PIPE
+                [sys.executable, "-m", "pagedserve.engine.tp_worker"], stdin=subprocess.PIPE
             )
             processes.append(process)
             process.stdin.write(pickle.dumps(args))
@@ -139,7 +139,7 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
 def run_worker(config: EngineConfig, endpoint: TPEndpoint) -> None:
     """Be rank `endpoint.rank`: build this rank's part of the engine, then run rank 0's steps
     until it says stop."""
-    from engine.core import EngineCore  # torch and the model: only once the process is set up
+    from pagedserve.engine.core import EngineCore  # torch and the model: only once the process is set up
 
     EngineCore(config, endpoint).serve_as_worker()
     # Skip the interpreter's teardown: destroying the process groups while other ranks are still
@@ -164,7 +164,7 @@ def main() -> None:
     logging.basicConfig(
         level=args.log_level, format=f"%(levelname)s %(name)s [rank {rank}]: %(message)s"
     )
-    from engine.cpu_allocator import keep_large_allocations_in_heap
+    from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 
     keep_large_allocations_in_heap()  # as in every pagedserve process (why: there)
     run_worker(args.config, args.endpoint)

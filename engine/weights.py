@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from engine.engine_config import LOAD_FORMATS
-from engine.model_config import ModelConfig
-from engine.model_source import GGUFFile, ModelSource
-from engine.quantized_linear import KEPT_TYPES, QuantizedRows, gguf_rows
+from pagedserve.engine.engine_config import LOAD_FORMATS
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.model_source import GGUFFile, ModelSource
+from pagedserve.engine.quantized_linear import KEPT_TYPES, QuantizedRows, gguf_rows
 
 # GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.), as
 # llama.cpp's converter maps them (gguf.TensorNameMap); families that differ override entries.

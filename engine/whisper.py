@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_linear
+from pagedserve.engine import cpu_linear
 
 WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
 

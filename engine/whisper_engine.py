@@ -34,11 +34,11 @@ from types import ModuleType
 
 import torch
 
-import kernels
-from engine.messages import EngineStats
-from engine.whisper import PagedBatch, WhisperModel, cross_batch
-from scheduler.block_pool import Block, BlockPool
-from scheduler.utils import cdiv
+from pagedserve import kernels
+from pagedserve.engine.messages import EngineStats
+from pagedserve.engine.whisper import PagedBatch, WhisperModel, cross_batch
+from pagedserve.scheduler.block_pool import Block, BlockPool
+from pagedserve.scheduler.utils import cdiv
 
 
 @dataclass

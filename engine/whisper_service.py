@@ -30,23 +30,23 @@ from typing import Any
 import numpy as np
 import torch
 
-import kernels
-from engine.async_engine import (
+from pagedserve import kernels
+from pagedserve.engine.async_engine import (
     CommandLoop,
     DrainingError,
     EngineDeadError,
     QueueFullError,
     _post,
 )
-from engine.audio import log_mel
-from engine.engine_config import EngineConfig
-from engine.kv_cache import GiB, default_cpu_kv_memory
-from engine.messages import EngineStats
-from engine.tokenizer import TOKENIZER_FILES, load_tokenizer, synthetic_tokenizer
-from engine.weights import iter_safetensors_weights
-from engine.whisper import WhisperConfig, WhisperModel, whisper_config_of
-from engine.whisper_engine import TranscriptionRequest, WhisperEngine
-from scheduler.utils import cdiv
+from pagedserve.engine.audio import log_mel
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.kv_cache import GiB, default_cpu_kv_memory
+from pagedserve.engine.messages import EngineStats
+from pagedserve.engine.tokenizer import TOKENIZER_FILES, load_tokenizer, synthetic_tokenizer
+from pagedserve.engine.weights import iter_safetensors_weights
+from pagedserve.engine.whisper import WhisperConfig, WhisperModel, whisper_config_of
+from pagedserve.engine.whisper_engine import TranscriptionRequest, WhisperEngine
+from pagedserve.scheduler.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
 

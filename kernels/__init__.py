@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from kernels import reference
-from kernels.fp8 import (
+from pagedserve.kernels import reference
+from pagedserve.kernels.fp8 import (
     FP8_KV_DTYPES,
     MIN_KV_SCALE,
     dequantize_kv,
@@ -90,7 +90,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
             if device.type == "cuda":
                 return "triton"
             if device.type == "cpu":
-                from kernels import cpu_ops
+                from pagedserve.kernels import cpu_ops
 
                 return "cpu" if cpu_ops.available() else "torch"
             return "torch"
@@ -110,11 +110,11 @@ def get_backend(name: str) -> ModuleType:
     if name == "torch":
         return reference
     if name == "cpu":
-        from kernels import cpu_ops
+        from pagedserve.kernels import cpu_ops
 
         return cpu_ops
     if name == "triton":
-        from kernels import triton_ops
+        from pagedserve.kernels import triton_ops
 
         return triton_ops
     raise ValueError(f"{name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS))

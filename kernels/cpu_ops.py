@@ -11,7 +11,7 @@ CPU: -O3 -march=native, OpenMP through torch's own runtime) and cached in pageds
 hash of the source, the flags, the torch version and the CPU's instruction-set flags; later
 processes load it in milliseconds. With the cache turned off, each process builds into a temporary
 folder.
-`make install` builds it ahead of time (`python -m kernels.cpu_ops`). Where no compiler is found,
+`make install` builds it ahead of time (`python -m pagedserve.kernels.cpu_ops`). Where no compiler is found,
 or the build fails, `available()` is False with one warning saying why, and the engine's "auto"
 backend on CPU falls back to the torch reference.
 
@@ -37,17 +37,17 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference, validation
-from kernels.fp8 import is_fp8
-from kernels.paths import cache_dir
-from kernels.reference import (
+from pagedserve.kernels import reference, validation
+from pagedserve.kernels.fp8 import is_fp8
+from pagedserve.kernels.paths import cache_dir
+from pagedserve.kernels.reference import (
     copy_blocks,
     fused_moe,
     gelu_tanh_and_mul,
     moe_route,
     reshape_and_cache,
 )
-from kernels.validation import (
+from pagedserve.kernels.validation import (
     check_fused_add_rms_norm_args,
     check_paged_attention_args,
     check_rms_norm_args,

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import validation
-from kernels.fp8 import dequantize_kv, is_fp8, quantize_kv
-from kernels.validation import (
+from pagedserve.kernels import validation
+from pagedserve.kernels.fp8 import dequantize_kv, is_fp8, quantize_kv
+from pagedserve.kernels.validation import (
     check_copy_blocks_args,
     check_fused_add_rms_norm_args,
     check_fused_moe_args,

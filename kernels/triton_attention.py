@@ -49,9 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import validation
-from kernels.fp8 import is_fp8
-from kernels.validation import (
+from pagedserve.kernels import validation
+from pagedserve.kernels.fp8 import is_fp8
+from pagedserve.kernels.validation import (
     check_copy_blocks_args,
     check_paged_attention_args,
     check_reshape_and_cache_args,

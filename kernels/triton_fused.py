@@ -34,15 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_attention, validation
-from kernels.triton_attention import (
+from pagedserve.kernels import triton_attention, validation
+from pagedserve.kernels.triton_attention import (
     _fp8_write_constexprs,
     _kv_scale_args,
     _load_kv_scales,
     _quantize_fp8,
     _tanh,
 )
-from kernels.validation import (
+from pagedserve.kernels.validation import (
     check_fused_add_rms_norm_args,
     check_rms_norm_args,
     check_rotary_and_cache_args,

@@ -3,22 +3,22 @@ fused layer ops of `kernels.triton_fused` and the experts of `kernels.triton_moe
 and signatures of `kernels.reference` (the torch backend; its `moe_route`, a few small torch ops,
 serves both). `kernels.get_backend("triton")` returns this module."""
 
-from kernels.reference import moe_route
-from kernels.triton_attention import (
+from pagedserve.kernels.reference import moe_route
+from pagedserve.kernels.triton_attention import (
     INTERPRETED,
     check_runnable,
     copy_blocks,
     paged_attention,
     reshape_and_cache,
 )
-from kernels.triton_fused import (
+from pagedserve.kernels.triton_fused import (
     fused_add_rms_norm,
     gelu_tanh_and_mul,
     rms_norm,
     rotary_and_cache,
     silu_and_mul,
 )
-from kernels.triton_moe import fused_moe
+from pagedserve.kernels.triton_moe import fused_moe
 
 __all__ = [
     "INTERPRETED",

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.fp8 import is_fp8
+from pagedserve.kernels.fp8 import is_fp8
 
 CHECK_ARGS_ENV = "PAGEDSERVE_CHECK_KERNEL_ARGS"
 CHECK_ARGS: bool = os.environ.get(CHECK_ARGS_ENV, "0") == "1"

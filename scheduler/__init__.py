@@ -5,18 +5,18 @@ Pure Python (stdlib only): no torch, so all of it is unit-testable in millisecon
 
 from __future__ import annotations
 
-from scheduler.block_pool import Block, BlockPool
-from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import (
+from pagedserve.scheduler.block_pool import Block, BlockPool
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.outputs import (
     CachedRequestData,
     NewRequestData,
     RequestDelta,
     SchedulerOutput,
 )
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams, StructuredOutputs
-from scheduler.scheduler import Scheduler
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputs
+from pagedserve.scheduler.scheduler import Scheduler
 
 __all__ = [
     "Block",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from scheduler.block_hash import BlockHash
+from pagedserve.scheduler.block_hash import BlockHash
 
 # A block's state in the live block map (`BlockPool.block_states`, GET /v1/kv).
 BLOCK_FREE, BLOCK_CACHED, BLOCK_USED = 0, 1, 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.kv_groups import blocks_per_request
+from pagedserve.scheduler.kv_groups import blocks_per_request
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler.block_hash import BlockHash, hash_block_tokens
-from scheduler.block_pool import Block, BlockPool
-from scheduler.kv_groups import first_live_block
-from scheduler.request import Request
-from scheduler.utils import cdiv
+from pagedserve.scheduler.block_hash import BlockHash, hash_block_tokens
+from pagedserve.scheduler.block_pool import Block, BlockPool
+from pagedserve.scheduler.kv_groups import first_live_block
+from pagedserve.scheduler.request import Request
+from pagedserve.scheduler.utils import cdiv
 
 # The id a table shows for a sliding-window block given back (never read: the runner points
 # such entries at a live block of the row; see engine/input_batch.py).

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.utils import cdiv
+from pagedserve.scheduler.utils import cdiv
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from scheduler.request import RequestStatus
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.request import RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Iterable
 
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

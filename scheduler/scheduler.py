@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
-from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.ngram import NgramIndex
-from scheduler.outputs import CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput
-from scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.ngram import NgramIndex
+from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput
+from pagedserve.scheduler.request import Request, RequestStatus
 
 __all__ = [
     "CachedRequestData",

@@ -19,15 +19,15 @@ import time
 
 import uvicorn
 
-from engine.async_engine import AsyncEngine, EngineClient
-from engine.core_process import ProcessEngine
-from engine.data_parallel import DataParallelEngine
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.whisper import whisper_config_of
-from engine.whisper_service import TranscriptionService
-from server.app import build_app, build_transcription_app
-from server.limits import (
+from pagedserve.engine.async_engine import AsyncEngine, EngineClient
+from pagedserve.engine.core_process import ProcessEngine
+from pagedserve.engine.data_parallel import DataParallelEngine
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.whisper import whisper_config_of
+from pagedserve.engine.whisper_service import TranscriptionService
+from pagedserve.server.app import build_app, build_transcription_app
+from pagedserve.server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,

@@ -17,28 +17,28 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.async_engine import EngineClient, check_core_index
-from engine.whisper_service import TranscriptionService
-from server.dashboard import dashboard_html
-from server.errors import (
+from pagedserve.engine.async_engine import EngineClient, check_core_index
+from pagedserve.engine.whisper_service import TranscriptionService
+from pagedserve.server.dashboard import dashboard_html
+from pagedserve.server.errors import (
     APIError,
     BodySizeLimit,
     ErrorMappingRoute,
     error_response,
     install_error_handlers,
 )
-from server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
-from server.metrics import Metrics
-from server.protocol import (
+from pagedserve.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagedserve.server.metrics import Metrics
+from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.serving_chat import chat_prompt_ids, create_chat_completion
-from server.serving_common import ServerState, check_model, check_model_name
-from server.serving_completions import create_completion
-from server.serving_transcriptions import (
+from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
+from pagedserve.server.serving_common import ServerState, check_model, check_model_name
+from pagedserve.server.serving_completions import create_completion
+from pagedserve.server.serving_transcriptions import (
     TranscriptionState,
     audio_seconds,
     create_transcription,

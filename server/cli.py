@@ -12,19 +12,19 @@ import logging
 import os
 import sys
 
-from engine.cpu_allocator import keep_large_allocations_in_heap
-from engine.engine_config import DTYPES, EngineConfig
-from engine.parallel import TPEndpoint
-from server.limits import (
+from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
+from pagedserve.engine.engine_config import DTYPES, EngineConfig
+from pagedserve.engine.parallel import TPEndpoint
+from pagedserve.server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
-from server.tool_calls import TOOL_CALL_PARSERS
+from pagedserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM.from_config(args.config_cls.from_cli_args(args))
     params = SamplingParams(
@@ -39,12 +39,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_plan(args: argparse.Namespace) -> int:
-    from engine.kv_cache import kv_plan_report
-    from engine.model_source import resolve_model
+    from pagedserve.engine.kv_cache import kv_plan_report
+    from pagedserve.engine.model_source import resolve_model
 
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
-    from engine import whisper
+    from pagedserve.engine import whisper
 
     whisper_config = whisper.whisper_config_of(args.model)
     if whisper_config is not None:  # an encoder-decoder: self- and cross-attention KV
@@ -87,7 +87,7 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from server.api_server import run_server
+    from pagedserve.server.api_server import run_server
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
@@ -107,7 +107,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.data_parallel_size != 1:
             raise ValueError("--data-parallel-size is not for torchrun: its ranks are one engine")
         if endpoint.rank != 0:  # only rank 0 serves HTTP; the others run its steps
-            from engine.tp_worker import run_worker
+            from pagedserve.engine.tp_worker import run_worker
 
             run_worker(config, endpoint)
             return 0
@@ -134,7 +134,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     try:
-        from bench.cli import main as bench_main
+        from pagedserve.bench.cli import main as bench_main
     except ModuleNotFoundError as e:
         raise ValueError(
             f"{e}: the benchmarks' dependencies come with pip install 'pagedserve[bench]'"

@@ -14,8 +14,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-# `python -m server.cli` is the `pagedserve` console script without needing it on PATH.
-DEFAULT_COMMAND = (sys.executable, "-m", "server.cli")
+# `python -m pagedserve.server.cli` is the `pagedserve` console script without needing it on PATH.
+DEFAULT_COMMAND = (sys.executable, "-m", "pagedserve.server.cli")
 
 
 def free_port() -> int:

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.messages import EngineStats
-from engine.outputs import RequestOutput
+from pagedserve.engine.messages import EngineStats
+from pagedserve.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.tokenizer import apply_chat_template
-from scheduler.sampling_params import MAX_LOGPROBS
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, TokenizeRequest
-from server.serving_common import (
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.scheduler.sampling_params import MAX_LOGPROBS
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
+from pagedserve.server.serving_common import (
     SSE_DONE,
     ServerState,
     accumulate,
@@ -35,8 +35,8 @@ from server.serving_common import (
     usage,
     warn_unknown_fields,
 )
-from server.structured_outputs import structured_outputs_of
-from server.tool_calls import ToolCallStream, ToolPlan, plan_tools
+from pagedserve.server.structured_outputs import structured_outputs_of
+from pagedserve.server.tool_calls import ToolCallStream, ToolPlan, plan_tools
 
 
 def chat_prompt_ids(

@@ -15,15 +15,15 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine.async_engine import EngineClient, RequestStream
-from engine.inputs import Prompt
-from engine.outputs import RequestOutput
-from scheduler import SamplingParams, StructuredOutputs
-from server.errors import APIError, as_api_error, error_body
-from server.limits import DEFAULT_MAX_N
-from server.metrics import Metrics, RequestMetrics
-from server.protocol import SamplingFields
-from server.structured_outputs import structured_outputs_of
+from pagedserve.engine.async_engine import EngineClient, RequestStream
+from pagedserve.engine.inputs import Prompt
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.scheduler import SamplingParams, StructuredOutputs
+from pagedserve.server.errors import APIError, as_api_error, error_body
+from pagedserve.server.limits import DEFAULT_MAX_N
+from pagedserve.server.metrics import Metrics, RequestMetrics
+from pagedserve.server.protocol import SamplingFields
+from pagedserve.server.structured_outputs import structured_outputs_of
 
 logger = logging.getLogger("pagedserve")
 

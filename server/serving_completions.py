@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.inputs import Prompt
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from server.errors import APIError
-from server.protocol import CompletionRequest
-from server.serving_common import (
+from pagedserve.engine.inputs import Prompt
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.serving_common import (
     SSE_DONE,
     ServerState,
     accumulate,

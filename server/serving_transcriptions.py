@@ -26,12 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import Counter
 from starlette.datastructures import UploadFile
 
-from engine.audio import decode_audio, duration, windows
-from engine.detokenizer import IncrementalDetokenizer
-from engine.whisper_service import TranscriptionService, TranscriptionStream
-from server.errors import APIError
-from server.metrics import Metrics
-from server.serving_common import (
+from pagedserve.engine.audio import decode_audio, duration, windows
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.whisper_service import TranscriptionService, TranscriptionStream
+from pagedserve.server.errors import APIError
+from pagedserve.server.metrics import Metrics
+from pagedserve.server.serving_common import (
     SSE_DONE,
     Deadline,
     check_model_name,
@@ -40,7 +40,7 @@ from server.serving_common import (
     sse_error,
     unless_disconnected,
 )
-from server.transcription_formats import (
+from pagedserve.server.transcription_formats import (
     RESPONSE_FORMATS,
     format_transcription,
     full_text,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.structured_output import check
-from scheduler import StructuredOutputs
-from server.errors import APIError
+from pagedserve.engine.structured_output import check
+from pagedserve.scheduler import StructuredOutputs
+from pagedserve.server.errors import APIError
 
 # vLLM's older fields -> the StructuredOutputs field each sets.
 GUIDED_FIELDS = {

@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured_output import check
-from scheduler import StructuredOutputs
-from server.errors import APIError
+from pagedserve.engine.structured_output import check
+from pagedserve.scheduler import StructuredOutputs
+from pagedserve.server.errors import APIError
 
 # --tool-call-parser: how "auto" reads calls out of the text ("auto": from the chat template).
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")

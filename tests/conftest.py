@@ -11,11 +11,22 @@ import atexit
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+# The checkout's root goes at the end of sys.path, for the tests' own helpers (`tests.helpers`).
+# In front (where `python -m pytest` or the working directory puts it), its folders would shadow
+# installed modules of the same names: Hugging Face's `kernels`, which transformers imports, above
+# all. pagedserve itself is imported as `pagedserve.*`, from its (editable) install. The Python
+# processes the tests start do not put their working directory in front either (PYTHONSAFEPATH).
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run under Triton's interpreter. Triton picks interpreter or
 # compiler when a kernel is defined, i.e. when kernels.triton_attention is first imported, so the
@@ -37,7 +48,7 @@ if "PAGEDSERVE_CACHE_DIR" not in os.environ:
 def pytest_configure(config: pytest.Config) -> None:
     # The test process tunes the allocator as `pagedserve` does (the engine never does it
     # itself): the CPU prefill of the real model is several times faster with it.
-    from engine.cpu_allocator import keep_large_allocations_in_heap
+    from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 
     keep_large_allocations_in_heap()
 
@@ -158,7 +169,7 @@ def dummy_server(dummy_config_file, tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_llm():
     """The embedded SmolLM2-135M-Instruct in float32 on CPU, shared by the real-model tests."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", num_kv_blocks=2048)
 
@@ -168,7 +179,7 @@ def hf_smollm2():
     """transformers' own model and tokenizer loaded from the same GGUF file (the reference)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model_source import gguf_files_for_everyone
+    from pagedserve.engine.model_source import gguf_files_for_everyone
     from tests.helpers import smollm2_gguf_path
 
     path = smollm2_gguf_path()
@@ -198,8 +209,8 @@ def tiny_whisper(tmp_path_factory):
     loaded from the folder)."""
     import transformers
 
-    from engine.weights import iter_safetensors_weights
-    from engine.whisper import WhisperConfig, WhisperModel
+    from pagedserve.engine.weights import iter_safetensors_weights
+    from pagedserve.engine.whisper import WhisperConfig, WhisperModel
 
     folder = tmp_path_factory.mktemp("tiny-whisper")
     torch.manual_seed(0)

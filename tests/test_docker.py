@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.cli import build_parser
+from pagedserve.server.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

@@ -1,6 +1,6 @@
 """Every command README.md and BENCHMARKS.md show runs as written: its arguments parse with the
-real parser (`pagedserve`, `python -m bench.*`), its script exists and is valid shell, its make
-target exists; `python -m bench.attention_cpu` runs whole, and each `python -m` module answers
+real parser (`pagedserve`, `python -m pagedserve.bench.*`), its script exists and is valid shell, its make
+target exists; `python -m pagedserve.bench.attention_cpu` runs whole, and each `python -m` module answers
 `--help` in a fresh interpreter.
 
 Commands are found in code blocks (one per line, `\\` continuations joined) and in inline code
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine_config import EngineConfig
-from server.cli import build_parser as pagedserve_parser
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.server.cli import build_parser as pagedserve_parser
 from tests.server.util import PAGEDSERVE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _parse_pagedserve(argv: list[str]) -> None:
     parser = pagedserve_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command == "bench":
-        from bench.cli import build_parser as bench_parser
+        from pagedserve.bench.cli import build_parser as bench_parser
 
         args = bench_parser().parse_args(unknown + args.bench_args)
         if args.bench_command == "throughput":
@@ -106,7 +106,7 @@ def test_documented_command_parses(doc, command):
             _parse_pagedserve(argv[1:])
     elif program in ("python", "python3", ".venv/bin/python"):
         assert argv[1] == "-m", (
-            f"{doc}: run bench scripts as modules (python -m bench.X): {command}"
+            f"{doc}: run bench scripts as modules (python -m pagedserve.bench.X): {command}"
         )
         module = importlib.import_module(argv[2])
         module.build_parser().parse_args(argv[3:])
@@ -144,15 +144,15 @@ def test_every_documented_module_answers_help_in_a_fresh_interpreter():
         if proc.returncode != 0 or not out.startswith("usage: "):
             failed[module] = (proc.returncode, err[-1000:])
     assert failed == {}
-    assert "bench.transcriptions" in procs and len(procs) >= 10
+    assert "pagedserve.bench.transcriptions" in procs and len(procs) >= 10
 
 
 def test_attention_cpu_runs_as_written():
     # The documented form; as a script (python bench/attention_cpu.py) bench/ came first on the
     # path and shadowed the kernels package.
-    assert ("BENCHMARKS.md", "python -m bench.attention_cpu") in COMMANDS
+    assert ("BENCHMARKS.md", "python -m pagedserve.bench.attention_cpu") in COMMANDS
     done = subprocess.run(
-        [sys.executable, "-m", "bench.attention_cpu"],
+        [sys.executable, "-m", "pagedserve.bench.attention_cpu"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.gpu_engine import SMOKE_SIZES, TINY_LLAMA, compare_tokens, summarize
-from bench.throughput import random_length_workload, random_token_prompts
+from pagedserve.bench.gpu_engine import SMOKE_SIZES, TINY_LLAMA, compare_tokens, summarize
+from pagedserve.bench.throughput import random_length_workload, random_token_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_NAMES = (
@@ -333,7 +333,7 @@ def test_random_length_workload_is_nano_vllms():
 def test_fixed_length_workload_is_unchanged():
     from argparse import Namespace
 
-    from bench.throughput import build_workload
+    from pagedserve.bench.throughput import build_workload
 
     args = Namespace(
         num_prompts=3,
@@ -377,7 +377,7 @@ def test_compare_tokens_reports_the_first_difference_and_its_margin():
 def test_bench_serve_reads_max_model_len_from_the_model_card():
     """Token-id prompts need no tokenizer: the length check reads GET /v1/models, not
     /tokenize (which a model without a tokenizer answers with 400)."""
-    from bench.serve import _max_model_len
+    from pagedserve.bench.serve import _max_model_len
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/v1/models"
@@ -401,7 +401,7 @@ def test_kernel_summary_of_cuda_events():
 
     from torch.autograd import DeviceType
 
-    from bench.gpu_engine import _kernel_summary
+    from pagedserve.bench.gpu_engine import _kernel_summary
 
     def event(name, start, end, device=DeviceType.CUDA, activity="kernel"):
         span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)

@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under the
+"""`python -m pagedserve.bench.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under the
 interpreter, are checked against the torch reference, and every record the GPU run writes is
 written, with the byte and FLOP counts the rates are computed from."""
 
@@ -31,7 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     # CUDA hidden: the smoke run must take the CPU path wherever the suite runs.
     env = os.environ | {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "bench.gpu_kernels", *args],
+        [sys.executable, "-m", "pagedserve.bench.gpu_kernels", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -56,9 +56,9 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
     env = records[0]
     assert env["kind"] == "env"
     assert (env["device"], env["dtype"], env["smoke"]) == ("cpu", "float16", True)
-    assert env["kernels"] == "kernels.triton_attention"
-    assert env["fused_kernels"] == "kernels.triton_fused"
-    assert env["moe_kernels"] == "kernels.triton_moe"
+    assert env["kernels"] == "pagedserve.kernels.triton_attention"
+    assert env["fused_kernels"] == "pagedserve.kernels.triton_fused"
+    assert env["moe_kernels"] == "pagedserve.kernels.triton_moe"
     assert Counter(r["kind"] for r in records) == {
         "env": 1,
         "check": 19,
@@ -169,7 +169,7 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
 def test_only_selects_scenarios_in_run_order():
     # The torch reference as the module under test: this checks the harness alone, quickly.
     done = _run(
-        "--smoke", "--kernels", "kernels.reference", "--only", "copy,cache", "--only", "decode"
+        "--smoke", "--kernels", "pagedserve.kernels.reference", "--only", "copy,cache", "--only", "decode"
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
@@ -183,12 +183,12 @@ def test_only_selects_scenarios_in_run_order():
 
 def test_only_fused_runs_each_op_for_each_token_count():
     done = _run(
-        "--smoke", "--only", "fused", "--kernels", "kernels.reference",
-        "--fused-kernels", "kernels.reference",
+        "--smoke", "--only", "fused", "--kernels", "pagedserve.kernels.reference",
+        "--fused-kernels", "pagedserve.kernels.reference",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
-    assert records[0]["fused_kernels"] == "kernels.reference"
+    assert records[0]["fused_kernels"] == "pagedserve.kernels.reference"
     assert [r["kind"] for r in records] == ["env"] + ["check", "fused"] * 8
     assert [r["case"] for r in records[1::2]] == FUSED_CASES
     # The reference against itself: exact.
@@ -197,10 +197,10 @@ def test_only_fused_runs_each_op_for_each_token_count():
 
 
 def test_only_moe_times_the_reference_against_itself_and_the_dense_layer():
-    done = _run("--smoke", "--only", "moe", "--moe-kernels", "kernels.reference")
+    done = _run("--smoke", "--only", "moe", "--moe-kernels", "pagedserve.kernels.reference")
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)
-    assert records[0]["moe_kernels"] == "kernels.reference"
+    assert records[0]["moe_kernels"] == "pagedserve.kernels.reference"
     assert records[0]["fused_kernels"] is None
     assert [r["kind"] for r in records] == ["env"] + ["check", "moe"] * 2
     assert [r["case"] for r in records[1::2]] == MOE_CASES

@@ -1,8 +1,8 @@
-"""bench.host_step runs a real engine (stubbed forward) and reports every part of a step."""
+"""pagedserve.bench.host_step runs a real engine (stubbed forward) and reports every part of a step."""
 
 from __future__ import annotations
 
-from bench.host_step import measure
+from pagedserve.bench.host_step import measure
 
 
 def test_host_step_reports_each_part():
@@ -46,7 +46,7 @@ def test_host_step_simulates_a_device_busy_for_each_step():
     """With --device-ms every step keeps a simulated device busy D ms and its result waits for
     that: the device runs one step at a time, so N timed steps take at least N * D, less the D
     that a step launched before the timer started may already have spent (asynchronous)."""
-    from engine.model_runner import StepHandle
+    from pagedserve.engine.model_runner import StepHandle
 
     result_method = StepHandle.result
     steps = 3

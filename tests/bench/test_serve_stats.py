@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import serve as bench_serve
-from bench.serve import (
+from pagedserve.bench import serve as bench_serve
+from pagedserve.bench.serve import (
     TOKEN_ID_HIGH,
     TOKEN_ID_LOW,
     RequestRecord,

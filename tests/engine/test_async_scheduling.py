@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.outputs import RequestOutput
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

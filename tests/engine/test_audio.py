@@ -12,7 +12,7 @@ import pytest
 import soundfile
 import torch
 
-from engine.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
+from pagedserve.engine.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
 
 
 def _tone(seconds: float, rate: int, hz: float = 440.0, channels: int = 1) -> np.ndarray:

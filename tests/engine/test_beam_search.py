@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 WIDTH, MAX_TOKENS = 4, 10

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import model_source
-from engine.cpu_linear import cpu_computes_bf16
-from engine.engine_config import EngineConfig
-from engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
-from engine.model_source import embedded_model_path, resolve_model
-from engine.weights import load_weights
+from pagedserve.engine import model_source
+from pagedserve.engine.cpu_linear import cpu_computes_bf16
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
+from pagedserve.engine.model_source import embedded_model_path, resolve_model
+from pagedserve.engine.weights import load_weights
 from tests.helpers import tiny_config
 
 # Published config.json files (trimmed of keys we do not read).
@@ -404,7 +404,7 @@ def test_rope_inv_freq_equals_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from engine.rotary import rope_inv_freq
+    from pagedserve.engine.rotary import rope_inv_freq
 
     hf = LlamaConfig(
         hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=10000.0,

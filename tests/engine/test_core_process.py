@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.async_engine import EngineDeadError
-from engine.core_process import ProcessEngine
-from engine.messages import AddRequest
+from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.core_process import ProcessEngine
+from pagedserve.engine.messages import AddRequest
 from tests.helpers import process_alive, stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(6)]

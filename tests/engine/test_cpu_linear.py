@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine.cpu_linear import can_pack, is_packed, linear, pack, unpack
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.cpu_linear import can_pack, is_packed, linear, pack, unpack
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16),

@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.cuda_graph import DecodeGraphs, capture_batch_sizes
-from engine.kv_cache import GiB, gpu_kv_cache_budget
-from engine.model_runner import ModelRunner, profile_step
-from kernels import triton_attention
-from scheduler.utils import cdiv
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.cuda_graph import DecodeGraphs, capture_batch_sizes
+from pagedserve.engine.kv_cache import GiB, gpu_kv_cache_budget
+from pagedserve.engine.model_runner import ModelRunner, profile_step
+from pagedserve.kernels import triton_attention
+from pagedserve.scheduler.utils import cdiv
 from tests.helpers import hf_greedy
 
 PROMPT_LENGTHS = [1, 5, 12, 23, 40]

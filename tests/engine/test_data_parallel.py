@@ -10,9 +10,9 @@ import asyncio
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.async_engine import EngineDeadError
-from engine.data_parallel import (
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.data_parallel import (
     BALANCE_FRACTION,
     BALANCE_MIN_TOKENS,
     DataParallelEngine,
@@ -22,9 +22,9 @@ from engine.data_parallel import (
     request_cost,
     sum_stats,
 )
-from engine.inputs import Prompt
-from engine.messages import EngineStats
-from scheduler.block_hash import hash_block_tokens
+from pagedserve.engine.inputs import Prompt
+from pagedserve.engine.messages import EngineStats
+from pagedserve.scheduler.block_hash import hash_block_tokens
 from tests.helpers import process_alive, stream_with_rewind
 
 BLOCK = 4

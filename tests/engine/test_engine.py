@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def _engine(tiny_llama_dir, **changes) -> LLMEngine:

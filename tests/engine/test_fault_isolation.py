@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.core import is_out_of_memory
-from engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.core import is_out_of_memory
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from tests.helpers import NAN_TOKEN as BAD_TOKEN
 
 GOOD_PROMPTS = {"a": list(range(3, 13)), "b": list(range(40, 47))}

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from pagedserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 31, 40]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -9,10 +9,10 @@ import random
 
 import numpy as np
 
-from engine import LLM, LLMEngine, SamplingParams
-from engine.input_batch import InputBatch
-from scheduler.kv_groups import blocks_per_request
-from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.engine import LLM, LLMEngine, SamplingParams
+from pagedserve.engine.input_batch import InputBatch
+from pagedserve.scheduler.kv_groups import blocks_per_request
+from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.families import build_family
 from tests.helpers import hf_greedy
 

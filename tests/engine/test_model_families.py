@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
-from kernels import triton_attention
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
+from pagedserve.kernels import triton_attention
 from tests.families import COMMON, FAMILIES, build_family
 from tests.helpers import hf_greedy
 

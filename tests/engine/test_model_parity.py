@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 from tests.helpers import hf_greedy
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 31, 40]

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 
 PROMPT_LEN = 23
 ATOL = 1e-4

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-import engine.quantized_linear as ql
-from engine import LLM, SamplingParams
-from engine.cpu_linear import pack
-from engine.model_config import ModelConfig
-from engine.quantized_linear import (
+import pagedserve.engine.quantized_linear as ql
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.cpu_linear import pack
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.quantized_linear import (
     Int4Weight,
     Int8Weight,
     QuantizedRows,

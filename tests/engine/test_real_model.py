@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 from tests.helpers import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

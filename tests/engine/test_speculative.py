@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from scheduler import Request, Scheduler, SchedulerConfig
-from scheduler.ngram import NgramIndex
-from server.metrics import Metrics
+from pagedserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedserve.scheduler import Request, Scheduler, SchedulerConfig
+from pagedserve.scheduler.ngram import NgramIndex
+from pagedserve.server.metrics import Metrics
 
 
 def _latest_match(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -12,13 +12,13 @@ import re
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.messages import CoreRequest
-from engine.model_config import ModelConfig
-from engine.parallel import TPEndpoint, TPShard, free_port, plan_shards
-from scheduler import StructuredOutputs
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.messages import CoreRequest
+from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.parallel import TPEndpoint, TPShard, free_port, plan_shards
+from pagedserve.scheduler import StructuredOutputs
 from tests.families import COMMON, build_family
 from tests.helpers import tiny_config
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import tokenizer as tokenizer_module
-from engine.model_config import builtin_config
-from engine.model_source import embedded_model_path, resolve_model
-from engine.tokenizer import (
+from pagedserve.engine import tokenizer as tokenizer_module
+from pagedserve.engine.model_config import builtin_config
+from pagedserve.engine.model_source import embedded_model_path, resolve_model
+from pagedserve.engine.tokenizer import (
     apply_chat_template,
     encode_prompt,
     eos_token_ids,

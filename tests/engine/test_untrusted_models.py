@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM
-from engine.model_source import resolve_model
-from engine.tokenizer import load_tokenizer
-from server.cli import build_parser
+from pagedserve.engine import LLM
+from pagedserve.engine.model_source import resolve_model
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.server.cli import build_parser
 
 
 class _Payload:

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from engine.whisper import (
+from pagedserve.engine.whisper import (
     PagedBatch,
     WhisperConfig,
     WhisperModel,
@@ -21,7 +21,7 @@ from engine.whisper import (
     greedy,
     whisper_config_of,
 )
-from server.cli import main as cli_main
+from pagedserve.server.cli import main as cli_main
 from tests.helpers import whisper_features
 
 
@@ -208,8 +208,8 @@ def _paged_greedy(model, features, prompts, max_new, ops) -> list[list[int]]:
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @torch.inference_mode()
 def test_paged_decoding_equals_the_reference_on_every_backend(tiny_whisper, backend):
-    import kernels
-    from kernels import cpu_ops
+    from pagedserve import kernels
+    from pagedserve.kernels import cpu_ops
 
     if backend == "cpu" and not cpu_ops.available():
         pytest.skip("no C++ compiler here: the cpu backend is the reference")

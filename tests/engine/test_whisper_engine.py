@@ -11,9 +11,9 @@ import collections
 import pytest
 import torch
 
-from engine.whisper import greedy
-from engine.whisper_engine import TranscriptionRequest, WhisperEngine
-from scheduler.block_pool import BlockPool
+from pagedserve.engine.whisper import greedy
+from pagedserve.engine.whisper_engine import TranscriptionRequest, WhisperEngine
+from pagedserve.scheduler.block_pool import BlockPool
 from tests.helpers import whisper_features
 
 PROMPTS = [[3], [3, 10], [3, 10, 11, 12, 13], [3, 7], [3, 8, 9]]
@@ -157,8 +157,7 @@ def test_tokens_equal_transformers_generate_with_suppressed_tokens(tiny_whisper,
     kernels (the interpreter here). The engine suppresses what the generation config says, as
     `generate` does: `begin_suppress_tokens` never first, `suppress_tokens` never. Chosen here
     so that they change the greedy tokens: input 0's first token, and the most frequent one."""
-    import kernels
-
+    from pagedserve import kernels
     _, hf, model = tiny_whisper
     features = whisper_features(3, seed=5)
     plain = greedy(model, features, [[3]] * 3, 12)

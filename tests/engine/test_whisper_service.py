@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import cpu_linear
-from engine.async_engine import EngineDeadError, QueueFullError
-from engine.audio import log_mel
-from engine.engine_config import EngineConfig
-from engine.whisper import WhisperConfig, greedy
-from engine.whisper_engine import WhisperEngine
-from engine.whisper_service import (
+from pagedserve.engine import cpu_linear
+from pagedserve.engine.async_engine import EngineDeadError, QueueFullError
+from pagedserve.engine.audio import log_mel
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.whisper import WhisperConfig, greedy
+from pagedserve.engine.whisper_engine import WhisperEngine
+from pagedserve.engine.whisper_service import (
     TranscriptionService,
     WhisperDecoding,
     load_whisper,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from pagedserve.kernels import reference
 
 GARBAGE_BLOCK_ID = 1_000_000  # fills unused block-table entries: must never be read
 

@@ -26,8 +26,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import cpu_ops, reference
+from pagedserve import kernels
+from pagedserve.kernels import cpu_ops, reference
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -229,7 +229,7 @@ def test_without_a_compiler_the_reference_is_used_with_a_warning(tmp_path):
     # why, the "auto" backend on CPU is torch, and cpu_ops still answers (through the reference).
     code = """
 import logging, torch, kernels
-from kernels import cpu_ops, reference
+from pagedserve.kernels import cpu_ops, reference
 from tests.kernels.paged_batch import MIXED, make_batch
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 b = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
@@ -254,7 +254,7 @@ print("available", cpu_ops.available())
 def test_a_damaged_build_is_reported_and_the_reference_used(tmp_path):
     code = """
 import logging, torch, kernels
-from kernels import cpu_ops
+from pagedserve.kernels import cpu_ops
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 path = cpu_ops.library_path()
 path.parent.mkdir(parents=True)

@@ -14,8 +14,8 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_ops, reference
+from pagedserve import kernels
+from pagedserve.kernels import cpu_ops, reference
 from tests.kernels.test_fused import (
     EPS,
     MAX_POSITIONS,

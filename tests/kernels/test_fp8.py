@@ -3,7 +3,7 @@ fp8 caches, and the Triton kernels against the reference on the same fp8 caches.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). q is float32 here (float16 once): the interpreter cannot compute a bf16
-tl.dot, and it rounds float32 to bfloat16 by truncation; `python -m bench.gpu_kernels` checks
+tl.dot, and it rounds float32 to bfloat16 by truncation; `python -m pagedserve.bench.gpu_kernels` checks
 bf16 q over an fp8 cache on the GPU.
 
 Exactness: the cache writes are bit-equal to torch's cast for both formats (e4m3 and e5m2). The
@@ -23,14 +23,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
-from kernels import fp8, reference, triton_attention, triton_fused, triton_ops
+from pagedserve import kernels
+from pagedserve.kernels import fp8, reference, triton_attention, triton_fused, triton_ops
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m bench.gpu_kernels` checks the kernels",
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the kernels",
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -251,7 +251,7 @@ def test_reshape_and_cache_into_fp8_is_bit_equal_to_the_reference(dtype, x_dtype
 
 @pytest.mark.parametrize("dtype", FP8)
 def test_rotary_and_cache_into_fp8_is_bit_equal_to_the_reference(dtype):
-    from engine.rotary import RotaryEmbedding
+    from pagedserve.engine.rotary import RotaryEmbedding
 
     num_heads, num_kv_heads, head_dim, num_tokens = 6, 2, 64, 9
     rotary = RotaryEmbedding(head_dim, 256, 10000.0)

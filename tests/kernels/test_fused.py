@@ -4,7 +4,7 @@ engine/rotary.py), so the engine can switch to either without changing a token.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). Dtypes: float32 and float16. bfloat16 is checked on the GPU by
-`python -m bench.gpu_kernels --only fused`: the interpreter converts float32 to bfloat16 by
+`python -m pagedserve.bench.gpu_kernels --only fused`: the interpreter converts float32 to bfloat16 by
 truncation, not to nearest, so its bf16 results differ from torch's by an ulp at every rounding.
 
 Tolerance (`assert_matches`): float32 within 1e-6 (the kernels sum and exponentiate in another
@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.rotary import RotaryEmbedding
-from kernels import reference, triton_attention, triton_fused
+from pagedserve.engine.rotary import RotaryEmbedding
+from pagedserve.kernels import reference, triton_attention, triton_fused
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m bench.gpu_kernels --only fused` checks the "
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only fused` checks the "
     "kernels",
 )
 
@@ -369,7 +369,7 @@ def test_reference_silu_and_mul_equals_the_swiglu_activation_exactly(dtype):
 def test_reference_rotary_and_cache_equals_apply_rotary_and_reshape_and_cache(dtype):
     # What engine/model.py did before the fused op: rotate q and k heads together with
     # engine/rotary.py, then reshape_and_cache.
-    from engine.rotary import apply_rotary
+    from pagedserve.engine.rotary import apply_rotary
 
     num_heads, num_kv_heads, head_dim, block_size, n = 6, 2, 64, 8, 7
     qkv = randn(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=6)

@@ -24,13 +24,13 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from kernels import reference, triton_attention, triton_moe
-from kernels.triton_moe import MoeConfig
+from pagedserve.kernels import reference, triton_attention, triton_moe
+from pagedserve.kernels.triton_moe import MoeConfig
 
 needs_interpreter = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m bench.gpu_kernels --only moe` checks the "
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only moe` checks the "
     "kernels",
 )
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import reference, validation
-from kernels.validation import CHECK_ARGS_ENV
+from pagedserve import kernels
+from pagedserve.kernels import reference, validation
+from pagedserve.kernels.validation import CHECK_ARGS_ENV
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 

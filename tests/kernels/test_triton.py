@@ -5,7 +5,7 @@ Without a GPU (CI) these run the real Triton kernels under Triton's interpreter
 (TRITON_INTERPRET=1, set in tests/conftest.py), which executes every program of the grid with
 numpy: same kernel code, same index arithmetic, same masks; only the compiler and the hardware are
 left out. The coverage list's dtypes: float32 throughout, float16 once; bfloat16 only on the
-GPU (`python -m bench.gpu_kernels`), as the interpreter cannot compute a bf16 tl.dot.
+GPU (`python -m pagedserve.bench.gpu_kernels`), as the interpreter cannot compute a bf16 tl.dot.
 
 Tolerance: float32 against float64 dense attention, atol = rtol = 1e-5, as for the reference (the
 observed error is about 2e-6: softmax rounding summed over a few hundred keys).
@@ -24,14 +24,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import reference, triton_attention, triton_ops
+from pagedserve import kernels
+from pagedserve.kernels import reference, triton_attention, triton_ops
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m bench.gpu_kernels` checks the compiled kernels",
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the compiled kernels",
 )
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler import SamplingParams, Scheduler, SchedulerOutput
+from pagedserve.scheduler import SamplingParams, Scheduler, SchedulerOutput
 
 UNKNOWN = -1  # a token still being sampled when the step was scheduled
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import BlockPool
-from scheduler.block_hash import BlockHash, hash_block_tokens
+from pagedserve.scheduler import BlockPool
+from pagedserve.scheduler.block_hash import BlockHash, hash_block_tokens
 
 
 def ids(blocks: list) -> list[int]:

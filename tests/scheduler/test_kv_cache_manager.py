@@ -4,9 +4,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from scheduler import KVCacheManager, Request, SamplingParams
-from scheduler import kv_cache_manager as kv_cache_manager_module
-from scheduler.block_hash import BlockHash
+from pagedserve.scheduler import KVCacheManager, Request, SamplingParams
+from pagedserve.scheduler import kv_cache_manager as kv_cache_manager_module
+from pagedserve.scheduler.block_hash import BlockHash
 
 BLOCK_SIZE = 4
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import SamplingParams
-from scheduler.kv_cache_manager import DROPPED_BLOCK_ID, KVCacheManager
-from scheduler.kv_groups import (
+from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler.kv_cache_manager import DROPPED_BLOCK_ID, KVCacheManager
+from pagedserve.scheduler.kv_groups import (
     KVCacheGroup,
     blocks_per_request,
     first_live_block,
     group_layers,
     layers_per_block,
 )
-from scheduler.request import Request
+from pagedserve.scheduler.request import Request
 
 BLOCK = 4
 WINDOW = 8

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Request, RequestStatus, SamplingParams
+from pagedserve.scheduler import Request, RequestStatus, SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from scheduler import SamplingParams
+from pagedserve.scheduler import SamplingParams
 
 
 def test_defaults() -> None:
@@ -211,7 +211,7 @@ def test_params_are_frozen() -> None:
 
 
 def test_structured_outputs_take_exactly_one_well_formed_constraint() -> None:
-    from scheduler import StructuredOutputs
+    from pagedserve.scheduler import StructuredOutputs
 
     schema = StructuredOutputs(json={"type": "object", "properties": {"b": {}, "a": {}}})
     # Kept as compact JSON in the schema's own order (the output lists properties in it).

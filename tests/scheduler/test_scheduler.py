@@ -4,7 +4,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from scheduler import (
+from pagedserve.scheduler import (
     CachedRequestData,
     Request,
     RequestDelta,

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import (
+from pagedserve.scheduler import (
     Request,
     RequestStatus,
     SamplingParams,

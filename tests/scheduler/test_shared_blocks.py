@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from pagedserve.scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 
 BLOCK = 4
 

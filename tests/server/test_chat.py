@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from scheduler import SamplingParams
+from pagedserve.scheduler import SamplingParams
 from tests.server.util import client, sse_events, token_count
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -158,8 +158,8 @@ def test_chat_logprobs(server):
 
 
 def test_chat_beam_search(server, real_llm):
-    from engine import BeamSearchParams
-    from engine.tokenizer import apply_chat_template
+    from pagedserve.engine import BeamSearchParams
+    from pagedserve.engine.tokenizer import apply_chat_template
 
     c = client(server)
     r = c.chat.completions.create(

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine.engine_config import EngineConfig, option
-from server.cli import build_parser, main
+from pagedserve.engine.engine_config import EngineConfig, option
+from pagedserve.server.cli import build_parser, main
 from tests.server.util import PAGEDSERVE
 
 
@@ -333,7 +333,7 @@ def test_the_entry_point_tunes_the_allocator(monkeypatch, capsys):
     # A process-wide setting: `pagedserve` makes it, the engine (a library object) never does
     # (tests/test_architecture.py checks that only entry points call it).
     calls = []
-    monkeypatch.setattr("server.cli.keep_large_allocations_in_heap", lambda: calls.append(1))
+    monkeypatch.setattr("pagedserve.server.cli.keep_large_allocations_in_heap", lambda: calls.append(1))
     argv = ["kv-plan", "--model", "smollm2-135m", "--max-model-len", "64", "--num-seqs", "1"]
     assert main(argv) == 0
     assert calls == [1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from scheduler import SamplingParams
+from pagedserve.scheduler import SamplingParams
 from tests.server.util import client, sse_events, token_count
 
 PROMPT = "The capital of France is"
@@ -255,7 +255,7 @@ def test_best_of_returns_the_most_likely_of_its_samples(server):
 
 
 def test_beam_search_equals_the_offline_engine(server, real_llm):
-    from engine import BeamSearchParams
+    from pagedserve.engine import BeamSearchParams
 
     c = client(server)
     r = c.completions.create(

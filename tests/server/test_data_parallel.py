@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server.cli import main
+from pagedserve.server.cli import main
 from tests.helpers import child_pids, process_alive
 from tests.server.test_core_process import Server, _server
 from tests.server.util import sse_events

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
 from tests.server.util import RunningServer, client, token_count
 
 PROMPT_IDS = [300, 5, 10239, 0, 2000]

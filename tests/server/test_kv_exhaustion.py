@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from scheduler.utils import cdiv
+from pagedserve.scheduler.utils import cdiv
 from tests.server.util import RunningServer, metric, run_server, sse_events
 
 BLOCK_SIZE = 4

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
-from scheduler.utils import cdiv
+from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from pagedserve.scheduler.utils import cdiv
 from tests.server.conftest import API_KEY
 
 BLOCK_SIZE = 16  # the servers' default --block-size
@@ -130,7 +130,7 @@ def test_kv_map_needs_the_api_key(limited_server, key):
 def test_the_access_log_never_shows_the_dashboards_key():
     import logging
 
-    from server.api_server import RedactApiKey
+    from pagedserve.server.api_server import RedactApiKey
 
     record = logging.LogRecord(
         "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.launch import free_port, wait_healthy
+from pagedserve.server.launch import free_port, wait_healthy
 from tests.server.util import PAGEDSERVE
 
 # The dummy model with room for long streams: a stream whose end the test must not reach takes

@@ -18,8 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prometheus_client import generate_latest
 
-from engine.messages import EngineStats
-from server.metrics import Metrics, resident_memory_bytes
+from pagedserve.engine.messages import EngineStats
+from pagedserve.server.metrics import Metrics, resident_memory_bytes
 from tests.server.util import PAGEDSERVE
 
 NUM_REQUESTS = 200

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.transcription_formats import format_transcription, window_segments
+from pagedserve.server.transcription_formats import format_transcription, window_segments
 
 SEGMENTS = window_segments(
     [" Hello there.", " ", " General Kenobi!"], [[10, 11], [], [12, 13, 14]], 65.5, 30

@@ -18,11 +18,11 @@ import openai
 import pytest
 import soundfile
 
-from engine.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
-from engine.engine_config import EngineConfig
-from engine.whisper import greedy
-from engine.whisper_service import load_whisper
-from server.transcription_formats import format_transcription, full_text, window_segments
+from pagedserve.engine.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.whisper import greedy
+from pagedserve.engine.whisper_service import load_whisper
+from pagedserve.server.transcription_formats import format_transcription, full_text, window_segments
 from tests.server.util import client, metric, run_server, sse_events
 
 # The tiny model's decoder: 64 positions, decoder_start 3, end of text 2; windows of 3 s.

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 
-from server.launch import server_process
+from pagedserve.server.launch import server_process
 
 # The console script, as a user runs it.
 PAGEDSERVE = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
