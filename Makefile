@@ -1,6 +1,6 @@
 # `make test` and `make serve` set everything up on first use (.venv, the project with its test
-# and bench extras, the embedded SmolLM2 model, the CPU attention kernel compiled for this machine)
-# and are quick the second time.
+# and bench extras, the embedded SmolLM2 model, the CPU kernels compiled for this machine; for
+# `make test` also the browser the dashboard test drives) and are quick the second time.
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -10,7 +10,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install test test-slow serve lint bench clean
+.PHONY: install browser test test-slow serve lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,26 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+# Debian's chromium and its driver, for tests/server/test_dashboard.py: installed once (as root,
+# with apt-get), nothing to do when both are there.
+BROWSER_PACKAGES := chromium chromium-driver
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver: present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing $(BROWSER_PACKAGES) with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends $(BROWSER_PACKAGES) >/dev/null; \
+	else \
+		echo "make browser: the dashboard test needs Debian's $(BROWSER_PACKAGES), and installing" \
+			"them needs root. Run: sudo sh -c 'apt-get update && apt-get install -y" \
+			"$(BROWSER_PACKAGES)'" >&2; \
+		exit 1; \
+	fi
+
+# The 25 slowest durations are printed so that the suite's growth shows in every CI log.
+test: $(STAMP) browser
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """Micro-benchmark of the attention kernels on CPU: milliseconds per call, i.e. per layer, for
 each backend side by side (the compiled `cpu` kernel and the `torch` reference by default).
 
-    python -m pagedserve.bench.attention_cpu                      # SmolLM2-135M shapes, fp32 and bf16
+    python -m pagedserve.bench.attention_cpu               # SmolLM2-135M shapes, fp32 and bf16
     python -m pagedserve.bench.attention_cpu --threads 1 --iters 50 --backends cpu
 
 Scenarios (each over a paged cache with the sequences' blocks scattered at random):
@@ -22,6 +22,7 @@ import time
 import torch
 
 from pagedserve import kernels
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

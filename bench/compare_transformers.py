@@ -1,10 +1,10 @@
 """pagedserve against transformers on the same prompts, each engine in a fresh subprocess:
 
-    python -m pagedserve.bench.compare_transformers --num-prompts 64 --input-len 128 --output-len 64 \
-        --dtypes float32 bfloat16 --json bench_results/compare.json
+    python -m pagedserve.bench.compare_transformers --num-prompts 64 --input-len 128 \
+        --output-len 64 --dtypes float32 bfloat16 --json bench_results/compare.json
 
-    python -m pagedserve.bench.compare_transformers --model llama-3.2-1b --load-format dummy --device cuda \
-        --dtypes bfloat16 --num-prompts 256 --input-len 512 --output-len 256 \
+    python -m pagedserve.bench.compare_transformers --model llama-3.2-1b --load-format dummy \
+        --device cuda --dtypes bfloat16 --num-prompts 256 --input-len 512 --output-len 256 \
         --engines pagedserve transformers transformers-static --transformers-num-prompts 64
 
 Engines (--engines):

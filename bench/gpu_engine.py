@@ -1,23 +1,25 @@
 """The engine on an H200 (issue 5): correctness, decode step time, profile, offline and online
 throughput, speculative decoding and shared blocks, as steps of one script.
-`bench/gpu_engine.sh` runs them in order, each under its own time limit:
+`bench/gpu_engine.sh` runs them in order, each under its own time limit.
 
-    python -m pagedserve.bench.gpu_engine env          versions, GPU, commit
-    python -m pagedserve.bench.gpu_engine correctness  greedy tokens against transformers' (fp32 exact, bf16
-                                            counted), CUDA graphs against eager
-    python -m pagedserve.bench.gpu_engine decode       decode step time at batch 1 and 256 with ~1k context,
-                                            graphs and eager, against the memory roofline; the
-                                            host-time split of a step; a profiler summary
-    python -m pagedserve.bench.gpu_engine offline      pagedserve against transformers' generate_batch and
-                                            generate (bench.compare_transformers)
-    python -m pagedserve.bench.gpu_engine nano --model M   nano-vllm's workload (`pagedserve bench throughput`)
-    python -m pagedserve.bench.gpu_engine online       `pagedserve serve` + `pagedserve bench serve` at
-                                            concurrency 1, 64 and 256, and offline on the same
-                                            requests
-    python -m pagedserve.bench.gpu_engine spec         speculative decoding by prompt lookup against plain
-                                            decoding (speed, acceptance, equal greedy tokens);
-                                            n = 4 samples on shared blocks against 4 requests
-    python -m pagedserve.bench.gpu_engine summary      a table of everything under --out
+`python -m pagedserve.bench.gpu_engine STEP`, STEP one of:
+
+    env          versions, GPU, commit
+    correctness  greedy tokens against transformers' (fp32 exact, bf16
+                 counted), CUDA graphs against eager
+    decode       decode step time at batch 1 and 256 with ~1k context,
+                 graphs and eager, against the memory roofline; the
+                 host-time split of a step; a profiler summary
+    offline      pagedserve against transformers' generate_batch and
+                 generate (bench.compare_transformers)
+    nano --model M   nano-vllm's workload (`pagedserve bench throughput`)
+    online       `pagedserve serve` + `pagedserve bench serve` at
+                 concurrency 1, 64 and 256, and offline on the same
+                 requests
+    spec         speculative decoding by prompt lookup against plain
+                 decoding (speed, acceptance, equal greedy tokens);
+                 n = 4 samples on shared blocks against 4 requests
+    summary      a table of everything under --out
 
 Each step appends JSON lines to OUT/<step>.jsonl (and prints them); OUT is --out, else $OUT,
 else bench/results/gpu_engine. A part that fails writes a record with "error" and the step goes

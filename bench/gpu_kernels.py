@@ -1,13 +1,13 @@
 """GPU benchmark of the Triton kernels: correctness against the torch reference first, then speed
 against torch's own kernels, both measured side by side in one run.
 
-    python -m pagedserve.bench.gpu_kernels                                 # every case on a CUDA device
+    python -m pagedserve.bench.gpu_kernels                        # every case on a CUDA device
     python -m pagedserve.bench.gpu_kernels --only decode,cache --out $OUT/kernels.jsonl
-    python -m pagedserve.bench.gpu_kernels --only fused                    # the fused layer ops alone
-    python -m pagedserve.bench.gpu_kernels --only copy                     # copy_blocks alone
-    python -m pagedserve.bench.gpu_kernels --only moe                      # the fused MoE alone
-    python -m pagedserve.bench.gpu_kernels --sweep                         # launch configurations instead
-    TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke      # tiny shapes, also on CPU
+    python -m pagedserve.bench.gpu_kernels --only fused           # the fused layer ops alone
+    python -m pagedserve.bench.gpu_kernels --only copy            # copy_blocks alone
+    python -m pagedserve.bench.gpu_kernels --only moe             # the fused MoE alone
+    python -m pagedserve.bench.gpu_kernels --sweep                # launch configurations instead
+    TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke   # tiny shapes, also on CPU
 
 Scenarios, in bf16 (--dtype) over a paged cache of block size 16 whose blocks lie in a random
 permutation (the scatter a long-running server's block pool ends up with):
@@ -1307,8 +1307,9 @@ def main(argv: list[str] | None = None) -> int:
             print("warning: on CPU the Triton kernels need TRITON_INTERPRET=1", file=sys.stderr)
     else:
         print(
-            "pagedserve.bench.gpu_kernels: no CUDA device. The benchmark needs a GPU; to check the code path "
-            "on CPU run: TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke",
+            "pagedserve.bench.gpu_kernels: no CUDA device. The benchmark needs a GPU; to check the "
+            "code path on CPU run: "
+            "TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke",
             file=sys.stderr,
         )
         return 2
@@ -1320,7 +1321,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loaded = {role: importlib.import_module(name) for role, name in modules.items()}
     except ImportError as exc:
-        print(f"pagedserve.bench.gpu_kernels: cannot import {exc.name or modules}: {exc}", file=sys.stderr)
+        print(
+            f"pagedserve.bench.gpu_kernels: cannot import {exc.name or modules}: {exc}",
+            file=sys.stderr,
+        )
         return 2
     dtype_name = args.dtype or ("fp16" if device.type == "cpu" else "bf16")
     graph = args.cuda_graph and device.type == "cuda"

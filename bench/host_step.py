@@ -2,9 +2,10 @@
 updates and detokenization, with the model's forward stubbed out.
 
     python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --steps 60
-    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling
-    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --device-ms 3 --async-scheduling \
-        --core-loop
+    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --device-ms 3 \
+        --async-scheduling
+    python -m pagedserve.bench.host_step --batch-size 256 --context 1000 --device-ms 3 \
+        --async-scheduling --core-loop
 
 A 1-layer, 64-wide Llama on CPU (vocab 2048, dummy weights) whose forward returns zeros, with
 SmolLM2's real tokenizer for detokenization: what remains is the engine's own Python and the

@@ -3,8 +3,8 @@ dequantized to bfloat16 at load (`--quantization none`), on the embedded SmolLM2
 
     python -m pagedserve.bench.quantized_cpu                   # both parts
     python -m pagedserve.bench.quantized_cpu --part matmul     # per-step matmul times by rows
-    python -m pagedserve.bench.quantized_cpu --part agreement  # greedy agreement, 16 prompts x 64 tokens
-    python -m pagedserve.bench.quantized_cpu --part step       # decode step by part, 1 and 64 sequences
+    python -m pagedserve.bench.quantized_cpu --part agreement  # greedy agreement, 16 x 64 tokens
+    python -m pagedserve.bench.quantized_cpu --part step       # decode step, 1 and 64 sequences
 
 matmul: the model's own weights (30 layers' q/k/v, o, gate/up, down and the lm_head), each
 multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: torch's
@@ -122,9 +122,9 @@ def _timed(fn, spent: dict[str, float], part_of):
 
 
 def step_part(args: argparse.Namespace) -> list[dict]:
+    from pagedserve.engine import LLM, SamplingParams
     from pagedserve.engine import model as engine_model
     from pagedserve.kernels import cpu_ops
-    from pagedserve.engine import LLM, SamplingParams
 
     results = []
     for quantization in ("gguf", "none"):

@@ -1,6 +1,7 @@
 """Structured outputs against free generation, side by side in one run, and grammar compile time.
 
-python -m pagedserve.bench.structured_outputs --num-prompts 64 --batch-size 16 --dtype bfloat16 --repeats 2
+python -m pagedserve.bench.structured_outputs --num-prompts 64 --batch-size 16 --dtype bfloat16 \
+    --repeats 2
 
 Chat requests ask for a person as JSON; the constrained run samples (temperature 1, a seed per
 request) under a JSON schema with nested objects, an enum, a bounded list and integer ranges.

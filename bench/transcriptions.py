@@ -3,8 +3,10 @@ transcribed per wall second at each concurrency, with request latency, for a Whi
 served by `pagedserve serve`:
 
     python -m pagedserve.bench.transcriptions --model whisper-tiny --concurrency 1 16
-    python -m pagedserve.bench.transcriptions --model DIR --serve-args="--dtype float32" --out FILE.json
-    python -m pagedserve.bench.transcriptions --base-url http://127.0.0.1:8000 --model NAME   # a server up
+    python -m pagedserve.bench.transcriptions --model DIR --serve-args="--dtype float32" \
+        --out FILE.json
+    python -m pagedserve.bench.transcriptions --base-url http://127.0.0.1:8000 --model NAME
+        (a server already up)
 
 Each request uploads its own synthetic WAV of --audio-seconds (a gliding tone under noise) and
 asks for verbose_json, whose segments carry the tokens decoded, so the output tokens are counted
@@ -158,8 +160,10 @@ def transformers_baseline(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pagedserve.bench.transcriptions", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m pagedserve.bench.transcriptions", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--model", default="whisper-tiny", help="Whisper folder or built-in shape")
     p.add_argument("--serve-args", default="", help="more `pagedserve serve` flags, one string")
     p.add_argument("--base-url", default=None, help="measure a server already running there")

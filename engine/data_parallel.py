@@ -59,7 +59,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pagedserve.engine.async_engine import EngineClient, EngineDeadError, RequestStream, check_core_index
+from pagedserve.engine.async_engine import (
+    EngineClient,
+    EngineDeadError,
+    RequestStream,
+    check_core_index,
+)
 from pagedserve.engine.core_process import ProcessEngine, front_end_inputs
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.inputs import InputProcessor, Prompt

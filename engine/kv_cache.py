@@ -21,7 +21,12 @@ import torch
 
 from pagedserve.engine.engine_config import GiB
 from pagedserve.engine.model_config import ModelConfig
-from pagedserve.scheduler.kv_groups import KVCacheGroup, blocks_per_request, group_layers, layers_per_block
+from pagedserve.scheduler.kv_groups import (
+    KVCacheGroup,
+    blocks_per_request,
+    group_layers,
+    layers_per_block,
+)
 from pagedserve.scheduler.utils import cdiv
 
 
@@ -209,7 +214,10 @@ def _tensor_parallel_lines(
 ) -> list[str]:
     """Each rank's KV heads and bytes for `num_tokens` tokens; every rank's pool has as many
     blocks as the one with the most heads has room for."""
-    from pagedserve.engine.parallel import describe_shards, plan_shards  # torch.distributed: only here
+    from pagedserve.engine.parallel import (  # torch.distributed: only here
+        describe_shards,
+        plan_shards,
+    )
 
     shards = plan_shards(config, size)
     lines = [describe_shards(config, shards)]

@@ -119,7 +119,7 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
                 level,
             )
             process = subprocess.Popen(
-                [sys.executable, "-m", "pagedserve.engine.tp_worker"], stdin=subprocess.PIPE
+                [sys.executable, "-P", "-m", "pagedserve.engine.tp_worker"], stdin=subprocess.PIPE
             )
             processes.append(process)
             process.stdin.write(pickle.dumps(args))
@@ -139,7 +139,9 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
 def run_worker(config: EngineConfig, endpoint: TPEndpoint) -> None:
     """Be rank `endpoint.rank`: build this rank's part of the engine, then run rank 0's steps
     until it says stop."""
-    from pagedserve.engine.core import EngineCore  # torch and the model: only once the process is set up
+    from pagedserve.engine.core import (
+        EngineCore,
+    )  # torch and the model: only once the process is set up
 
     EngineCore(config, endpoint).serve_as_worker()
     # Skip the interpreter's teardown: destroying the process groups while other ranks are still

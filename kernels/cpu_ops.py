@@ -11,9 +11,9 @@ CPU: -O3 -march=native, OpenMP through torch's own runtime) and cached in pageds
 hash of the source, the flags, the torch version and the CPU's instruction-set flags; later
 processes load it in milliseconds. With the cache turned off, each process builds into a temporary
 folder.
-`make install` builds it ahead of time (`python -m pagedserve.kernels.cpu_ops`). Where no compiler is found,
-or the build fails, `available()` is False with one warning saying why, and the engine's "auto"
-backend on CPU falls back to the torch reference.
+`make install` builds it ahead of time (`python -m pagedserve.kernels.cpu_ops`). Where no
+compiler is found, or the build fails, `available()` is False with one warning saying why, and the
+engine's "auto" backend on CPU falls back to the torch reference.
 
 The kernel attends to decode sequences and to extends of up to KERNEL_MAX_NEW_TOKENS new tokens;
 longer prefills/extends in the same batch go to the reference's SDPA, one call per sequence,

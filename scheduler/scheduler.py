@@ -9,7 +9,12 @@ from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.ngram import NgramIndex
-from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, RequestDelta, SchedulerOutput
+from pagedserve.scheduler.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RequestDelta,
+    SchedulerOutput,
+)
 from pagedserve.scheduler.request import Request, RequestStatus
 
 __all__ = [

@@ -14,8 +14,10 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-# `python -m pagedserve.server.cli` is the `pagedserve` console script without needing it on PATH.
-DEFAULT_COMMAND = (sys.executable, "-m", "pagedserve.server.cli")
+# `python -m pagedserve.server.cli` is the `pagedserve` console script without needing it on PATH;
+# -P keeps the working directory off sys.path (from a checkout, its folders would shadow installed
+# modules: bench/__init__.py says why).
+DEFAULT_COMMAND = (sys.executable, "-P", "-m", "pagedserve.server.cli")
 
 
 def free_port() -> int:
@@ -32,10 +34,14 @@ def server_process(
     port: int | None = None,
     command: Sequence[str] = DEFAULT_COMMAND,
     timeout: float = 300.0,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    user: int | None = None,
 ) -> Iterator[str]:
     """Run `COMMAND serve --port PORT SERVE_ARGS`, its output in `log_path`; yield the base URL
     (http://127.0.0.1:PORT) once healthy. Raises RuntimeError with the log's tail when the
-    server exits or stays unhealthy for `timeout` seconds."""
+    server exits or stays unhealthy for `timeout` seconds. `cwd`, `env` (default: this
+    process's) and `user` (a uid, for its group too) are the child's."""
     port = free_port() if port is None else port
     base = f"http://127.0.0.1:{port}"
     log_path = Path(log_path)
@@ -44,7 +50,10 @@ def server_process(
             [*command, "serve", "--port", str(port), *serve_args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            env={**(os.environ if env is None else env), "TOKENIZERS_PARALLELISM": "false"},
+            cwd=cwd,
+            user=user,
+            group=user,
         )
         try:
             wait_healthy(proc, base, log_path, timeout)

@@ -11,20 +11,16 @@ import atexit
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-# The checkout's root goes at the end of sys.path, for the tests' own helpers (`tests.helpers`).
-# In front (where `python -m pytest` or the working directory puts it), its folders would shadow
-# installed modules of the same names: Hugging Face's `kernels`, which transformers imports, above
-# all. pagedserve itself is imported as `pagedserve.*`, from its (editable) install. The Python
-# processes the tests start do not put their working directory in front either (PYTHONSAFEPATH).
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
-os.environ["PYTHONSAFEPATH"] = "1"
+# The checkout's root goes at the end of sys.path (why: bench/__init__.py), for the tests' own
+# helpers (`tests.helpers`).
+from pagedserve.bench import checkout_root_last  # noqa: E402
+
+checkout_root_last()
 
 import torch  # noqa: E402
 
@@ -268,3 +264,11 @@ def multilingual_whisper(tmp_path_factory):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def dists(tmp_path_factory):
+    """The wheel and the sdist built from a copy of the checkout, once per run (tests/dists.py)."""
+    from tests.dists import build_dists
+
+    return build_dists(tmp_path_factory.mktemp("dists"))

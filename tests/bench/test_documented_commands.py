@@ -1,7 +1,7 @@
 """Every command README.md and BENCHMARKS.md show runs as written: its arguments parse with the
-real parser (`pagedserve`, `python -m pagedserve.bench.*`), its script exists and is valid shell, its make
-target exists; `python -m pagedserve.bench.attention_cpu` runs whole, and each `python -m` module answers
-`--help` in a fresh interpreter.
+real parser (`pagedserve`, `python -m pagedserve.bench.*`), its script exists and is valid shell,
+its make target exists; `python -m pagedserve.bench.attention_cpu` runs whole, and each
+`python -m` module answers `--help` in a fresh interpreter.
 
 Commands are found in code blocks (one per line, `\\` continuations joined) and in inline code
 spans; a bare program name ("the `pagedserve` command") is a mention, not a command. Not checked:

@@ -1,5 +1,5 @@
-"""`python -m pagedserve.bench.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under the
-interpreter, are checked against the torch reference, and every record the GPU run writes is
+"""`python -m pagedserve.bench.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under
+the interpreter, are checked against the torch reference, and every record the GPU run writes is
 written, with the byte and FLOP counts the rates are computed from."""
 
 from __future__ import annotations
@@ -169,7 +169,13 @@ def test_smoke_run_checks_the_triton_kernels_and_writes_every_record(tmp_path):
 def test_only_selects_scenarios_in_run_order():
     # The torch reference as the module under test: this checks the harness alone, quickly.
     done = _run(
-        "--smoke", "--kernels", "pagedserve.kernels.reference", "--only", "copy,cache", "--only", "decode"
+        "--smoke",
+        "--kernels",
+        "pagedserve.kernels.reference",
+        "--only",
+        "copy,cache",
+        "--only",
+        "decode",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = _records(done.stdout)

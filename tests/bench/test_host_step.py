@@ -1,4 +1,5 @@
-"""pagedserve.bench.host_step runs a real engine (stubbed forward) and reports every part of a step."""
+"""pagedserve.bench.host_step runs a real engine (stubbed forward) and reports each part of a
+step."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""`python -m pagedserve.bench.quantized_cpu --part matmul` runs whole on the real SmolLM2 Q4_1 file: one JSON
-line per row count, timing the same 121 weights (30 layers' stacked q/k/v, o, gate/up and down,
-and the tied embedding) through each kernel."""
+"""`python -m pagedserve.bench.quantized_cpu --part matmul` runs whole on the real SmolLM2 Q4_1
+file: one JSON line per row count, timing the same 121 weights (30 layers' stacked q/k/v, o,
+gate/up and down, and the tied embedding) through each kernel."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_matmul_part_times_every_kept_weight_by_rows():
     done = subprocess.run(
-        [sys.executable, "-m", "pagedserve.bench.quantized_cpu", "--part", "matmul", "--rows", "1", "9",
-         "--iters", "1"],
+        [sys.executable, "-m", "pagedserve.bench.quantized_cpu", "--part", "matmul",
+         "--rows", "1", "9", "--iters", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

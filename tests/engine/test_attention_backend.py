@@ -20,7 +20,8 @@ from tests.helpers import hf_greedy
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the compiled kernels",
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the "
+    "compiled kernels",
 )
 
 PROMPT_LENGTHS = [1, 5, 12, 23, 40]

@@ -158,6 +158,7 @@ def test_tokens_equal_transformers_generate_with_suppressed_tokens(tiny_whisper,
     `generate` does: `begin_suppress_tokens` never first, `suppress_tokens` never. Chosen here
     so that they change the greedy tokens: input 0's first token, and the most frequent one."""
     from pagedserve import kernels
+
     _, hf, model = tiny_whisper
     features = whisper_features(3, seed=5)
     plain = greedy(model, features, [[3]] * 3, 12)

@@ -3,8 +3,8 @@ fp8 caches, and the Triton kernels against the reference on the same fp8 caches.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). q is float32 here (float16 once): the interpreter cannot compute a bf16
-tl.dot, and it rounds float32 to bfloat16 by truncation; `python -m pagedserve.bench.gpu_kernels` checks
-bf16 q over an fp8 cache on the GPU.
+tl.dot, and it rounds float32 to bfloat16 by truncation; `python -m pagedserve.bench.gpu_kernels`
+checks bf16 q over an fp8 cache on the GPU.
 
 Exactness: the cache writes are bit-equal to torch's cast for both formats (e4m3 and e5m2). The
 interpreter's own float32 -> fp8 conversion is not (it drops the carry when rounding up crosses a

@@ -4,8 +4,9 @@ engine/rotary.py), so the engine can switch to either without changing a token.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). Dtypes: float32 and float16. bfloat16 is checked on the GPU by
-`python -m pagedserve.bench.gpu_kernels --only fused`: the interpreter converts float32 to bfloat16 by
-truncation, not to nearest, so its bf16 results differ from torch's by an ulp at every rounding.
+`python -m pagedserve.bench.gpu_kernels --only fused`: the interpreter converts float32 to
+bfloat16 by truncation, not to nearest, so its bf16 results differ from torch's by an ulp at
+every rounding.
 
 Tolerance (`assert_matches`): float32 within 1e-6 (the kernels sum and exponentiate in another
 order than torch); float16 within two ulps of the result and bit-identical in all but a few
@@ -27,8 +28,8 @@ from pagedserve.kernels import reference, triton_attention, triton_fused
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only fused` checks the "
-    "kernels",
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only fused` "
+    "checks the kernels",
 )
 
 OPS = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_and_cache"]

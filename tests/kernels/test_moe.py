@@ -30,8 +30,8 @@ from pagedserve.kernels.triton_moe import MoeConfig
 needs_interpreter = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only moe` checks the "
-    "kernels",
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only moe` "
+    "checks the kernels",
 )
 
 

@@ -31,7 +31,8 @@ from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the compiled kernels",
+    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the "
+    "compiled kernels",
 )
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -333,7 +333,9 @@ def test_the_entry_point_tunes_the_allocator(monkeypatch, capsys):
     # A process-wide setting: `pagedserve` makes it, the engine (a library object) never does
     # (tests/test_architecture.py checks that only entry points call it).
     calls = []
-    monkeypatch.setattr("pagedserve.server.cli.keep_large_allocations_in_heap", lambda: calls.append(1))
+    monkeypatch.setattr(
+        "pagedserve.server.cli.keep_large_allocations_in_heap", lambda: calls.append(1)
+    )
     argv = ["kv-plan", "--model", "smollm2-135m", "--max-model-len", "64", "--num-seqs", "1"]
     assert main(argv) == 0
     assert calls == [1]

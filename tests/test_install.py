@@ -1,0 +1,117 @@
+"""pagedserve installed as a user installs it: the wheel built from the checkout, in a fresh
+virtual environment outside it, run from another folder (tests/dists.py builds and installs).
+
+An editable install hides what a wheel leaves out, and what its top-level names collide with:
+these tests see the package as site-packages holds it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import openai
+import pytest
+
+from pagedserve.server.launch import server_process
+from tests.dists import (
+    NAMESPACE,
+    ROOT,
+    _checkout_files,
+    clean_env,
+    scratch_venv,
+    sdist_files,
+    site_packages_of_the_tests,
+    source_path,
+    wheel_files,
+)
+
+PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+    "package-dir"
+]
+# The packages whose every file the code may read at run time (sources, headers, the dashboard).
+RUNTIME = ("scheduler", "kernels", "engine", "server")
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_the_wheel_installs_one_import_name(dists):
+    tops = {name.split("/")[0] for name in wheel_files(dists.wheel)}
+    assert tops == {NAMESPACE, dists.wheel.name.split("-py3")[0] + ".dist-info"}
+    assert set(PACKAGE_DIR) == {f"{NAMESPACE}.{d}" for d in (*RUNTIME, "bench")}
+
+
+def test_the_wheel_holds_every_file_of_the_runtime_packages(dists):
+    installed = {source_path(n, PACKAGE_DIR) for n in wheel_files(dists.wheel)}
+    checkout = {f for f in _checkout_files() if f.split("/")[0] in RUNTIME}
+    checkout |= {f for f in _checkout_files() if f.startswith("bench/") and f.endswith(".py")}
+    assert checkout - installed == set()
+    # The files the compiled kernels and the dashboard need, by name (a glob may miss them).
+    for needed in ("kernels/csrc/cpu_math.h", "kernels/csrc/cpu_attention.cpp",
+                   "server/dashboard.html"):  # fmt: skip
+        assert needed in installed
+
+
+def test_the_sdist_holds_what_the_wheel_installs(dists):
+    in_sdist = sdist_files(dists.sdist)
+    from_wheel = {source_path(n, PACKAGE_DIR) for n in wheel_files(dists.wheel)} - {None}
+    assert from_wheel - in_sdist == set()
+    assert {"pyproject.toml", "README.md"} <= in_sdist
+
+
+@pytest.fixture(scope="module")
+def installed(dists, tmp_path_factory):
+    """The bin folder of a fresh venv holding the wheel."""
+    return scratch_venv(tmp_path_factory.mktemp("user-venv") / "venv", dists.wheel)
+
+
+def test_the_installed_package_imports_beside_hugging_face_kernels(installed, tmp_path):
+    # transformers integrates Hugging Face's `kernels` distribution (installed with it here):
+    # pagedserve must neither shadow it nor be taken for it.
+    code = (
+        "import pagedserve.kernels, pagedserve.server.cli, kernels\n"
+        "from transformers.integrations import hub_kernels\n"
+        "print(pagedserve.kernels.__file__); print(kernels.__file__)\n"
+        "print(hasattr(kernels, 'get_kernel'))\n"
+    )
+    done = subprocess.run(
+        [str(installed / "python"), "-c", code], cwd=tmp_path, env=clean_env(),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    ours, theirs, hub_api = done.stdout.split()
+    venv = installed.parent
+    assert ours.startswith(str(venv)) and ours.endswith("pagedserve/kernels/__init__.py")
+    assert theirs.startswith(site_packages_of_the_tests()), theirs
+    assert hub_api == "True"
+
+
+def test_the_installed_server_answers_from_another_directory(installed, tmp_path):
+    log = tmp_path / "server.log"
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    command = [str(installed / "pagedserve")]
+    with server_process(
+        ["--no-access-log"], log, command=command, cwd=workdir, env=clean_env(), timeout=180
+    ) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=30, temperature=0
+        )
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    assert "Traceback" not in log.read_text()
+
+
+def test_a_checkout_run_module_keeps_hugging_face_kernels_importable():
+    # `python -m pagedserve.bench.X` from the checkout puts its root first on sys.path, where
+    # kernels/ would shadow Hugging Face's `kernels` and transformers would fail to load models.
+    code = (
+        "import sys; assert sys.path[0] == ''\n"
+        "import pagedserve.bench, kernels\n"
+        "from transformers.integrations import hub_kernels\n"
+        "print(kernels.__file__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(site_packages_of_the_tests()), done.stdout
