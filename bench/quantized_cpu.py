@@ -8,8 +8,9 @@ dequantized to bfloat16 at load (`--quantization none`), on the embedded SmolLM2
 
 matmul: the model's own weights (30 layers' q/k/v, o, gate/up, down and the lm_head), each
 multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: torch's
-int4/int8 kernels, pagedserve's compiled GEMM (kernels/csrc/cpu_quant.cpp) and oneDNN's packed
-bfloat16 weights, side by side, milliseconds per step.
+int4/int8 kernels, pagedserve's compiled GEMM (kernels/csrc/cpu_quant.cpp, where the CPU level
+has it) and the dense bfloat16 weights (packed for oneDNN where the CPU lets it: `dense_packed`;
+else F.linear, as the engine does there), side by side, milliseconds per step.
 
 step: decode steps of the engine with each kind of weights (`--batch` sequences of 8 prompt
 tokens, 64 new tokens each, so nearly every step decodes all of them): milliseconds per step in
@@ -76,10 +77,10 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
             stem, module = name.removesuffix(".weight").rsplit(".", 1)
             fused.setdefault(f"{stem}.{STACKED.get(module, module)}", []).append(rows)
     kept = [QuantizedWeight.build(QuantizedRows.cat(parts)) for parts in fused.values()]
-    dense = []
+    dense, packed = [], True
     for weight in kept:
         param = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
-        pack(param)
+        packed = pack(param)  # False on AVX2-only CPUs: oneDNN has no bf16 kernels there
         dense.append(param)
     results = []
     for rows in args.rows:
@@ -96,6 +97,7 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
                 ],
                 args.iters,
             )
+        record["dense_packed"] = packed
         record["dense_bf16_ms"] = _time(
             lambda inputs=inputs: [linear(inputs[d.shape[1]], d) for d in dense], args.iters
         )

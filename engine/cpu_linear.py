@@ -6,7 +6,9 @@ are packed once at load time (measured: BENCHMARKS.md, "What changed on the way"
 oneDNN's packed kernels run a decode step's matmuls 2-4x faster than `F.linear`'s (BENCHMARKS.md,
 "CPU attention kernel"); they accumulate in another order, a few ulps apart, and the parity
 tests' greedy tokens still equal transformers'. The packed copy lives next to the parameter (as
-an attribute), so the plain weight stays usable for embeddings and references.
+an attribute), so the plain weight stays usable for embeddings and references. bf16 weights are
+packed only where oneDNN has bf16 kernels for the CPU (`kernels/cpu_features.py` `onednn_bf16`;
+not on AVX2-only CPUs, where its reorder raises): elsewhere they stay plain, for F.linear.
 """
 
 from __future__ import annotations
@@ -16,55 +18,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.quantized_linear import quantized
+from pagedserve.kernels import cpu_features
 
 _PACKED = "_pagedserve_onednn_packed"
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
-# /proc/cpuinfo flags of CPUs that compute bf16 in hardware (dot products, AMX tiles).
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_computes_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU computes bf16 natively (`NATIVE_BF16_FLAGS`): then bf16 is faster than
-    float32 (BENCHMARKS.md); elsewhere oneDNN emulates it and float32 is the better default.
-    `cpuinfo`: the text of /proc/cpuinfo (read when None; no file: False)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
-
-
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where packing applies: float32 on a CPU with oneDNN, bf16 where its oneDNN build has
-    bf16 kernels."""
+    """True where packing applies: float32 on a CPU with oneDNN, bf16 where the CPU (and the level
+    pagedserve decides by) lets oneDNN pack it (`kernels/cpu_features.py` `onednn_bf16`: its
+    reorder raises on CPUs without avx512bw/vl/dq or avx_ne_convert, AVX2-only ones)."""
     if device.type != "cpu" or dtype not in PACKED_DTYPES:
         return False
     if dtype == torch.float32:
         return torch.backends.mkldnn.is_available()
-    mkldnn = getattr(torch.ops, "mkldnn", None)
-    try:
-        return bool(torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return cpu_features.onednn_bf16()
 
 
-def pack(weight: nn.Parameter) -> None:
-    """Attach a oneDNN-packed copy of a [out, in] bf16 or float32 weight; `linear` then uses it
-    for inputs of the weight's dtype."""
+def pack(weight: nn.Parameter) -> bool:
+    """Attach a oneDNN-packed copy of a [out, in] bf16 or float32 weight where this CPU can
+    (`can_pack`); `linear` then uses it for inputs of the weight's dtype, and F.linear where it
+    is not packed. Whether it packed."""
     if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
         raise ValueError(
             f"only 2-D bfloat16 or float32 CPU weights can be packed, got {tuple(weight.shape)} "
             f"{weight.dtype} on {weight.device}"
         )
+    if not can_pack(weight.device, weight.dtype):
+        return False
     setattr(weight, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
+    return True
 
 
 def unpack(weight: torch.Tensor) -> None:

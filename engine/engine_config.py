@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.cpu_linear import cpu_computes_bf16
 from pagedserve.engine.quantized_linear import QUANTIZATIONS
-from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES
+from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES, cpu_features
 
 DTYPES = {
     "float32": torch.float32,
@@ -289,7 +288,7 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            native = device.type == "cuda" or cpu_computes_bf16()
+            native = device.type == "cuda" or cpu_features.bf16_is_native()
             return torch.bfloat16 if native else torch.float32
         dtype = DTYPES[self.dtype]
         if device.type == "cpu" and dtype == torch.float16:

@@ -125,10 +125,15 @@ def gguf_rows(
 @functools.cache
 def compiled_gemm() -> bool:
     """Whether pagedserve's compiled GEMM for quantized weights runs here (kernels/csrc/
-    cpu_quant.cpp: a C++ compiler and an AVX512-BF16 CPU)."""
-    from pagedserve.kernels import cpu_ops
+    cpu_quant.cpp): the CPU level allows it (`kernels/cpu_features.py` `quantized_gemm_allowed`:
+    AVX512-BF16) and the loaded kernel library has it (a C++ compiler, or a prebuilt library)."""
+    from pagedserve.kernels import cpu_features, cpu_ops
 
-    return cpu_ops.available() and bool(torch.ops.pagedserve_cpu.quantized_gemm_available())
+    return (
+        cpu_features.quantized_gemm_allowed()
+        and cpu_ops.available()
+        and bool(torch.ops.pagedserve_cpu.quantized_gemm_available())
+    )
 
 
 class QuantizedWeight(abc.ABC):

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels import reference
+# cpu_features first: with PAGEDSERVE_CPU_ISA set it tells torch and oneDNN to act as that lesser
+# CPU, which only holds if it runs before torch's first op (importing torch computes nothing).
+from pagedserve.kernels import cpu_features, reference  # noqa: F401
 from pagedserve.kernels.fp8 import (
     FP8_KV_DTYPES,
     MIN_KV_SCALE,

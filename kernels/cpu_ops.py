@@ -5,15 +5,22 @@ residual add + RMSNorm, SiLU-and-multiply and rotary + KV write from
 kept quantized (`kernels/csrc/cpu_quant.cpp`) that `engine/quantized_linear.py` uses for steps of
 many rows.
 
-The C++ sources are compiled once per machine with the system's C++ compiler (optimised for this
-CPU: -O3 -march=native, OpenMP through torch's own runtime) and cached in pagedserve's cache folder
-(`kernels.paths.cache_dir()`, ~/.cache/pagedserve by default), under kernels/, in a file named by a
-hash of the source, the flags, the torch version and the CPU's instruction-set flags; later
-processes load it in milliseconds. With the cache turned off, each process builds into a temporary
-folder.
-`make install` builds it ahead of time (`python -m pagedserve.kernels.cpu_ops`). Where no
-compiler is found, or the build fails, `available()` is False with one warning saying why, and the
-engine's "auto" backend on CPU falls back to the torch reference.
+The C++ sources are compiled with the system's C++ compiler (OpenMP through torch's own runtime)
+for the CPU level `kernels.cpu_features` chose: -march=native at the CPU's own level (fastest),
+the level's portable flags (-march=x86-64-v3 ...) for a lesser one that PAGEDSERVE_CPU_ISA forced.
+`available()` loads the first of:
+1. a prebuilt library of the chosen level, then of each lower one, from `PREBUILT_DIR` (the
+   package's prebuilt/ folder: `python -m pagedserve.kernels.cpu_ops --prebuilt` compiles one per
+   x86 level there, for images built on one machine and run on others);
+2. this machine's cached build, in pagedserve's cache folder (`kernels.paths.cache_dir()`,
+   ~/.cache/pagedserve by default) under kernels/;
+3. a build compiled now into that place (with the cache turned off: a temporary folder).
+Every library's file name holds a hash of the sources, the flags and the torch version (a native
+build's also of the CPU's flags), so a stale one is never loaded. `make install` builds this
+machine's ahead of time (`python -m pagedserve.kernels.cpu_ops`). Whatever fails on the way (no
+compiler, a source or header missing, a compile error, a damaged library) makes `available()`
+False with one warning saying why: every op here then runs the torch reference, and the engine's
+"auto" backend on CPU is the reference.
 
 The kernel attends to decode sequences and to extends of up to KERNEL_MAX_NEW_TOKENS new tokens;
 longer prefills/extends in the same batch go to the reference's SDPA, one call per sequence,
@@ -24,6 +31,7 @@ float16 caches).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import logging
@@ -33,11 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pagedserve.kernels import reference, validation
+from pagedserve.kernels import cpu_features, reference, validation
 from pagedserve.kernels.fp8 import is_fp8
 from pagedserve.kernels.paths import cache_dir
 from pagedserve.kernels.reference import (
@@ -62,6 +72,7 @@ __all__ = [
     "fused_moe",
     "gelu_tanh_and_mul",
     "library_path",
+    "loaded",
     "moe_route",
     "paged_attention",
     "reshape_and_cache",
@@ -77,32 +88,37 @@ SOURCES = tuple(
     _CSRC / name for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quant.cpp")
 )
 HEADERS = (_CSRC / "cpu_math.h",)
+PREBUILT_DIR = Path(__file__).parent / "prebuilt"
+# What falls back to the torch reference when no library loads (the one warning names them).
+COMPILED_OPS = (
+    "paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary + KV write and "
+    "the GEMM for quantized weights"
+)
 # Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
 # for decode and still even at 4 new tokens over a 1k context; from 8 new tokens over long
 # contexts, and for whole prompts, SDPA is faster.
 KERNEL_MAX_NEW_TOKENS = 4
+# Every build's flags but the instruction set (`cpu_features.kernel_flags` / `march_flags`).
 # No -ffast-math: the kernel's -inf handling needs IEEE infinities.
 CXX_FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17",
-    "-shared", "-fPIC", "-w",
+    "-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-fPIC", "-w",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """A library of the kernels: its file, the level its instructions are for, where it came from
+    ("prebuilt", "cached" or "compiled") and its instruction-set flags."""
+
+    path: Path
+    level: str
+    origin: str
+    march: tuple[str, ...]
 
 
 def _kernel_dir() -> Path:
     root = cache_dir()
     return (root if root is not None else Path(tempfile.mkdtemp(prefix="pagedserve-"))) / "kernels"
-
-
-def _cpu_flags() -> str:
-    """The CPU's instruction-set flags (-march=native compiles for them), '' where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _compiler() -> str | None:
@@ -116,75 +132,152 @@ def _compiler() -> str | None:
     return None
 
 
-def library_path() -> Path:
-    """Where this machine's build of the kernel lives (built or not)."""
+def _file_name(level: str, march: tuple[str, ...]) -> str:
+    """pagedserve_cpu_<level>_<hash>.so: the hash of what the library is built from (raises
+    FileNotFoundError for a missing source or header). -march=native builds for this very CPU,
+    so its flags go in the hash too."""
     key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CXX_FLAGS).encode(),
-                 torch.__version__.encode(), _cpu_flags().encode()):  # fmt: skip
+    native = march == cpu_features.NATIVE_MARCH
+    cpu = " ".join(sorted(cpu_features.cpu_features().flags)) if native else ""
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(CXX_FLAGS + march).encode(),
+                 torch.__version__.encode(), cpu.encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
-    return _kernel_dir() / f"pagedserve_cpu_{key.hexdigest()[:16]}.so"
+    return f"pagedserve_cpu_{level}_{key.hexdigest()[:16]}.so"
 
 
-def _build(target: Path, compiler: str) -> None:
-    """Compile SOURCES into `target`, written to a temporary file and renamed, so concurrent
-    builders (server processes, test workers) never load a half-written library."""
+def library_path() -> Path:
+    """Where this machine's build of the kernels for the chosen level lives (built or not)."""
+    features = cpu_features.cpu_features()
+    return _kernel_dir() / _file_name(features.level, cpu_features.kernel_flags(features))
+
+
+def prebuilt_path(level: str, folder: Path | None = None) -> Path:
+    """The prebuilt library of an x86 level in `folder` (PREBUILT_DIR), built or not."""
+    march = cpu_features.march_flags(level)
+    return (folder or PREBUILT_DIR) / _file_name(level, march)
+
+
+def _prebuilt_candidates() -> list[KernelLibrary]:
+    """The prebuilt libraries there are for the chosen level and those below it, highest first."""
+    features = cpu_features.cpu_features()
+    levels = [lvl for lvl in cpu_features.PREBUILT_LEVELS if features.at_least(lvl)]
+    found = []
+    for level in reversed(levels):
+        path = prebuilt_path(level)
+        if path.is_file():
+            found.append(KernelLibrary(path, level, "prebuilt", cpu_features.march_flags(level)))
+    return found
+
+
+def _run(cmd: list[str]) -> str | None:
+    """Run one compiler command: None, or its error when it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return None if done.returncode == 0 else f"{cmd[0]} failed ({done.returncode}): {done.stderr}"
+
+
+def _build(targets: list[tuple[Path, tuple[str, ...]]], compiler: str) -> None:
+    """Compile SOURCES into each target with its instruction-set flags. The sources of all targets
+    compile in parallel (one process per core: 3 sources build in ~15 s instead of ~27 s on 2
+    cores), then each links into a temporary file that is renamed, so concurrent builders (server
+    processes, test workers) never load a half-written library."""
     from torch.utils import cpp_extension
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     lib = Path(torch.__file__).parent / "lib"
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    cmd = [
-        compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        *(str(source) for source in SOURCES), "-o", tmp,
-        f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
-    ]  # fmt: skip
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     start = time.perf_counter()
     logger.warning(
-        "compiling pagedserve's CPU kernels for this machine (once; cached in %s)",
-        target.parent,
+        "compiling pagedserve's CPU kernels (%s; once, into %s)",
+        "; ".join(" ".join(march) for _, march in targets),
+        ", ".join(sorted({str(target.parent) for target, _ in targets})),
     )
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-build-") as tmp:
+        objects: list[list[str]] = []
+        commands = []
+        for i, (_, march) in enumerate(targets):
+            objects.append([])
+            for source in SOURCES:
+                obj = str(Path(tmp) / f"{i}-{source.stem}.o")
+                objects[-1].append(obj)
+                commands.append([compiler, *CXX_FLAGS, *march, abi, *includes, "-c", str(source),
+                                 "-o", obj])  # fmt: skip
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            errors = [e for e in pool.map(_run, commands) if e]
+        if errors:
+            raise RuntimeError(errors[0][-2000:])
+        for (target, march), objs in zip(targets, objects, strict=True):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+            os.close(fd)
+            try:
+                error = _run([compiler, *CXX_FLAGS, *march, "-shared", *objs, "-o", partial,
+                              f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])  # fmt: skip
+                if error:
+                    raise RuntimeError(error[-2000:])
+                os.replace(partial, target)
+            finally:
+                if os.path.exists(partial):
+                    os.unlink(partial)
     logger.warning("CPU kernels compiled in %.1f s", time.perf_counter() - start)
 
 
+def _fall_back(why: str) -> None:
+    logger.warning("%s fall back to the slower torch reference: %s", COMPILED_OPS, why)
+
+
 @functools.cache
-def available() -> bool:
-    """Whether the compiled kernel is loaded (building it first if this machine has no build).
-    False, with one warning saying why, when there is no compiler or the build fails."""
-    target = library_path()
-    if not target.exists():
+def loaded() -> KernelLibrary | None:
+    """The library of the kernels this process loaded (finding or building it on the first call:
+    see the module's docstring), or None, after one warning saying why, where none loads."""
+    try:
+        features = cpu_features.cpu_features()
+        march = cpu_features.kernel_flags(features)
+        candidates = _prebuilt_candidates()
+        cached = library_path()
+    except OSError as exc:  # a source or header missing from the package
+        _fall_back(f"the kernels' sources are incomplete ({exc})")
+        return None
+    if cached.is_file():
+        candidates.append(KernelLibrary(cached, features.level, "cached", march))
+    if not candidates:
         compiler = _compiler()
         if compiler is None:
-            logger.warning(
-                "no C++ compiler found (set CXX, or install g++): CPU attention falls back to "
-                "the slower torch reference"
+            _fall_back(
+                "no C++ compiler found (set CXX, or install g++) and no prebuilt or cached "
+                "library of the kernels"
             )
-            return False
+            return None
         try:
-            _build(target, compiler)
-        except (OSError, RuntimeError) as exc:
-            logger.warning("CPU attention kernel not built, using the torch reference: %s", exc)
-            return False
-    try:
-        torch.ops.load_library(str(target))
-    except (OSError, RuntimeError) as exc:  # a damaged file, or one built for another torch
-        logger.warning(
-            "CPU attention kernel %s not loaded, using the torch reference (delete it to "
-            "rebuild): %s", target, exc,
+            _build([(cached, march)], compiler)
+        except (OSError, RuntimeError, ImportError) as exc:  # ImportError: torch's setuptools
+            _fall_back(f"the build failed: {exc}")
+            return None
+        candidates.append(KernelLibrary(cached, features.level, "compiled", march))
+    problems = []
+    for library in candidates:
+        try:
+            torch.ops.load_library(str(library.path))
+        except (OSError, RuntimeError) as exc:  # a damaged file, or one built for another torch
+            problems.append(f"{library.path} not loaded (delete it to rebuild): {exc}")
+            continue
+        if problems:
+            logger.warning(
+                "skipped the kernel libraries that did not load: %s", "; ".join(problems)
+            )
+        logger.info(
+            "pagedserve's CPU kernels: the %s library for level %s (%s), %s",
+            library.origin, library.level, " ".join(library.march), library.path,
         )  # fmt: skip
-        return False
-    return True
+        return library
+    _fall_back("; ".join(problems))
+    return None
+
+
+def available() -> bool:
+    """Whether the compiled kernels are loaded (`loaded()`: found or built on the first call).
+    False, with one warning saying why, where none can be."""
+    return loaded() is not None
 
 
 def paged_attention(
@@ -330,6 +423,56 @@ def rotary_and_cache(
     return q
 
 
-if __name__ == "__main__":  # `make install`: build ahead of time
+def build_prebuilt(levels: tuple[str, ...], folder: Path | None = None) -> list[Path]:
+    """Compile the portable library of each x86 level into `folder` (PREBUILT_DIR), replacing
+    that level's older builds there; the libraries' paths. Any x86 host compiles every level (it
+    needs not run them)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    folder = folder or PREBUILT_DIR
+    targets = [(prebuilt_path(level, folder), cpu_features.march_flags(level)) for level in levels]
+    _build(targets, compiler)
+    kept = {target for target, _ in targets}
+    for level in levels:
+        for old in folder.glob(f"pagedserve_cpu_{level}_*.so"):
+            if old not in kept:
+                old.unlink()
+    return [target for target, _ in targets]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedserve.kernels.cpu_ops`: build (or find) this machine's library ahead of
+    time (`make install`); with --prebuilt, the portable library of every x86 level into
+    PREBUILT_DIR (Docker images), then check that this machine's level's loads."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--prebuilt", action="store_true", help="build every level's library")
+    parser.add_argument(
+        "--levels", nargs="+", choices=cpu_features.PREBUILT_LEVELS,
+        default=cpu_features.PREBUILT_LEVELS, help="the levels --prebuilt builds (default: all)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sys.exit(0 if available() else 1)
+    if not args.prebuilt:
+        return 0 if available() else 1
+    features = cpu_features.cpu_features()
+    if not features.x86:
+        logger.error("prebuilt libraries are for x86-64 CPUs; build this one's without --prebuilt")
+        return 1
+    try:
+        build_prebuilt(tuple(args.levels))
+    except (OSError, RuntimeError, ImportError) as exc:
+        logger.error("prebuilt libraries not built: %s", exc)
+        return 1
+    library = loaded()
+    if library is None or library.origin != "prebuilt" or library.level != features.level:
+        logger.error(
+            "built, but this machine's level (%s) has no prebuilt library that loads: %s",
+            features.level, library,
+        )  # fmt: skip
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pagedserve.engine import model_source
-from pagedserve.engine.cpu_linear import cpu_computes_bf16
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
 from pagedserve.engine.model_source import embedded_model_path, resolve_model
 from pagedserve.engine.weights import load_weights
+from pagedserve.kernels import cpu_features
 from tests.helpers import tiny_config
 
 # Published config.json files (trimmed of keys we do not read).
@@ -636,16 +636,10 @@ def test_a_multimodal_gemma3_config_is_read_as_its_language_model():
         ModelConfig.from_hf_dict(other)
 
 
-CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbogomips\t: 4000\n"
-
-
 def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():
-    assert cpu_computes_bf16(CPUINFO.format(extra="avx512_bf16"))
-    assert cpu_computes_bf16(CPUINFO.format(extra="amx_tile amx_bf16"))
-    assert not cpu_computes_bf16(CPUINFO.format(extra="avx512_vnni"))  # emulated there
-    assert not cpu_computes_bf16("")
+    # Which CPUs compute bf16 natively: tests/kernels/test_cpu_features.py.
     cpu = torch.device("cpu")
-    want = torch.bfloat16 if cpu_computes_bf16() else torch.float32  # this machine's answer
+    want = torch.bfloat16 if cpu_features.bf16_is_native() else torch.float32  # this machine's
     assert EngineConfig().torch_dtype(cpu) == want
     assert EngineConfig(dtype="float32").torch_dtype(cpu) == torch.float32
 

@@ -1,5 +1,6 @@
 """oneDNN-packed bf16 and float32 linears on CPU: same results as F.linear up to rounding, used
-by the CPU engine in both dtypes."""
+by the CPU engine in both dtypes where the CPU lets oneDNN pack them (float32 everywhere, bf16
+where `kernels/cpu_features.py` `onednn_bf16`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import torch.nn.functional as F
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.cpu_linear import can_pack, is_packed, linear, pack, unpack
+from pagedserve.kernels import cpu_features
 
-pytestmark = pytest.mark.skipif(
-    not can_pack(torch.device("cpu"), torch.bfloat16),
-    reason="this CPU's oneDNN has no bfloat16 kernels; the engine uses F.linear there",
+PACKS_BF16 = can_pack(torch.device("cpu"), torch.bfloat16)
+needs_onednn_bf16 = pytest.mark.skipif(
+    not PACKS_BF16,
+    reason="needs oneDNN bf16 (avx512bw/vl/dq or avx_ne_convert): this CPU/level has "
+    f"{cpu_features.cpu_features().level}, where bf16 weights stay plain for F.linear",
 )
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, bias):
@@ -24,8 +29,7 @@ def test_packed_linear_matches_f_linear(rows, bias):
     b = torch.randn(96, dtype=torch.bfloat16) if bias else None
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     expected = F.linear(x, w, b)
-    pack(w)
-    assert is_packed(w)
+    assert pack(w) and is_packed(w)
     got = linear(x, w, b)
     assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
     # Both accumulate in fp32 and round once to bf16; the order may differ by one bf16 ulp.
@@ -41,7 +45,7 @@ def test_packed_float32_linear_matches_f_linear_to_rounding(rows):
     w = torch.nn.Parameter(torch.randn(3072, 576), requires_grad=False)
     x = torch.randn(rows, 576)
     expected = F.linear(x, w)
-    pack(w)
+    assert pack(w)
     got = linear(x, w)
     # float32 accumulation in another order: a few ulps of outputs of size ~100.
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
@@ -56,13 +60,29 @@ def test_pack_refuses_what_it_cannot_pack():
     assert can_pack(torch.device("cpu"), torch.float32)
     assert not can_pack(torch.device("cpu"), torch.float16)
     assert not can_pack(torch.device("meta"), torch.bfloat16)
+    # Where oneDNN has no bf16 kernels, pack leaves a bf16 weight plain instead of raising.
+    w = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16), requires_grad=False)
+    assert pack(w) is PACKS_BF16 and is_packed(w) is PACKS_BF16
+
+
+def test_bf16_packing_follows_the_cpu_level(monkeypatch):
+    # torch's reorder raises on bf16 where the CPU lacks avx512bw/vl/dq and avx_ne_convert; an
+    # AVX2 level (forced, or the CPU's own) must never reach it.
+    monkeypatch.setattr(cpu_features, "onednn_bf16_level", lambda features=None: False)
+    assert not can_pack(torch.device("cpu"), torch.bfloat16)
+    assert can_pack(torch.device("cpu"), torch.float32)
+    w = torch.nn.Parameter(torch.ones(8, 8, dtype=torch.bfloat16), requires_grad=False)
+    assert not pack(w) and not is_packed(w)
+    torch.testing.assert_close(linear(torch.ones(2, 8, dtype=torch.bfloat16), w),
+                               torch.full((2, 8), 8.0, dtype=torch.bfloat16))  # fmt: skip
 
 
 def test_bf16_engine_packs_and_generates_like_unpacked(tiny_llama_dir):
+    # Packed where oneDNN has bf16 kernels; elsewhere plain, and both paths give the same tokens.
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", num_kv_blocks=64)
     model = llm.engine.model
-    assert all(is_packed(layer.mlp.down_proj) for layer in model.layers)
-    assert is_packed(model.lm_head)
+    assert all(is_packed(layer.mlp.down_proj) is PACKS_BF16 for layer in model.layers)
+    assert is_packed(model.lm_head) is PACKS_BF16
     prompts = [[5, 9, 13, 2 + i] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     packed_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -16,6 +16,7 @@ the output; the kernel's softmax and sums are float32).
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 import subprocess
@@ -27,11 +28,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve import kernels
-from pagedserve.kernels import cpu_ops, reference
+from pagedserve.kernels import cpu_features, cpu_ops, reference
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 HEADS = [(4, 4), (6, 3), (9, 3), (8, 2), (16, 2)]
+# The flags of an x86-64-v4 CPU (/proc/cpuinfo names).
+_V4 = "avx avx2 fma bmi1 bmi2 f16c abm movbe xsave avx512f avx512bw avx512cd avx512dq avx512vl"
 
 
 @pytest.fixture
@@ -59,8 +62,15 @@ def check(got: torch.Tensor, batch: Batch, scale: float, sliding_window=None, so
 def test_the_kernel_is_built_and_is_the_cpu_default(monkeypatch):
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
     assert cpu_ops.available()
-    assert cpu_ops.library_path().is_file()
-    assert cpu_ops.library_path().parent == kernels.paths.cache_dir() / "kernels"
+    library = cpu_ops.loaded()
+    features = cpu_features.cpu_features()
+    if library.origin == "prebuilt":  # `python -m pagedserve.kernels.cpu_ops --prebuilt` ran here
+        assert library.path.parent == cpu_ops.PREBUILT_DIR and features.at_least(library.level)
+    else:
+        assert library.path == cpu_ops.library_path() and library.path.is_file()
+        assert library.path.parent == kernels.paths.cache_dir() / "kernels"
+        assert library.level == features.level
+        assert library.march == cpu_features.kernel_flags()
     assert kernels.select_backend(torch.device("cpu")) == "cpu"
     assert kernels.get_backend("cpu") is cpu_ops
     params = inspect.signature(cpu_ops.paged_attention).parameters
@@ -224,13 +234,29 @@ def test_empty_batch_and_bad_arguments():
         )  # fmt: skip
 
 
+FALLBACK = (
+    "WARNING paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary + KV "
+    "write and the GEMM for quantized weights fall back to the slower torch reference: "
+)
+
+
+def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in env.items() if k != kernels.BACKEND_ENV}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+
+
 def test_without_a_compiler_the_reference_is_used_with_a_warning(tmp_path):
-    # A fresh cache folder and CXX pointing at nothing: no build is attempted, one warning says
-    # why, the "auto" backend on CPU is torch, and cpu_ops still answers (through the reference).
-    code = """
-import logging, torch, kernels
+    # A fresh cache folder, no prebuilt libraries and CXX pointing at nothing: no build is
+    # attempted, one warning says why, the "auto" backend on CPU is torch, and cpu_ops still
+    # answers (through the reference).
+    code = f"""
+import logging, torch
+from pathlib import Path
+from pagedserve import kernels
 from pagedserve.kernels import cpu_ops, reference
 from tests.kernels.paged_batch import MIXED, make_batch
+cpu_ops.PREBUILT_DIR = Path({str(tmp_path / "prebuilt")!r})
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 b = make_batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
 args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125)
@@ -239,32 +265,68 @@ print("equal", torch.equal(cpu_ops.paged_attention(*args), reference.paged_atten
 print("available", cpu_ops.available())
 """
     env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), PAGEDSERVE_CACHE_DIR=str(tmp_path))
-    env.pop(kernels.BACKEND_ENV, None)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=True)  # fmt: skip
+    done = _run(code, env)
     assert done.stdout.split("\n")[:3] == ["backend torch", "equal True", "available False"]
     warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
     assert warnings == [
-        "WARNING no C++ compiler found (set CXX, or install g++): CPU attention falls back to "
-        "the slower torch reference"
+        FALLBACK + "no C++ compiler found (set CXX, or install g++) and no prebuilt or cached "
+        "library of the kernels"
     ]
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
 
 
 def test_a_damaged_build_is_reported_and_the_reference_used(tmp_path):
-    code = """
-import logging, torch, kernels
+    code = f"""
+import logging, torch
+from pathlib import Path
+from pagedserve import kernels
 from pagedserve.kernels import cpu_ops
+cpu_ops.PREBUILT_DIR = Path({str(tmp_path / "prebuilt")!r})
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 path = cpu_ops.library_path()
 path.parent.mkdir(parents=True)
 path.write_bytes(b"not a shared library")
 print("backend", kernels.select_backend(torch.device("cpu")))
 """
-    env = dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path))
-    env.pop(kernels.BACKEND_ENV, None)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=True)  # fmt: skip
+    done = _run(code, dict(os.environ, PAGEDSERVE_CACHE_DIR=str(tmp_path)))
     assert done.stdout.strip() == "backend torch"
     warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
-    assert len(warnings) == 1 and "not loaded, using the torch reference (delete it" in warnings[0]
+    assert len(warnings) == 1 and warnings[0].startswith(FALLBACK)
+    assert "not loaded (delete it to rebuild)" in warnings[0]
+
+
+def test_a_missing_header_is_reported_and_the_reference_used(tmp_path, monkeypatch, caplog):
+    # The sources of an install that lost a file: finding the library (its name hashes every
+    # source and header) fails before any build, with one warning, not an exception.
+    for source in cpu_ops.SOURCES:
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpu_ops, "SOURCES", tuple(tmp_path / s.name for s in cpu_ops.SOURCES))
+    monkeypatch.setattr(cpu_ops, "HEADERS", (tmp_path / "cpu_math.h",))
+    with caplog.at_level(logging.WARNING, logger="pagedserve.kernels.cpu_ops"):
+        assert cpu_ops.loaded.__wrapped__() is None  # the process's own library stays loaded
+    assert [r.getMessage() for r in caplog.records] == [
+        FALLBACK.removeprefix("WARNING ") + "the kernels' sources are incomplete ([Errno 2] No "
+        f"such file or directory: '{tmp_path / 'cpu_math.h'}')"
+    ]
+
+
+def test_prebuilt_libraries_come_first_the_chosen_level_then_lower(tmp_path, monkeypatch):
+    # The loading order, on empty files of the right names (tests/engine/test_lesser_cpu.py
+    # builds and loads real ones): the chosen level's, each lower level's, then the cached build.
+    monkeypatch.setattr(cpu_ops, "PREBUILT_DIR", tmp_path)
+    amx = cpu_features.features_from(f"flags : {_V4} amx_bf16", "x86_64")
+    monkeypatch.setattr(cpu_features, "cpu_features", lambda: amx)
+    assert cpu_ops._prebuilt_candidates() == []
+    for level in ("avx2", "avx512_bf16"):
+        cpu_ops.prebuilt_path(level).touch()
+    (tmp_path / "pagedserve_cpu_avx512_0123456789abcdef.so").touch()  # stale: another source
+    found = cpu_ops._prebuilt_candidates()
+    assert [(c.level, c.origin, c.march) for c in found] == [
+        ("avx512_bf16", "prebuilt", ("-march=x86-64-v4", "-mavx512bf16")),
+        ("avx2", "prebuilt", ("-march=x86-64-v3",)),
+    ]
+    assert found[0].path.name.startswith("pagedserve_cpu_avx512_bf16_")
+    # A forced lesser level never loads a library above it.
+    forced = cpu_features.features_from(f"flags : {_V4} amx_bf16", "x86_64", "avx512")
+    monkeypatch.setattr(cpu_features, "cpu_features", lambda: forced)
+    assert [c.level for c in cpu_ops._prebuilt_candidates()] == ["avx2"]
