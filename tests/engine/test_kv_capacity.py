@@ -191,35 +191,54 @@ SMOLLM2_PROMPTS = [
 
 def test_fp8_cache_greedy_agreement_on_smollm2():
     """The real model: greedy tokens with an fp8 cache (scales 1.0, and calibrated on the
-    first step) against the fp32 cache's, as the fraction of positions that agree before the
-    first difference (after one, the contexts differ). Reported; the floor is a regression
-    guard well under what was measured (BENCHMARKS.md, "fp8 KV cache")."""
+    first step) against the fp32 cache's, computed on this machine, two ways: the fraction of
+    positions that agree before a row's first difference (after one, the contexts differ), and
+    teacher-forced (the fp8 model's top-1 at each position of the fp32 cache's continuations).
+    Reported; the floors are regression guards well under what was measured (BENCHMARKS.md,
+    "fp8 KV cache")."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     # The torch backend throughout: fp8 caches always take it (kernels/cpu_ops.py), so the fp32
     # baseline does too, and only the cache's dtype differs.
     kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, attention_backend="torch")
+    exact = LLM("smollm2-135m-instruct", **kwargs)
+    prompts = [exact.get_tokenizer().encode(p) for p in SMOLLM2_PROMPTS]
+    want = [o.outputs[0].token_ids for o in exact.generate(prompts, params)]
+    sequences = [p + w for p, w in zip(prompts, want, strict=True)]
 
-    def run(**changes) -> list[list[int]]:
+    def agreement(**changes) -> tuple[float, float]:
         llm = LLM("smollm2-135m-instruct", **kwargs, **changes)
-        return [o.outputs[0].token_ids for o in llm.generate(SMOLLM2_PROMPTS, params)]
-
-    def agreement(got: list[list[int]], want: list[list[int]]) -> float:
-        same = 0
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        prefix = 0
         for g, w in zip(got, want, strict=True):
-            same += next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
-        return same / sum(map(len, want))
+            prefix += next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
+        same = 0
+        scored = llm.generate(sequences, forced)
+        for prompt, seq, out in zip(prompts, sequences, scored, strict=True):
+            for i in range(len(prompt), len(seq)):
+                top = min(out.prompt_logprobs[i].items(), key=lambda kv: kv[1].rank)[0]
+                same += top == seq[i]
+        total = sum(map(len, want))
+        return prefix / total, same / total
 
-    exact = run()
-    unit = agreement(run(kv_cache_dtype="fp8"), exact)
-    calibrated = agreement(run(kv_cache_dtype="fp8", calculate_kv_scales=True), exact)
-    print(
-        f"SmolLM2 greedy agreement with the fp32 cache: fp8 {unit:.3f}, calibrated {calibrated:.3f}"
+    unit, calibrated = (
+        agreement(kv_cache_dtype="fp8"),
+        agreement(kv_cache_dtype="fp8", calculate_kv_scales=True),
     )
-    # Measured: 0.625 with scales 1.0, 0.785 calibrated on an Intel VM with AMX; 0.602 and 0.621
-    # on an AMD EPYC VM, 0.637 and 0.602 there with oneDNN's float32 matmuls. The same on every
-    # run, but a few ulps anywhere move the first differing token, after which the rest of a row
-    # counts as disagreement: the floor guards against a broken fp8 path (near 0), not noise.
-    assert unit >= 0.55 and calibrated >= 0.55
+    print(
+        "SmolLM2 agreement with the fp32 cache (greedy prefix, teacher-forced): "
+        f"fp8 {unit[0]:.3f} {unit[1]:.3f}, calibrated {calibrated[0]:.3f} {calibrated[1]:.3f}"
+    )
+    # Measured on one AMD EPYC VM at its own level (avx512_bf16) and emulating an AVX2 CPU
+    # (PAGEDSERVE_CPU_ISA=avx2, tests/engine/test_lesser_cpu.py): greedy prefix 0.637 and 0.602
+    # (scales 1.0, calibrated) there, 0.523 and 0.477 under avx2; teacher-forced 0.961 and 0.961,
+    # 0.941 and 0.957. (An Intel VM with AMX: prefix 0.625 and 0.785.) The same on every run of one
+    # machine, but a few ulps anywhere (other CPUs' float32 kernels sum in other orders) move a
+    # row's first differing token, after which the rest of the row counts as disagreement: the
+    # prefix floor only guards against a broken fp8 path (near 0). Teacher-forced, each position
+    # is scored on its own: a flip costs one position, so its floor can sit much closer.
+    assert unit[0] >= 0.35 and calibrated[0] >= 0.35
+    assert unit[1] >= 0.9 and calibrated[1] >= 0.9
 
 
 def test_fp8_scales_from_the_first_step_or_the_checkpoint(tiny_llama_dir, tmp_path):
