@@ -36,12 +36,11 @@ def server_process(
     timeout: float = 300.0,
     cwd: str | Path | None = None,
     env: dict[str, str] | None = None,
-    user: int | None = None,
 ) -> Iterator[str]:
     """Run `COMMAND serve --port PORT SERVE_ARGS`, its output in `log_path`; yield the base URL
     (http://127.0.0.1:PORT) once healthy. Raises RuntimeError with the log's tail when the
-    server exits or stays unhealthy for `timeout` seconds. `cwd`, `env` (default: this
-    process's) and `user` (a uid, for its group too) are the child's."""
+    server exits or stays unhealthy for `timeout` seconds. `cwd` and `env` (default: this
+    process's) are the child's."""
     port = free_port() if port is None else port
     base = f"http://127.0.0.1:{port}"
     log_path = Path(log_path)
@@ -52,8 +51,6 @@ def server_process(
             stderr=subprocess.STDOUT,
             env={**(os.environ if env is None else env), "TOKENIZERS_PARALLELISM": "false"},
             cwd=cwd,
-            user=user,
-            group=user,
         )
         try:
             wait_healthy(proc, base, log_path, timeout)
