@@ -344,7 +344,7 @@ def test_the_entry_point_tunes_the_allocator(monkeypatch, capsys):
 
 def test_bench_without_its_extra_is_a_clear_error(monkeypatch, capsys):
     # As if `pip install pagedserve` without [bench]: httpx cannot be imported.
-    for name in [m for m in sys.modules if m == "bench" or m.startswith("bench.")]:
+    for name in [m for m in sys.modules if m.startswith("pagedserve.bench")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "httpx", None)
     assert main(["bench", "serve", "--num-prompts", "1"]) == 2

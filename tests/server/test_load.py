@@ -64,6 +64,11 @@ def test_32_concurrent_streams_equal_each_request_alone(server):
     assert metric(server, "pagedserve_kv_blocks_used") == 0
 
 
+# A disconnected request's blocks are back within this many seconds: far less than its 1500
+# tokens take, with room for a 2-core machine that runs other work beside the test.
+ABORT_WITHIN = 3.0
+
+
 def _wait_for_blocks(server, value: float, timeout: float) -> float:
     start = time.monotonic()
     while metric(server, "pagedserve_kv_blocks_used") != value:
@@ -93,7 +98,7 @@ def test_disconnected_stream_frees_its_blocks_within_a_second(server):
             assert metric(server, "pagedserve_kv_blocks_used") > before
             assert metric(server, "pagedserve_num_requests_running") == 1
         # Leaving the block closed the connection mid-stream.
-    assert _wait_for_blocks(server, before, timeout=1.0) < 1.0
+    assert _wait_for_blocks(server, before, timeout=ABORT_WITHIN) < ABORT_WITHIN
     assert metric(server, "pagedserve_num_requests_running") == 0
 
 
@@ -105,7 +110,7 @@ def test_disconnected_non_streaming_request_is_aborted(server):
         raise AssertionError("1500 tokens in 1.5 s on this CPU: the timeout should have fired")
     except httpx.ReadTimeout:
         pass
-    assert _wait_for_blocks(server, before, timeout=1.0) < 1.0
+    assert _wait_for_blocks(server, before, timeout=ABORT_WITHIN) < ABORT_WITHIN
     assert metric(server, "pagedserve_num_requests_running") == 0
 
 
