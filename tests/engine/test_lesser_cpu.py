@@ -50,7 +50,7 @@ EXPECTED = "407 passed, 20 skipped"
 
 pytestmark = pytest.mark.skipif(
     not cpu_features.cpu_features().at_least("avx512"),
-    reason=f"the CPU's own level is {cpu_features.cpu_features().level}: the suite runs the "
+    reason=f"this process's CPU level is {cpu_features.cpu_features().level}: the suite runs the "
     f"{LEVEL} paths natively here",
 )
 
