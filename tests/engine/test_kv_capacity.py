@@ -231,8 +231,8 @@ def test_fp8_cache_greedy_agreement_on_smollm2():
     )
     # Measured on one AMD EPYC VM at its own level (avx512_bf16) and emulating an AVX2 CPU
     # (PAGEDSERVE_CPU_ISA=avx2, tests/engine/test_lesser_cpu.py): greedy prefix 0.637 and 0.602
-    # (scales 1.0, calibrated) there, 0.523 and 0.477 under avx2; teacher-forced 0.961 and 0.961,
-    # 0.941 and 0.957. (An Intel VM with AMX: prefix 0.625 and 0.785.) The same on every run of one
+    # (scales 1.0, calibrated) there, 0.523 and 0.477 under avx2; teacher-forced 0.961 and 0.957,
+    # 0.941 and 0.965. (An Intel VM with AMX: prefix 0.625 and 0.785.) The same on every run of one
     # machine, but a few ulps anywhere (other CPUs' float32 kernels sum in other orders) move a
     # row's first differing token, after which the rest of the row counts as disagreement: the
     # prefix floor only guards against a broken fp8 path (near 0). Teacher-forced, each position
