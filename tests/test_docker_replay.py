@@ -30,6 +30,7 @@ from tests.dists import clean_env, scratch_venv
 from tests.test_docker import Instruction, _instructions
 
 IMAGE_VENV = "/opt/venv"
+LEVEL_VARIABLES = (cpu_features.ISA_ENV, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -106,6 +107,9 @@ def test_the_cpu_image_serves_as_its_user_with_the_compiled_kernels(image):
         **_env(final, image),
         "HOME": str(home),
         "CXX": str(image / "no-compiler-in-the-image"),
+        # but the CPU level the suite runs at (PAGEDSERVE_CPU_ISA and what emulates it), as the
+        # image would run on a CPU of that level: the prebuilt library above is that level's.
+        **{k: v for k, v in os.environ.items() if k in LEVEL_VARIABLES},
     }
     log = image / "server.log"
     log.touch()
