@@ -33,12 +33,22 @@ if not torch.cuda.is_available():
 # The kernels' argument checks are off by default (kernels/validation.py); the tests, and the
 # servers they start, run with them on. Read when kernels is first imported: after this line.
 os.environ.setdefault("PAGEDSERVE_CHECK_KERNEL_ARGS", "1")
-# pagedserve's cache (converted GGUF tokenizers) in a folder of this run's own, shared with the
-# servers it starts: the first load converts, the rest read the cache, and the user's cache is
-# neither read nor written.
+# pagedserve's cache (converted GGUF tokenizers, compiled kernels) in a folder of this run's own,
+# shared with the servers it starts: the first load converts, the rest read the cache, and the
+# user's cache is never written. Its compiled kernels are copied in (`make install` has just
+# built this machine's): a library's name holds the hash of its sources, flags and torch, so only
+# a build of this very code is found, and the run saves a compile.
 if "PAGEDSERVE_CACHE_DIR" not in os.environ:
+    from pagedserve.kernels.paths import cache_dir
+
+    user_kernels = (cache_dir() or Path(os.devnull)) / "kernels"
     os.environ["PAGEDSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedserve-test-cache-")
     atexit.register(shutil.rmtree, os.environ["PAGEDSERVE_CACHE_DIR"], ignore_errors=True)
+    if user_kernels.is_dir():
+        shutil.copytree(
+            user_kernels, Path(os.environ["PAGEDSERVE_CACHE_DIR"], "kernels"),
+            ignore=shutil.ignore_patterns("*.tmp"),
+        )  # fmt: skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
