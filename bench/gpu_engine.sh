@@ -100,6 +100,7 @@ else
     echo "no .whl/: run ../shared/device/wheels.sh and carry .whl (gguf, fastapi, ... are missing)"
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+source bench/pythonpath.sh || exit
 export TOKENIZERS_PARALLELISM=false
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv \

@@ -428,7 +428,7 @@ def test_argument_checks_run_only_behind_the_debug_switch(switch, checked):
     # A weight in another dtype than x: the checks refuse it; unchecked, torch just promotes.
     code = (
         "import torch\n"
-        "from kernels import reference\n"
+        "from pagedserve.kernels import reference\n"
         "out = reference.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=torch.float64), 1e-6)\n"
         "print(out.dtype)\n"
     )

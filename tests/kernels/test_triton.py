@@ -354,7 +354,7 @@ def test_without_gpu_or_interpreter_the_error_says_what_to_do():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
         "import torch\n"
-        "from kernels import triton_attention as t\n"
+        "from pagedserve.kernels import triton_attention as t\n"
         "assert not t.INTERPRETED\n"
         "kv = torch.zeros(1, 1, 16)\n"
         "try:\n"
