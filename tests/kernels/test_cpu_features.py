@@ -156,7 +156,10 @@ def test_the_override_makes_torch_and_onednn_act_as_the_lesser_cpu():
     """Set before torch computes (importing pagedserve's kernels sets them), the variables lower
     ATen's kernels and oneDNN's ISA: bf16 packing is refused there, as on an AVX2 CPU."""
     if not cpu_features.cpu_features().at_least("avx512"):
-        pytest.skip(f"the CPU's level is {cpu_features.cpu_features().level}: nothing to lower")
+        pytest.skip(
+            f"lowers to avx2, so it needs a CPU of level avx512 or above; this process's level "
+            f"is {cpu_features.cpu_features().level}, where the suite runs the avx2 paths natively"
+        )
     code = (
         "import os, torch, pagedserve.engine\n"
         "print(os.environ['ONEDNN_MAX_CPU_ISA'], os.environ['ATEN_CPU_CAPABILITY'])\n"
