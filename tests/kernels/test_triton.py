@@ -228,7 +228,7 @@ def test_float16_close_to_float64(seqs):
     )
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(
     seqs=st.lists(st.tuples(st.integers(0, 150), st.integers(0, 6)), min_size=1, max_size=4).filter(
         lambda seqs: all(c + n > 0 for c, n in seqs) and any(n > 0 for _, n in seqs)
