@@ -10,7 +10,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install browser test test-slow serve lint bench clean
+.PHONY: install browser test test-avx2 test-slow serve lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ browser:
 # The 25 slowest durations are printed so that the suite's growth shows in every CI log.
 test: $(STAMP) browser
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# The whole suite as an AVX2-only CPU runs it, on any x86 machine with more: pagedserve decides
+# as level avx2 (kernels/cpu_features.py), and torch's kernels and oneDNN are lowered to AVX2 too.
+test-avx2: $(STAMP) browser
+	PAGEDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

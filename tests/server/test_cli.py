@@ -195,7 +195,7 @@ def test_serve_refuses_bad_options_before_loading():
     assert (res.returncode, res.stdout) == (2, "")
     assert f"error: {first_message}" in res.stderr, res.stderr
     script = (
-        "import sys\nfrom server.cli import main\n"
+        "import sys\nfrom pagedserve.server.cli import main\n"
         f"for args in {[list(args) for args, _ in rest]!r}:\n"
         "    print(main(['serve', *args]), file=sys.stderr)\n"
     )
