@@ -18,7 +18,9 @@
 // `max_q_len` > 0 leaves sequences with more new tokens to the caller: for long prefills the
 // reference's SDPA (oneDNN GEMMs) is faster than these dot products (BENCHMARKS.md).
 
-#include <ATen/ATen.h>
+// The Tensor class alone, not <ATen/ATen.h> (every op's declaration): each source then compiles
+// in about two thirds of the time, which a user waits through on first start.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
