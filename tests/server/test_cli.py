@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from pagedserve.engine.engine_config import EngineConfig, option
+from pagedserve.kernels import triton_attention
 from pagedserve.server.cli import build_parser, main
 from tests.server.util import PAGEDSERVE
 
@@ -305,7 +305,7 @@ def test_bad_flag_values_are_refused_by_the_config():
         _serve_config("--gpu-memory-utilization", "1.5")
 
 
-def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path, capsys):
+def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path, capsys, monkeypatch):
     # TRITON_INTERPRET=1 (tests/conftest.py, inherited) lets the Triton kernels run on CPU.
     res = _run(
         "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
@@ -319,14 +319,14 @@ def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path, c
         main(["bench", "throughput", "--attention-backend", "flash"])
     assert exit_info.value.code == 2 and "invalid choice: 'flash'" in capsys.readouterr().err
     # Without the interpreter the Triton kernels cannot take CPU tensors: refused before loading.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [PAGEDSERVE, "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
-         "--attention-backend", "triton"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
-    assert res.returncode == 2
-    assert "error: the Triton attention kernels need CUDA tensors, got tensors on cpu" in res.stderr
+    # In this process, as a process started without TRITON_INTERPRET has it (the flag is read
+    # once, when the kernels' module is imported).
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)
+    code = main(["bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+                 "--attention-backend", "triton"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error: the Triton attention kernels need CUDA tensors, got tensors on cpu" in err
 
 
 def test_the_entry_point_tunes_the_allocator(monkeypatch, capsys):
