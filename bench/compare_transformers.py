@@ -17,10 +17,10 @@ Engines (--engines):
 All sample with temperature 1 (no top-k/top-p), ignore EOS and produce exactly output-len tokens
 per prompt. The model is the embedded SmolLM2 GGUF file by default (both engines load it), or a
 built-in shape / config folder with `--load-format dummy`: pagedserve draws its dummy weights and
-transformers' model gets the same ones (`engine.weights.dummy_weights`, seed 0). Each measurement
-runs in a fresh subprocess, so neither engine's threads, allocator or GPU memory can slow the
-other down. generate_batch may run on the first --transformers-num-prompts prompts only (it is
-slow); rates are per second either way.
+transformers' model gets the same ones (`engine.models.weights.dummy_weights`, seed 0). Each
+measurement runs in a fresh subprocess, so neither engine's threads, allocator or GPU memory can
+slow the other down. generate_batch may run on the first --transformers-num-prompts prompts only (it
+is slow); rates are per second either way.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 from pagedserve.bench.throughput import measure, random_token_prompts
 from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
-from pagedserve.engine.model_source import resolve_model
+from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.scheduler.utils import cdiv
 
 ENGINES = ("pagedserve", "transformers", "transformers-static")
@@ -122,7 +122,7 @@ def load_hf_model(model: str, dtype: str, device: str, load_format: str):
     load format or a built-in shape) the engine's dummy weights."""
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.engine.weights import dummy_weights
+    from pagedserve.engine.models.weights import dummy_weights
 
     source = resolve_model(model)
     torch_dtype = getattr(torch, dtype)

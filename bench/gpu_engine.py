@@ -337,14 +337,14 @@ def kv_blocks_for(seq_lens: Sequence[int], max_model_len: int) -> int:
 def reuse_dummy_weights() -> Iterator[dict[str, int]]:
     """Draw each config's dummy weights once per process and hand out copies after that.
 
-    `engine.weights.load_weights` draws dummy weights with a CPU generator, ~8 s for the 1B
+    `engine.models.weights.load_weights` draws dummy weights with a CPU generator, ~8 s for the 1B
     shape; the correctness and decode steps build several engines (and transformers models) of
     the same shape. Values are identical to `dummy_weights`' own: float32 draws from seed 0,
     then cast. Yields counters: how many times the engine or we asked, and how many draws ran.
     """
     import torch
 
-    import pagedserve.engine.weights as weights
+    import pagedserve.engine.models.weights as weights
 
     original = weights.dummy_weights
     cache: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
@@ -451,7 +451,7 @@ def transformers_greedy(
     import torch
 
     from pagedserve.bench.compare_transformers import hf_model_from_weights
-    from pagedserve.engine.weights import dummy_weights
+    from pagedserve.engine.models.weights import dummy_weights
 
     torch_dtype = getattr(torch, dtype)
     hf = hf_model_from_weights(config, dummy_weights(config, torch_dtype), torch_dtype, device)
@@ -545,7 +545,7 @@ def compare_tokens(
 
 
 def step_correctness(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    from pagedserve.engine.model_source import resolve_model
+    from pagedserve.engine.models.model_source import resolve_model
 
     n = sizes.correctness_tokens
     with reuse_dummy_weights() as weight_stats:
@@ -994,7 +994,7 @@ def step_offline(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 def step_moe(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """A tiny Qwen3-MoE's fp32 greedy tokens against transformers' (the fused MoE kernel
     compiled, graphs and eager), then offline throughput of a Qwen3-30B-A3B-shaped model."""
-    from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig
+    from pagedserve.engine.models.model_config import BUILTIN_SHAPES, ModelConfig
     from pagedserve.server import cli
 
     tiny = args.scratch / "tiny-qwen3-moe"
@@ -1241,11 +1241,11 @@ def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     import transformers
 
     from pagedserve.bench.transcriptions import serve_and_measure, synthetic_wav
-    from pagedserve.engine.audio import decode_audio, log_mel, windows
+    from pagedserve.engine.core.whisper_engine import TranscriptionRequest
     from pagedserve.engine.engine_config import EngineConfig
-    from pagedserve.engine.whisper import WHISPER_SHAPES, WhisperConfig
-    from pagedserve.engine.whisper_engine import TranscriptionRequest
-    from pagedserve.engine.whisper_service import TranscriptionService
+    from pagedserve.engine.frontend.audio import decode_audio, log_mel, windows
+    from pagedserve.engine.frontend.whisper_service import TranscriptionService
+    from pagedserve.engine.models.whisper import WHISPER_SHAPES, WhisperConfig
 
     shape = {**WHISPER_SHAPES["whisper-tiny"], **(SMOKE_WHISPER if args.smoke else {})}
     c = WhisperConfig(**shape)
@@ -1304,7 +1304,7 @@ def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     the --smoke run, always): the tiny Llama's greedy tokens equal one rank's."""
     from pagedserve.engine import LLM, SamplingParams
     from pagedserve.engine.engine_config import EngineConfig
-    from pagedserve.engine.parallel import TPEndpoint, free_port
+    from pagedserve.engine.worker.parallel import TPEndpoint, free_port
 
     def build(distributed: bool, model: str, **kwargs) -> LLM:
         config = EngineConfig(model, device=sizes.device, load_format="dummy", **kwargs)
@@ -1481,7 +1481,7 @@ def step_structured(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> No
 
 def step_nano(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     from pagedserve.bench.throughput import random_length_workload
-    from pagedserve.engine.model_source import resolve_model
+    from pagedserve.engine.models.model_source import resolve_model
     from pagedserve.server import cli
 
     model = model_path(TINY if args.smoke else args.model, args.scratch)
@@ -1550,8 +1550,8 @@ def write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> str:
 
 def tokenizer_args(model: str, scratch: Path) -> list[str]:
     """[] when the engine gives the model a tokenizer, else --tokenizer with a word-level one."""
-    from pagedserve.engine.model_source import resolve_model
-    from pagedserve.engine.tokenizer import load_tokenizer
+    from pagedserve.engine.frontend.tokenizer import load_tokenizer
+    from pagedserve.engine.models.model_source import resolve_model
 
     source = resolve_model(model)
     if load_tokenizer(source) is not None:
@@ -1744,7 +1744,7 @@ def step_spec(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """Plain and speculative engines on the same greedy requests at each batch size, then one
     n = 4 request against 4 seeded requests of its samples on the plain engine."""
     from pagedserve.engine import LLM, EngineConfig, SamplingParams
-    from pagedserve.engine.model_source import resolve_model
+    from pagedserve.engine.models.model_source import resolve_model
 
     model = model_path(args.model, args.scratch)
     vocab = resolve_model(model).config.vocab_size

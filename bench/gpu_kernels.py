@@ -805,7 +805,7 @@ def rope_tables(
     head_dim: int, max_positions: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """cos and sin [max_positions, head_dim] float32 in the "rotate half" layout of
-    engine/rotary.py (plain RoPE; scaling only changes the values)."""
+    engine/models/rotary.py (plain RoPE; scaling only changes the values)."""
     exponents = torch.arange(0, head_dim, 2, device=device).float() / head_dim
     freqs = torch.arange(max_positions, device=device).float()[:, None] / ROPE_THETA**exponents
     angles = torch.cat((freqs, freqs), dim=-1)
@@ -872,7 +872,8 @@ def build_fused_case(setup: Setup, layer: LayerShape, op: str, num_tokens: int) 
         return q, k_cache, v_cache
 
     def model() -> tuple[torch.Tensor, ...]:
-        # engine/model.py Attention.forward up to attention, with engine/rotary.py apply_rotary.
+        # engine/models/model.py Attention.forward up to attention, with engine/models/rotary.py
+        # apply_rotary.
         qk = qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d)
         rotated = torch.cat((-qk[..., d // 2 :], qk[..., : d // 2]), dim=-1)
         q, k = rotated.mul_(sin).addcmul_(qk, cos).split([hq, hkv], dim=1)

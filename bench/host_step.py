@@ -184,7 +184,7 @@ def simulate_device(runner, seconds: float):
     it starts when both it is launched and the previous step is done, and its result() waits
     until it is over. A deadline per step, no thread: a device needs no host thread (nor the
     GIL) while it runs. Returns what undoes the patches."""
-    import pagedserve.engine.model_runner as model_runner
+    import pagedserve.engine.worker.model_runner as model_runner
 
     launch = runner.launch
     result = model_runner.StepHandle.result

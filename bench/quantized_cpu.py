@@ -30,10 +30,10 @@ import time
 
 import torch
 
-from pagedserve.engine.cpu_linear import linear, pack
-from pagedserve.engine.model_source import resolve_model
-from pagedserve.engine.quantized_linear import QuantizedRows, QuantizedWeight, compiled_gemm
-from pagedserve.engine.weights import iter_gguf_weights
+from pagedserve.engine.models.cpu_linear import linear, pack
+from pagedserve.engine.models.model_source import resolve_model
+from pagedserve.engine.models.quantized_linear import QuantizedRows, QuantizedWeight, compiled_gemm
+from pagedserve.engine.models.weights import iter_gguf_weights
 
 PROMPTS = [
     "The capital of France is",
@@ -125,7 +125,7 @@ def _timed(fn, spent: dict[str, float], part_of):
 
 def step_part(args: argparse.Namespace) -> list[dict]:
     from pagedserve.engine import LLM, SamplingParams
-    from pagedserve.engine import model as engine_model
+    from pagedserve.engine.models import model as engine_model
     from pagedserve.kernels import cpu_ops
 
     results = []

@@ -10,7 +10,7 @@ served by `pagedserve serve`:
 
 Each request uploads its own synthetic WAV of --audio-seconds (a gliding tone under noise) and
 asks for verbose_json, whose segments carry the tokens decoded, so the output tokens are counted
-exactly. A built-in shape (engine/whisper.py WHISPER_SHAPES) has random weights: its windows
+exactly. A built-in shape (engine/models/whisper.py WHISPER_SHAPES) has random weights: its windows
 decode to the decoder's last position, as no end of text comes; that is the most work a window
 can be. Every concurrency first sends one untimed request.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pagedserve.engine.audio import SAMPLE_RATE
+from pagedserve.engine.frontend.audio import SAMPLE_RATE
 from pagedserve.server.launch import server_process
 
 
@@ -123,9 +123,9 @@ def transformers_baseline(
     import torch
     import transformers
 
-    from pagedserve.engine.audio import decode_audio, log_mel, windows
     from pagedserve.engine.engine_config import DTYPES
-    from pagedserve.engine.whisper import WHISPER_SHAPES, WhisperConfig
+    from pagedserve.engine.frontend.audio import decode_audio, log_mel, windows
+    from pagedserve.engine.models.whisper import WHISPER_SHAPES, WhisperConfig
 
     c = WhisperConfig(**WHISPER_SHAPES[shape])
     hf_config = transformers.WhisperConfig(

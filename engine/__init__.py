@@ -1,11 +1,11 @@
 """pagedserve engine: models, weights, tokenizer, sampler, model runner, LLMEngine and the offline
 LLM API."""
 
-from pagedserve.engine.beam_search import BeamSearchParams
+from pagedserve.engine.core.beam_search import BeamSearchParams
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.llm import LLM
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import (
+from pagedserve.engine.frontend.llm import LLM
+from pagedserve.engine.frontend.llm_engine import LLMEngine
+from pagedserve.engine.frontend.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,

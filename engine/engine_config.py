@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.quantized_linear import QUANTIZATIONS
+from pagedserve.engine.models.quantized_linear import QUANTIZATIONS
 from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES, cpu_features
 
 DTYPES = {

@@ -2,8 +2,8 @@
 residual add + RMSNorm, SiLU-and-multiply and rotary + KV write from
 `kernels/csrc/cpu_layer_ops.cpp`; the other ops from `kernels.reference`.
 `kernels.get_backend("cpu")` returns this module. The same library holds the GEMM for weights
-kept quantized (`kernels/csrc/cpu_quant.cpp`) that `engine/quantized_linear.py` uses for steps of
-many rows.
+kept quantized (`kernels/csrc/cpu_quant.cpp`) that `engine/models/quantized_linear.py` uses for
+steps of many rows.
 
 The C++ sources are compiled with the system's C++ compiler (OpenMP through torch's own runtime)
 for the CPU level `kernels.cpu_features` chose: -march=native at the CPU's own level (fastest),

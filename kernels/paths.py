@@ -1,6 +1,6 @@
 """Where pagedserve keeps what it computes once per machine: converted GGUF tokenizers
-(`engine.tokenizer`) and the compiled CPU kernel (`kernels.cpu_ops`). Here, in the lowest package,
-so that both can read it."""
+(`engine.frontend.tokenizer`) and the compiled CPU kernel (`kernels.cpu_ops`). Here, in the lowest
+package, so that both can read it."""
 
 from __future__ import annotations
 

@@ -409,8 +409,8 @@ def _attend(
 
 # ----------------------------------------------------------------------------- fused layer ops
 # The Llama decoder's non-attention ops, in transformers' math and rounding order (as
-# engine/rotary.py apply_rotary rounds), so the engine, which calls them for every layer, produces
-# transformers' tokens. `kernels.triton_fused` has the same signatures.
+# engine/models/rotary.py apply_rotary rounds), so the engine, which calls them for every layer,
+# produces transformers' tokens. `kernels.triton_fused` has the same signatures.
 
 
 def rms_norm(
@@ -493,7 +493,7 @@ def rotary_and_cache(
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], the q heads, then k, then v
     positions: [num_tokens] int64, each token's position (a row of the tables)
     cos_table, sin_table: [max_positions, head_dim] float32 in the Hugging Face "rotate half"
-        layout (engine/rotary.py RotaryEmbedding.cos / .sin); cast to qkv's dtype before use
+        layout (engine/models/rotary.py RotaryEmbedding.cos / .sin); cast to qkv's dtype before use
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] in qkv's dtype or fp8;
         rotated k (rounded to qkv's dtype) and raw v are written to slot_mapping's slots
         (negative = padding, not written), as `reshape_and_cache` does, quantized with k_scale /
@@ -519,7 +519,7 @@ def rotary_and_cache(
 
 
 def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rot(x) * sin with rot([x1 | x2]) = [-x2 | x1], rounded as engine/rotary.py's
+    """x * cos + rot(x) * sin with rot([x1 | x2]) = [-x2 | x1], rounded as engine/models/rotary.py's
     apply_rotary rounds: rot(x) * sin to x's dtype, then the sum."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

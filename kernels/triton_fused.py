@@ -252,8 +252,8 @@ def _launch_act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 def _rotate_heads(x_ptr, heads, half, mask, cos1, sin1, cos2, sin2, HEAD_DIM: tl.constexpr):
     """Rotate the heads x = [x1 | x2] at x_ptr + heads * HEAD_DIM (one token) by their angles:
     returns (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2) in x's dtype, rounded as
-    engine/rotary.py's apply_rotary rounds: rot(x) * sin to the dtype, then the sum (the product
-    x * cos of two float16/bfloat16 values is exact in float32)."""
+    engine/models/rotary.py's apply_rotary rounds: rot(x) * sin to the dtype, then the sum (the
+    product x * cos of two float16/bfloat16 values is exact in float32)."""
     dtype = x_ptr.dtype.element_ty
     row = x_ptr + heads[:, None] * HEAD_DIM + half[None, :]
     x1 = tl.load(row, mask=mask).to(tl.float32)

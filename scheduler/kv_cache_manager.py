@@ -11,7 +11,7 @@ from pagedserve.scheduler.request import Request
 from pagedserve.scheduler.utils import cdiv
 
 # The id a table shows for a sliding-window block given back (never read: the runner points
-# such entries at a live block of the row; see engine/input_batch.py).
+# such entries at a live block of the row; see engine/worker/input_batch.py).
 DROPPED_BLOCK_ID = 0
 
 

@@ -3,7 +3,7 @@
 A step's output is incremental, as in vLLM v1: a request is sent in full once, when it is
 admitted (or re-admitted after preemption), and afterwards only what changed: the blocks
 appended to its table and where its new tokens start. The model runner keeps each running
-request's tokens and block table between steps (engine/input_batch.py), so the per-step cost
+request's tokens and block table between steps (engine/worker/input_batch.py), so the per-step cost
 does not grow with context length.
 """
 

@@ -1,11 +1,11 @@
 """`pagedserve serve`: build the engine (weights, KV cache), then serve it over HTTP.
 
 With the engine core in its own process (`--core-process`, the default;
-engine/core_process.py), or several cores each in one (`--data-parallel-size M`;
-engine/data_parallel.py), the main thread supervises them and uvicorn runs on a second thread;
-in-process, the engine loop runs on the main thread instead (why: engine/async_engine.py).
-Ctrl-C or SIGTERM drains (`_Drain`): new requests are refused while those in flight finish,
-within --shutdown-timeout; then the engine stops, then uvicorn.
+engine/frontend/core_process.py), or several cores each in one (`--data-parallel-size M`;
+engine/frontend/data_parallel.py), the main thread supervises them and uvicorn runs on a second
+thread; in-process, the engine loop runs on the main thread instead (why:
+engine/frontend/async_engine.py). Ctrl-C or SIGTERM drains (`_Drain`): new requests are refused
+while those in flight finish, within --shutdown-timeout; then the engine stops, then uvicorn.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 
 import uvicorn
 
-from pagedserve.engine.async_engine import AsyncEngine, EngineClient
-from pagedserve.engine.core_process import ProcessEngine
-from pagedserve.engine.data_parallel import DataParallelEngine
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.whisper import whisper_config_of
-from pagedserve.engine.whisper_service import TranscriptionService
+from pagedserve.engine.frontend.async_engine import AsyncEngine, EngineClient
+from pagedserve.engine.frontend.core_process import ProcessEngine
+from pagedserve.engine.frontend.data_parallel import DataParallelEngine
+from pagedserve.engine.frontend.llm_engine import LLMEngine
+from pagedserve.engine.frontend.whisper_service import TranscriptionService
+from pagedserve.engine.models.whisper import whisper_config_of
 from pagedserve.server.app import build_app, build_transcription_app
 from pagedserve.server.limits import (
     DEFAULT_MAX_N,
@@ -82,8 +82,8 @@ def run_server(
     """Load the model and serve until interrupted (Ctrl-C / SIGTERM: see _Drain).
     `core_process`: run the engine core in a process of its own (None: the default for the
     device, DEFAULT_CORE_PROCESS). `data_parallel_size`: engine cores, each a process of its own
-    with its own KV cache (engine/data_parallel.py); more than one needs `core_process`. A
-    Whisper model (engine/whisper_service.py) is served in this process, by one engine."""
+    with its own KV cache (engine/frontend/data_parallel.py); more than one needs `core_process`. A
+    Whisper model (engine/frontend/whisper_service.py) is served in this process, by one engine."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     _check_port_free(host, port)  # before loading: a model can take minutes to load

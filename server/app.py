@@ -17,8 +17,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedserve.engine.async_engine import EngineClient, check_core_index
-from pagedserve.engine.whisper_service import TranscriptionService
+from pagedserve.engine.frontend.async_engine import EngineClient, check_core_index
+from pagedserve.engine.frontend.whisper_service import TranscriptionService
 from pagedserve.server.dashboard import dashboard_html
 from pagedserve.server.errors import (
     APIError,
@@ -102,8 +102,8 @@ def build_app(
 
     @v1.get("/kv")
     async def kv_map(engine_index: int = Query(0, alias="engine")) -> Response:
-        """The live block map (engine/core.py `EngineCore.kv_map`) of engine core `?engine=i`
-        (default 0; several with --data-parallel-size); /dashboard polls it."""
+        """The live block map (engine/core/engine_core.py `EngineCore.kv_map`) of engine core
+        `?engine=i` (default 0; several with --data-parallel-size); /dashboard polls it."""
         try:
             check_core_index(engine_index, engine.num_cores)
         except ValueError as e:

@@ -14,7 +14,7 @@ import sys
 
 from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 from pagedserve.engine.engine_config import DTYPES, EngineConfig
-from pagedserve.engine.parallel import TPEndpoint
+from pagedserve.engine.worker.parallel import TPEndpoint
 from pagedserve.server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -39,12 +39,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_plan(args: argparse.Namespace) -> int:
-    from pagedserve.engine.kv_cache import kv_plan_report
-    from pagedserve.engine.model_source import resolve_model
+    from pagedserve.engine.models.model_source import resolve_model
+    from pagedserve.engine.worker.kv_cache import kv_plan_report
 
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
-    from pagedserve.engine import whisper
+    from pagedserve.engine.models import whisper
 
     whisper_config = whisper.whisper_config_of(args.model)
     if whisper_config is not None:  # an encoder-decoder: self- and cross-attention KV
@@ -107,7 +107,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.data_parallel_size != 1:
             raise ValueError("--data-parallel-size is not for torchrun: its ranks are one engine")
         if endpoint.rank != 0:  # only rank 0 serves HTTP; the others run its steps
-            from pagedserve.engine.tp_worker import run_worker
+            from pagedserve.engine.worker.tp_worker import run_worker
 
             run_worker(config, endpoint)
             return 0

@@ -10,8 +10,8 @@ Three sources:
   process, of that one (`pagedserve_resident_memory_bytes{process="server"|"core"}`), read from
   /proc at scrape time (Linux only: elsewhere the samples are left out).
 
-With several engine cores (`--data-parallel-size M`, engine/data_parallel.py) every engine-state
-family is labelled `engine="0"`..`"M-1"`, one sample per core (sum them for the server:
+With several engine cores (`--data-parallel-size M`, engine/frontend/data_parallel.py) every
+engine-state family is labelled `engine="0"`..`"M-1"`, one sample per core (sum them for the server:
 `sum(pagedserve_kv_blocks_used)`), and each core's memory is `{process="core", engine="i"}`.
 With one core the families stay unlabelled, as they always were, so that a scrape of a
 single-core server reads the same; a family never mixes labelled and unlabelled samples.
@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
-from pagedserve.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,

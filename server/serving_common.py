@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedserve.engine.async_engine import EngineClient, RequestStream
-from pagedserve.engine.inputs import Prompt
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.frontend.async_engine import EngineClient, RequestStream
+from pagedserve.engine.frontend.inputs import Prompt
+from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.scheduler import SamplingParams, StructuredOutputs
 from pagedserve.server.errors import APIError, as_api_error, error_body
 from pagedserve.server.limits import DEFAULT_MAX_N

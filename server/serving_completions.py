@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.engine.inputs import Prompt
-from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.engine.frontend.inputs import Prompt
+from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving_common import (

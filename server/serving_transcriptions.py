@@ -1,12 +1,12 @@
 """`POST /v1/audio/transcriptions` (issue 21): OpenAI's multipart form in, the transcription out
 in the response format asked for, or streamed as server-sent text deltas.
 
-The form: `file` (WAV, FLAC, MP3 or OGG; engine/audio.py), `model`, `language` (ISO-639-1 code
-or English name; default en), `prompt` (text the model takes as what came before),
+The form: `file` (WAV, FLAC, MP3 or OGG; engine/frontend/audio.py), `model`, `language` (ISO-639-1
+code or English name; default en), `prompt` (text the model takes as what came before),
 `response_format` (json, text, verbose_json, srt, vtt), `temperature` (0: greedy), `stream`,
 `timestamp_granularities[]` (segment; verbose_json only). The audio is cut into 30-second
-windows that all run in the continuous batch at once (engine/whisper_service.py); their texts
-join in order. A stream sends each window's text as it is decoded, in window order:
+windows that all run in the continuous batch at once (engine/frontend/whisper_service.py); their
+texts join in order. A stream sends each window's text as it is decoded, in window order:
 `{"type": "transcript.text.delta", "delta": ...}` events, then one `transcript.text.done` with
 the whole text and the token usage, then `[DONE]`, the events OpenAI's client reads.
 """
@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import Counter
 from starlette.datastructures import UploadFile
 
-from pagedserve.engine.audio import decode_audio, duration, windows
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.whisper_service import TranscriptionService, TranscriptionStream
+from pagedserve.engine.frontend.audio import decode_audio, duration, windows
+from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.frontend.whisper_service import TranscriptionService, TranscriptionStream
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import Metrics
 from pagedserve.server.serving_common import (

@@ -185,7 +185,7 @@ def hf_smollm2():
     """transformers' own model and tokenizer loaded from the same GGUF file (the reference)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedserve.engine.model_source import gguf_files_for_everyone
+    from pagedserve.engine.models.model_source import gguf_files_for_everyone
     from tests.helpers import smollm2_gguf_path
 
     path = smollm2_gguf_path()
@@ -215,8 +215,8 @@ def tiny_whisper(tmp_path_factory):
     loaded from the folder)."""
     import transformers
 
-    from pagedserve.engine.weights import iter_safetensors_weights
-    from pagedserve.engine.whisper import WhisperConfig, WhisperModel
+    from pagedserve.engine.models.weights import iter_safetensors_weights
+    from pagedserve.engine.models.whisper import WhisperConfig, WhisperModel
 
     folder = tmp_path_factory.mktemp("tiny-whisper")
     torch.manual_seed(0)

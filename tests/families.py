@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
+from pagedserve.engine.models.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 
 WINDOW = 8
 COMMON = dict(

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.models.model_config import ModelConfig
 
 # pagedserve family -> llama.cpp architecture name.
 LLAMA_CPP_ARCHITECTURES = {

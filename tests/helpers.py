@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.models.model_config import ModelConfig
 
 # The token whose input embedding is NaN in the `nan_llama_dir` fixture's model.
 NAN_TOKEN = 77

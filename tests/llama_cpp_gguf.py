@@ -23,7 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.models.model_config import ModelConfig
 from tests.families import FAMILIES, GGUF_CHANGES, build_family
 from tests.gguf_writer import write_gguf_like_llama_cpp
 

@@ -175,8 +175,8 @@ def test_only_entry_points_tune_the_allocator():
     }
     assert callers == {
         "server/cli.py",
-        "engine/core_process.py",  # the entry point of the engine core's own process
-        "engine/tp_worker.py",  # the entry point of a tensor-parallel rank's process
+        "engine/frontend/core_process.py",  # the entry point of the engine core's own process
+        "engine/worker/tp_worker.py",  # the entry point of a tensor-parallel rank's process
         "tests/conftest.py",
         "bench/compare_serve.py",
         "bench/compare_transformers.py",

@@ -47,7 +47,7 @@ def test_host_step_simulates_a_device_busy_for_each_step():
     """With --device-ms every step keeps a simulated device busy D ms and its result waits for
     that: the device runs one step at a time, so N timed steps take at least N * D, less the D
     that a step launched before the timer started may already have spent (asynchronous)."""
-    from pagedserve.engine.model_runner import StepHandle
+    from pagedserve.engine.worker.model_runner import StepHandle
 
     result_method = StepHandle.result
     steps = 3

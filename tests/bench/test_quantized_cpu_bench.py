@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedserve.engine.quantized_linear import compiled_gemm
+from pagedserve.engine.models.quantized_linear import compiled_gemm
 
 ROOT = Path(__file__).resolve().parents[2]
 

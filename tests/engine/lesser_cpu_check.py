@@ -11,8 +11,8 @@ import os
 import torch
 
 from pagedserve.engine import EngineConfig
-from pagedserve.engine.cpu_linear import can_pack
-from pagedserve.engine.quantized_linear import compiled_gemm
+from pagedserve.engine.models.cpu_linear import can_pack
+from pagedserve.engine.models.quantized_linear import compiled_gemm
 from pagedserve.kernels import cpu_features, cpu_ops
 
 REPORT_ENV = "PAGEDSERVE_LESSER_CPU_REPORT"

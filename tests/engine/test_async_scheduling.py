@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.frontend.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

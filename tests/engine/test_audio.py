@@ -1,6 +1,6 @@
-"""Audio in for Whisper (engine/audio.py): files written by soundfile in each format a client may
-send decode to the samples written (mixed to mono, resampled to 16 kHz), bad bytes get an error
-naming the formats, long audio splits into 30-second windows, and the features are
+"""Audio in for Whisper (engine/frontend/audio.py): files written by soundfile in each format a
+client may send decode to the samples written (mixed to mono, resampled to 16 kHz), bad bytes get an
+error naming the formats, long audio splits into 30-second windows, and the features are
 transformers' WhisperFeatureExtractor's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import soundfile
 import torch
 
-from pagedserve.engine.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
+from pagedserve.engine.frontend.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
 
 
 def _tone(seconds: float, rate: int, hz: float = 440.0, channels: int = 1) -> np.ndarray:

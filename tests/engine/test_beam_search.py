@@ -1,5 +1,5 @@
-"""Beam search on shared blocks (engine/beam_search.py) against transformers' own beam search on
-the same tiny random Llama: the same sequences and scores, with and without EOS, and no block
+"""Beam search on shared blocks (engine/core/beam_search.py) against transformers' own beam search
+on the same tiny random Llama: the same sequences and scores, with and without EOS, and no block
 left behind (finished, aborted, or with the engine's step in flight)."""
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine import model_source
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
-from pagedserve.engine.model_source import embedded_model_path, resolve_model
-from pagedserve.engine.weights import load_weights
+from pagedserve.engine.models import model_source
+from pagedserve.engine.models.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
+from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
+from pagedserve.engine.models.weights import load_weights
 from pagedserve.kernels import cpu_features
 from tests.helpers import tiny_config
 
@@ -371,7 +371,7 @@ def _write_metadata_gguf(path: Path, arch: str, rope_freqs: np.ndarray | None = 
 
 def _hf_rope_divisors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
     """What llama.cpp's converter stores in rope_freqs: plain RoPE's inverse frequencies over the
-    scaled ones, computed by transformers (the reference, not our engine.rotary)."""
+    scaled ones, computed by transformers (the reference, not our engine.models.rotary)."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -404,7 +404,7 @@ def test_rope_inv_freq_equals_transformers(scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from pagedserve.engine.rotary import rope_inv_freq
+    from pagedserve.engine.models.rotary import rope_inv_freq
 
     hf = LlamaConfig(
         hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=10000.0,

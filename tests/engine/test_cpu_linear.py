@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.cpu_linear import can_pack, is_packed, linear, pack, unpack
+from pagedserve.engine.models.cpu_linear import can_pack, is_packed, linear, pack, unpack
 from pagedserve.kernels import cpu_features
 
 PACKS_BF16 = can_pack(torch.device("cpu"), torch.bfloat16)

@@ -13,9 +13,9 @@ import random
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.cuda_graph import DecodeGraphs, capture_batch_sizes
-from pagedserve.engine.kv_cache import GiB, gpu_kv_cache_budget
-from pagedserve.engine.model_runner import ModelRunner, profile_step
+from pagedserve.engine.worker.cuda_graph import DecodeGraphs, capture_batch_sizes
+from pagedserve.engine.worker.kv_cache import GiB, gpu_kv_cache_budget
+from pagedserve.engine.worker.model_runner import ModelRunner, profile_step
 from pagedserve.kernels import triton_attention
 from pagedserve.scheduler.utils import cdiv
 from tests.helpers import hf_greedy

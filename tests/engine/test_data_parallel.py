@@ -1,7 +1,7 @@
-"""Data parallelism (engine/data_parallel.py): the router's picks for given loads and cached
-prefixes, exactly; then a DataParallelEngine of two real core processes on the tiny random Llama,
-checked against the in-process LLMEngine, with rewinds, aborts, the block maps and a core that
-fails to start."""
+"""Data parallelism (engine/frontend/data_parallel.py): the router's picks for given loads and
+cached prefixes, exactly; then a DataParallelEngine of two real core processes on the tiny random
+Llama, checked against the in-process LLMEngine, with rewinds, aborts, the block maps and a core
+that fails to start."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.async_engine import EngineDeadError
-from pagedserve.engine.data_parallel import (
+from pagedserve.engine.frontend.async_engine import EngineDeadError
+from pagedserve.engine.frontend.data_parallel import (
     BALANCE_FRACTION,
     BALANCE_MIN_TOKENS,
     DataParallelEngine,
@@ -22,7 +22,7 @@ from pagedserve.engine.data_parallel import (
     request_cost,
     sum_stats,
 )
-from pagedserve.engine.inputs import Prompt
+from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler.block_hash import hash_block_tokens
 from tests.helpers import process_alive, stream_with_rewind

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from pagedserve.engine.tokenizer import apply_chat_template, load_tokenizer
+from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from pagedserve.engine.frontend.tokenizer import apply_chat_template, load_tokenizer
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",
@@ -104,7 +104,7 @@ def test_decode_work_per_token_is_constant(tok, prompt_ids):
 
 
 def test_the_rust_decode_shortcut_equals_transformers_decode(tok):
-    from pagedserve.engine.detokenizer import _backend_decode
+    from pagedserve.engine.frontend.detokenizer import _backend_decode
 
     backend = _backend_decode(tok)
     assert backend is not None  # SmolLM2's tokenizer takes the shortcut

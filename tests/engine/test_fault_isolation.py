@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.core import is_out_of_memory
-from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.core.engine_core import is_out_of_memory
+from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
 from tests.helpers import NAN_TOKEN as BAD_TOKEN
 
 GOOD_PROMPTS = {"a": list(range(3, 13)), "b": list(range(40, 47))}

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from pagedserve.engine.weights import iter_gguf_weights
+from pagedserve.engine.models.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from pagedserve.engine.models.weights import iter_gguf_weights
 from tests.engine.test_model_families import _greedy, _llm, _prompts
 from tests.families import FAMILIES, GGUF_CHANGES, build_family
 from tests.gguf_writer import SentencePieceVocabulary, write_gguf_like_llama_cpp

@@ -10,7 +10,7 @@ import random
 import numpy as np
 
 from pagedserve.engine import LLM, LLMEngine, SamplingParams
-from pagedserve.engine.input_batch import InputBatch
+from pagedserve.engine.worker.input_batch import InputBatch
 from pagedserve.scheduler.kv_groups import blocks_per_request
 from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.families import build_family

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION
+from pagedserve.engine.models.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from pagedserve.kernels import triton_attention
 from tests.families import COMMON, FAMILIES, build_family
 from tests.helpers import hf_greedy

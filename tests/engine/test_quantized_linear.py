@@ -1,9 +1,10 @@
-"""Quantized weights kept quantized on CPU (engine/quantized_linear.py, kernels/csrc/cpu_quant.cpp):
-GGUF blocks parse to the values gguf dequantizes to, the int4/int8 weights hold those values (int4
-up to its bfloat16 scales, int8 up to its per-row requantization), torch's kernels and the compiled
-GEMM give the same products as a float64 reference on the same values, a tiny Llama GGUF runs
-through the engine with its matmul weights kept quantized and scores its tokens as the dense
-model of the same values does, and the real SmolLM2 Q4_1 file keeps 2.8x fewer weight bytes.
+"""Quantized weights kept quantized on CPU (engine/models/quantized_linear.py,
+kernels/csrc/cpu_quant.cpp): GGUF blocks parse to the values gguf dequantizes to, the int4/int8
+weights hold those values (int4 up to its bfloat16 scales, int8 up to its per-row requantization),
+torch's kernels and the compiled GEMM give the same products as a float64 reference on the same
+values, a tiny Llama GGUF runs through the engine with its matmul weights kept quantized and scores
+its tokens as the dense model of the same values does, and the real SmolLM2 Q4_1 file keeps 2.8x
+fewer weight bytes.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-import pagedserve.engine.quantized_linear as ql
+import pagedserve.engine.models.quantized_linear as ql
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.cpu_linear import pack
-from pagedserve.engine.model_config import ModelConfig
-from pagedserve.engine.quantized_linear import (
+from pagedserve.engine.models.cpu_linear import pack
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.quantized_linear import (
     Int4Weight,
     Int8Weight,
     QuantizedRows,

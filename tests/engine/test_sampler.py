@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedserve.engine.sampler import Sampler, SamplingRow, _filtered_probs
+from pagedserve.engine.worker.sampler import Sampler, SamplingRow, _filtered_probs
 from pagedserve.scheduler import SamplingParams
 
 
@@ -111,7 +111,7 @@ def test_logprobs_describe_the_unpenalised_distribution():
 
 
 def test_token_logprobs_score_given_tokens_with_per_row_k():
-    from pagedserve.engine.sampler import token_logprobs
+    from pagedserve.engine.worker.sampler import token_logprobs
 
     # Row 0 scores a mid-ranked token with k = 2; row 1 its top token with k = 0. Shifted logits
     # (not log-probabilities) check that the values are normalised.
@@ -128,7 +128,7 @@ def test_token_logprobs_score_given_tokens_with_per_row_k():
 
 
 def test_inverse_cdf_sample_picks_exact_tokens():
-    from pagedserve.engine.sampler import inverse_cdf_sample
+    from pagedserve.engine.worker.sampler import inverse_cdf_sample
 
     # 10 tokens in chunks of 4 (the last chunk padded): masses 0.375 | 0.0 | 0.625 (all exact
     # in binary, so the boundaries are exact too).
@@ -170,7 +170,7 @@ def test_mixed_greedy_and_random_rows():
 
 
 def test_to_device_keeps_cpu_tensors_and_builds_lists():
-    from pagedserve.engine.sampler import to_device
+    from pagedserve.engine.worker.sampler import to_device
 
     t = torch.arange(3)
     assert to_device(t, torch.long, torch.device("cpu")) is t
@@ -179,7 +179,7 @@ def test_to_device_keeps_cpu_tensors_and_builds_lists():
 
 
 def test_seeded_uniform_is_uniform_and_reproducible():
-    from pagedserve.engine.sampler import seeded_uniform
+    from pagedserve.engine.worker.sampler import seeded_uniform
 
     draws = [seeded_uniform(1234, k) for k in range(20_000)]
     assert draws == [seeded_uniform(1234, k) for k in range(20_000)]

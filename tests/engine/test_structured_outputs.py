@@ -45,7 +45,7 @@ def test_the_sampler_masks_the_constrained_rows_only(dtype):
     """Rows 0 and 2 may use only tokens 5 and 37 (37 over the bitmask's first word); row 1 is
     free. Greedy rows take the best allowed token; logprobs stay those of the model's own
     distribution (the caller's logits are not touched)."""
-    from pagedserve.engine.sampler import Sampler, SamplingRow
+    from pagedserve.engine.worker.sampler import Sampler, SamplingRow
 
     torch.manual_seed(0)
     vocab = 40
@@ -180,7 +180,7 @@ def test_constrained_outputs_survive_preemption_async_scheduling_and_drafts(
 
 
 def test_a_rewound_constrained_sample_goes_on_under_its_grammar(tiny_llama_dir):
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.frontend.llm_engine import LLMEngine
 
     llm = _tiny_llm(tiny_llama_dir)
     engine: LLMEngine = llm.engine

@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine import tokenizer as tokenizer_module
-from pagedserve.engine.model_config import builtin_config
-from pagedserve.engine.model_source import embedded_model_path, resolve_model
-from pagedserve.engine.tokenizer import (
+from pagedserve.engine.frontend import tokenizer as tokenizer_module
+from pagedserve.engine.frontend.tokenizer import (
     apply_chat_template,
     encode_prompt,
     eos_token_ids,
@@ -19,6 +17,8 @@ from pagedserve.engine.tokenizer import (
     normalize_messages,
     render_chat_prompt,
 )
+from pagedserve.engine.models.model_config import builtin_config
+from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # <|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face

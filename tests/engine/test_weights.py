@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagedserve.engine.model_config import ModelConfig
-from pagedserve.engine.model_source import embedded_model_path, resolve_model
-from pagedserve.engine.weights import (
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
+from pagedserve.engine.models.weights import (
     dummy_weights,
     iter_gguf_weights,
     iter_safetensors_weights,

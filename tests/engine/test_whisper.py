@@ -1,4 +1,4 @@
-"""Whisper's arithmetic (engine/whisper.py) against transformers on a tiny random
+"""Whisper's arithmetic (engine/models/whisper.py) against transformers on a tiny random
 `WhisperConfig` checkpoint saved with save_pretrained: the encoder states, each decoder layer's
 cross-attention keys and values, the decoder's logits, and greedy tokens for several synthetic
 audio inputs run together. (150 encoder positions instead of Whisper's 1500 keep it fast; the
@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from pagedserve.engine.whisper import (
+from pagedserve.engine.models.whisper import (
     PagedBatch,
     WhisperConfig,
     WhisperModel,

@@ -1,4 +1,4 @@
-"""Continuous batching of Whisper transcriptions (engine/whisper_engine.py) on the tiny random
+"""Continuous batching of Whisper transcriptions (engine/core/whisper_engine.py) on the tiny random
 checkpoint of tests/conftest.py: the tokens equal the reference's greedy decoding whatever the
 batch, each request's cross-attention blocks are allocated once at admission and both KV groups
 are freed when it ends or is aborted, and requests wait for blocks and for the step's encoder
@@ -11,8 +11,8 @@ import collections
 import pytest
 import torch
 
-from pagedserve.engine.whisper import greedy
-from pagedserve.engine.whisper_engine import TranscriptionRequest, WhisperEngine
+from pagedserve.engine.core.whisper_engine import TranscriptionRequest, WhisperEngine
+from pagedserve.engine.models.whisper import greedy
 from pagedserve.scheduler.block_pool import BlockPool
 from tests.helpers import whisper_features
 

@@ -1,4 +1,4 @@
-"""The Whisper serving loop (engine/whisper_service.py) on the tiny random checkpoint of
+"""The Whisper serving loop (engine/frontend/whisper_service.py) on the tiny random checkpoint of
 tests/conftest.py, and the decoder prompt and languages a model folder's generation config
 gives: windows come back with the reference's tokens, a stream left early aborts its windows
 and frees their blocks, shutdown fails what is in flight, the waiting-queue limit holds."""
@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine import cpu_linear
-from pagedserve.engine.async_engine import EngineDeadError, QueueFullError
-from pagedserve.engine.audio import log_mel
+from pagedserve.engine.core.whisper_engine import WhisperEngine
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.whisper import WhisperConfig, greedy
-from pagedserve.engine.whisper_engine import WhisperEngine
-from pagedserve.engine.whisper_service import (
+from pagedserve.engine.frontend.async_engine import EngineDeadError, QueueFullError
+from pagedserve.engine.frontend.audio import log_mel
+from pagedserve.engine.frontend.whisper_service import (
     TranscriptionService,
     WhisperDecoding,
     load_whisper,
     plan_blocks,
 )
+from pagedserve.engine.models import cpu_linear
+from pagedserve.engine.models.whisper import WhisperConfig, greedy
 
 
 def _audio(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -207,7 +207,7 @@ def test_a_model_without_language_tokens_starts_from_decoder_start(tiny_whisper)
     assert d.prompt("fr", [40, 41], 64) == [40, 41, 3]
     assert tokenizer.is_synthetic and len(tokenizer) == 300
     assert next(model.parameters()).dtype == torch.float32
-    # Matmul weights pre-packed for oneDNN where it can (engine/cpu_linear.py).
+    # Matmul weights pre-packed for oneDNN where it can (engine/models/cpu_linear.py).
     packs = cpu_linear.can_pack(torch.device("cpu"), torch.float32)
     assert cpu_linear.is_packed(model.model.decoder.embed_tokens.weight) == packs
     assert cpu_linear.is_packed(model.model.encoder.layers[0].fc1.weight) == packs

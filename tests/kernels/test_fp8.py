@@ -251,7 +251,7 @@ def test_reshape_and_cache_into_fp8_is_bit_equal_to_the_reference(dtype, x_dtype
 
 @pytest.mark.parametrize("dtype", FP8)
 def test_rotary_and_cache_into_fp8_is_bit_equal_to_the_reference(dtype):
-    from pagedserve.engine.rotary import RotaryEmbedding
+    from pagedserve.engine.models.rotary import RotaryEmbedding
 
     num_heads, num_kv_heads, head_dim, num_tokens = 6, 2, 64, 9
     rotary = RotaryEmbedding(head_dim, 256, 10000.0)

@@ -1,6 +1,7 @@
 """The fused decoder-layer ops: the Triton kernels (kernels.triton_fused) against the torch
-reference (kernels.reference), and the reference against the model's own code (engine/model.py,
-engine/rotary.py), so the engine can switch to either without changing a token.
+reference (kernels.reference), and the reference against the model's own code
+(engine/models/model.py, engine/models/rotary.py), so the engine can switch to either without
+changing a token.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). Dtypes: float32 and float16. bfloat16 is checked on the GPU by
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.engine.rotary import RotaryEmbedding
+from pagedserve.engine.models.rotary import RotaryEmbedding
 from pagedserve.kernels import reference, triton_attention, triton_fused
 
 pytestmark = pytest.mark.skipif(
@@ -368,9 +369,9 @@ def test_reference_silu_and_mul_equals_the_swiglu_activation_exactly(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reference_rotary_and_cache_equals_apply_rotary_and_reshape_and_cache(dtype):
-    # What engine/model.py did before the fused op: rotate q and k heads together with
-    # engine/rotary.py, then reshape_and_cache.
-    from pagedserve.engine.rotary import apply_rotary
+    # What engine/models/model.py did before the fused op: rotate q and k heads together with
+    # engine/models/rotary.py, then reshape_and_cache.
+    from pagedserve.engine.models.rotary import apply_rotary
 
     num_heads, num_kv_heads, head_dim, block_size, n = 6, 2, 64, 8, 7
     qkv = randn(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=6)

@@ -141,7 +141,7 @@ def _kv(server: RunningServer) -> dict[str, Any]:
 
 
 def _request_id(sample_id: str) -> str:
-    """A sample id is "<index>:<request id>" (engine/output_processor.py `_child_id`)."""
+    """A sample id is "<index>:<request id>" (engine/frontend/output_processor.py `_child_id`)."""
     return sample_id.partition(":")[2]
 
 

@@ -2,8 +2,8 @@
 Whisper of tests/conftest.py (saved with transformers, no tokenizer: a synthetic one) and the
 official openai client. What is checked is the request path, the form, audio decoding and the
 response formats: every window's tokens equal the reference's greedy decoding of the same
-features (engine/whisper.py `greedy`), in every format, streamed or not, alone or with others;
-bad input gets OpenAI-shaped errors on a connection that stays usable; blocks are all free
+features (engine/models/whisper.py `greedy`), in every format, streamed or not, alone or with
+others; bad input gets OpenAI-shaped errors on a connection that stays usable; blocks are all free
 after."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import openai
 import pytest
 import soundfile
 
-from pagedserve.engine.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.whisper import greedy
-from pagedserve.engine.whisper_service import load_whisper
+from pagedserve.engine.frontend.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
+from pagedserve.engine.frontend.whisper_service import load_whisper
+from pagedserve.engine.models.whisper import greedy
 from pagedserve.server.transcription_formats import format_transcription, full_text, window_segments
 from tests.server.util import client, metric, run_server, sse_events
 

@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from pagedserve.engine.attention_metadata import AttentionMetadata
 from pagedserve.engine.engine_config import GiB
-from pagedserve.engine.model import CausalLM, KVCache
+from pagedserve.engine.models.model import CausalLM, KVCache
+from pagedserve.engine.worker.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedserve")
 

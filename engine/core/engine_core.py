@@ -1,9 +1,10 @@
 """EngineCore: the model side of the engine, one step = schedule -> run model -> update.
 
 It knows samples (one scheduler request each) and token ids; text is the front end's
-(engine/output_processor.py). Token-level stops (EOS, stop token ids, max_tokens, max_model_len)
-are the scheduler's; a stop string found by the front end comes back as `finish_samples`.
-`LLMEngine` runs a core in the caller's process; engine/core_process.py runs one in its own.
+(engine/frontend/output_processor.py). Token-level stops (EOS, stop token ids, max_tokens,
+max_model_len) are the scheduler's; a stop string found by the front end comes back as
+`finish_samples`. `LLMEngine` runs a core in the caller's process; engine/frontend/core_process.py
+runs one in its own.
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ import msgspec
 import torch
 
 from pagedserve import kernels
-from pagedserve.engine.beam_search import BeamSearch, start_beam_search
-from pagedserve.engine.cpu_linear import can_pack
-from pagedserve.engine.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
+from pagedserve.engine.core.beam_search import BeamSearch, start_beam_search
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.kv_cache import (
+from pagedserve.engine.frontend.tokenizer import eos_token_ids, load_tokenizer
+from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
+from pagedserve.engine.models.cpu_linear import can_pack
+from pagedserve.engine.models.model import CausalLM
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.model_source import ModelSource, resolve_model
+from pagedserve.engine.models.quantized_linear import describe, keep_quantized
+from pagedserve.engine.models.weights import load_weights
+from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.engine.worker.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
+from pagedserve.engine.worker.kv_cache import (
     GiB,
     KVCachePlan,
     allocate_kv_caches,
@@ -31,16 +40,19 @@ from pagedserve.engine.kv_cache import (
     kv_cache_groups,
     plan_kv_cache,
 )
-from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
-from pagedserve.engine.model import CausalLM
-from pagedserve.engine.model_config import ModelConfig
-from pagedserve.engine.model_runner import ModelRunner, RunnerOutput, StepHandle, profile_step
-from pagedserve.engine.model_source import ModelSource, resolve_model
-from pagedserve.engine.parallel import TPEndpoint, TPGroup, describe_shards, free_port, plan_shards
-from pagedserve.engine.quantized_linear import describe, keep_quantized
-from pagedserve.engine.structured_output import StructuredOutputManager
-from pagedserve.engine.tokenizer import eos_token_ids, load_tokenizer
-from pagedserve.engine.weights import load_weights
+from pagedserve.engine.worker.model_runner import (
+    ModelRunner,
+    RunnerOutput,
+    StepHandle,
+    profile_step,
+)
+from pagedserve.engine.worker.parallel import (
+    TPEndpoint,
+    TPGroup,
+    describe_shards,
+    free_port,
+    plan_shards,
+)
 from pagedserve.scheduler import (
     Request,
     RequestStatus,
@@ -57,9 +69,9 @@ class EngineCore:
     """The model side of the engine: weights, KV cache, scheduler and runner. Takes samples
     (`add_samples`), steps them, returns what each step produced (`step_samples`).
 
-    With `tensor_parallel_size` N > 1 this is rank 0 of N (engine/parallel.py): it starts ranks
-    1..N-1 (engine/tp_worker.py), or joins those torchrun started, and sends them each step.
-    `endpoint` makes it another rank instead, which only runs `serve_as_worker()`."""
+    With `tensor_parallel_size` N > 1 this is rank 0 of N (engine/worker/parallel.py): it starts
+    ranks 1..N-1 (engine/worker/tp_worker.py), or joins those torchrun started, and sends them each
+    step. `endpoint` makes it another rank instead, which only runs `serve_as_worker()`."""
 
     def __init__(self, config: EngineConfig, endpoint: TPEndpoint | None = None) -> None:
         self.config = config
@@ -106,7 +118,7 @@ class EngineCore:
         if endpoint is None:  # rank 0 on one node: start the others
             threads = max(1, torch.get_num_threads() // size)
             endpoint = TPEndpoint(0, size, "127.0.0.1", free_port(), 0, threads)
-            from pagedserve.engine.tp_worker import start_workers
+            from pagedserve.engine.worker.tp_worker import start_workers
 
             self._workers = start_workers(config, endpoint)
             self._workers.watch()

@@ -31,21 +31,25 @@ import numpy as np
 import torch
 
 from pagedserve import kernels
-from pagedserve.engine.async_engine import (
+from pagedserve.engine.core.whisper_engine import TranscriptionRequest, WhisperEngine
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.frontend.async_engine import (
     CommandLoop,
     DrainingError,
     EngineDeadError,
     QueueFullError,
     _post,
 )
-from pagedserve.engine.audio import log_mel
-from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.kv_cache import GiB, default_cpu_kv_memory
+from pagedserve.engine.frontend.audio import log_mel
+from pagedserve.engine.frontend.tokenizer import (
+    TOKENIZER_FILES,
+    load_tokenizer,
+    synthetic_tokenizer,
+)
 from pagedserve.engine.messages import EngineStats
-from pagedserve.engine.tokenizer import TOKENIZER_FILES, load_tokenizer, synthetic_tokenizer
-from pagedserve.engine.weights import iter_safetensors_weights
-from pagedserve.engine.whisper import WhisperConfig, WhisperModel, whisper_config_of
-from pagedserve.engine.whisper_engine import TranscriptionRequest, WhisperEngine
+from pagedserve.engine.models.weights import iter_safetensors_weights
+from pagedserve.engine.models.whisper import WhisperConfig, WhisperModel, whisper_config_of
+from pagedserve.engine.worker.kv_cache import GiB, default_cpu_kv_memory
 from pagedserve.scheduler.utils import cdiv
 
 logger = logging.getLogger("pagedserve")
@@ -349,11 +353,11 @@ class TranscriptionService(CommandLoop):
         request_id: str,
         deltas: bool = True,
     ) -> TranscriptionStream:
-        """Queue one request per window of audio (16 kHz samples, engine/audio.py `windows`),
-        each decoding from `prompt` for as long as the decoder's positions allow; `deltas`: a
-        window's new tokens after every step (else all at once when it finishes). Call from a
-        running event loop. Raises (nothing queued) ValueError for what the engine cannot run,
-        QueueFullError, DrainingError and EngineDeadError."""
+        """Queue one request per window of audio (16 kHz samples, engine/frontend/audio.py
+        `windows`), each decoding from `prompt` for as long as the decoder's positions allow;
+        `deltas`: a window's new tokens after every step (else all at once when it finishes). Call
+        from a running event loop. Raises (nothing queued) ValueError for what the engine cannot
+        run, QueueFullError, DrainingError and EngineDeadError."""
         if not self.is_running:
             raise EngineDeadError(f"the engine has stopped ({self._error!r}); restart the server")
         if self.draining:

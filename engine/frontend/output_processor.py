@@ -14,10 +14,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from pagedserve.engine.inputs import Prompt
+from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from pagedserve.engine.frontend.inputs import Prompt
+from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.engine.messages import CoreRequest, SampleOutput, TokenLogprobs
-from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")

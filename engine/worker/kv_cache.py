@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.engine_config import GiB
-from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.scheduler.kv_groups import (
     KVCacheGroup,
     blocks_per_request,
@@ -214,7 +214,7 @@ def _tensor_parallel_lines(
 ) -> list[str]:
     """Each rank's KV heads and bytes for `num_tokens` tokens; every rank's pool has as many
     blocks as the one with the most heads has room for."""
-    from pagedserve.engine.parallel import (  # torch.distributed: only here
+    from pagedserve.engine.worker.parallel import (  # torch.distributed: only here
         describe_shards,
         plan_shards,
     )

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.quantized_linear import quantized
+from pagedserve.engine.models.quantized_linear import quantized
 from pagedserve.kernels import cpu_features
 
 _PACKED = "_pagedserve_onednn_packed"
@@ -61,8 +61,8 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the weight kept quantized (engine/quantized_linear.py)
-    or the packed weight when there is one."""
+    """`F.linear(x, weight, bias)`, through the weight kept quantized
+    (engine/models/quantized_linear.py) or the packed weight when there is one."""
     kept = quantized(weight)
     if kept is not None:
         return kept.linear(x, bias)

@@ -8,9 +8,9 @@ them back with the backends' kernels, and reads the cross-attention K/V from blo
 written once per request (`write_cross_kv`) from `cross_kv`; `cross_batch` lets the causal paged
 kernels read all encoder positions. `decode` attends over whole sequences held contiguously and
 `greedy` is the plain argmax loop over it: the reference the paged path equals.
-`engine/whisper_engine.py` batches requests over it (the two KV groups from one block pool,
-allocated at admission, freed with the request); `engine/whisper_service.py` serves that behind
-`/v1/audio/transcriptions`.
+`engine/core/whisper_engine.py` batches requests over it (the two KV groups from one block pool,
+allocated at admission, freed with the request); `engine/frontend/whisper_service.py` serves that
+behind `/v1/audio/transcriptions`.
 
 Whisper in brief: log-mel features [mel bins, 2 x positions] -> two convolutions (the second with
 stride 2) with GELU -> + learned positions -> pre-LayerNorm transformer layers (bidirectional) ->
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine import cpu_linear
+from pagedserve.engine.models import cpu_linear
 
 WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
 
@@ -179,7 +179,7 @@ def kv_plan_report(
 
 
 class _Linear(nn.Linear):
-    """nn.Linear through engine/cpu_linear.py: its oneDNN-packed weight once
+    """nn.Linear through engine/models/cpu_linear.py: its oneDNN-packed weight once
     `WhisperModel.pack_weights` attached one (on CPU), else F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,7 +422,7 @@ class WhisperModel(nn.Module):
 
     def pack_weights(self) -> bool:
         """Pre-pack every matmul weight (the projections and the tied embedding's logits) for
-        oneDNN where that applies (engine/cpu_linear.py: bf16 or float32 on CPU), after the
+        oneDNN where that applies (engine/models/cpu_linear.py: bf16 or float32 on CPU), after the
         weights are loaded and the model is on its device and dtype; whether it did."""
         weight = self.model.decoder.embed_tokens.weight
         if not cpu_linear.can_pack(weight.device, weight.dtype):

@@ -1,5 +1,5 @@
 """Ranks 1..N-1 of a tensor-parallel engine: processes that hold their slice of the model and its
-KV cache, and run each step rank 0 broadcasts (engine/parallel.py says how the model splits).
+KV cache, and run each step rank 0 broadcasts (engine/worker/parallel.py says how the model splits).
 
     rank 0 (the engine core: EngineCore)          rank r (`run_worker`: EngineCore, headless)
     ──────────────────────────────────            ──────────────────────────────────────────
@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.parallel import TPEndpoint
+from pagedserve.engine.worker.parallel import TPEndpoint
 
 logger = logging.getLogger("pagedserve")
 
@@ -119,7 +119,8 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
                 level,
             )
             process = subprocess.Popen(
-                [sys.executable, "-P", "-m", "pagedserve.engine.tp_worker"], stdin=subprocess.PIPE
+                [sys.executable, "-P", "-m", "pagedserve.engine.worker.tp_worker"],
+                stdin=subprocess.PIPE,
             )
             processes.append(process)
             process.stdin.write(pickle.dumps(args))
@@ -139,7 +140,7 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
 def run_worker(config: EngineConfig, endpoint: TPEndpoint) -> None:
     """Be rank `endpoint.rank`: build this rank's part of the engine, then run rank 0's steps
     until it says stop."""
-    from pagedserve.engine.core import (
+    from pagedserve.engine.core.engine_core import (
         EngineCore,
     )  # torch and the model: only once the process is set up
 

@@ -3,7 +3,7 @@
 It is an EngineCore (model, scheduler, runner) with the front end's two halves on top: the
 InputProcessor checks prompts, the OutputProcessor fans requests out into samples and turns
 what each core step produced into RequestOutputs (text, stop strings, logprobs). The offline LLM
-API and the server's in-process mode run it; engine/core_process.py splits the same pieces
+API and the server's in-process mode run it; engine/frontend/core_process.py splits the same pieces
 across two processes.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.engine.core import EngineCore
+from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.inputs import InputProcessor, Prompt
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.parallel import TPEndpoint
+from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.output_processor import OutputProcessor
+from pagedserve.engine.frontend.outputs import RequestOutput
+from pagedserve.engine.worker.parallel import TPEndpoint
 from pagedserve.scheduler import SamplingParams
 
 

@@ -8,8 +8,8 @@
                                                           └─> ProcessEngine 1 ─> core 1: ...
     each ProcessEngine's receiver thread: its core's outputs, detokenized, to the streams
 
-`DataParallelEngine` is an EngineClient over M `ProcessEngine`s (engine/core_process.py) that
-share the server's InputProcessor. A request is checked once (`add_request`, as for one core),
+`DataParallelEngine` is an EngineClient over M `ProcessEngine`s (engine/frontend/core_process.py)
+that share the server's InputProcessor. A request is checked once (`add_request`, as for one core),
 then routed to one core, which owns it to the end: its aborts, rewinds and outputs go through that
 core's ProcessEngine, and when it finishes its work is taken off the core's load.
 
@@ -59,15 +59,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pagedserve.engine.async_engine import (
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.frontend.async_engine import (
     EngineClient,
     EngineDeadError,
     RequestStream,
     check_core_index,
 )
-from pagedserve.engine.core_process import ProcessEngine, front_end_inputs
-from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.core_process import ProcessEngine, front_end_inputs
+from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import SamplingParams
 from pagedserve.scheduler.block_hash import hash_block_tokens

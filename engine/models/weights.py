@@ -17,9 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedserve.engine.engine_config import LOAD_FORMATS
-from pagedserve.engine.model_config import ModelConfig
-from pagedserve.engine.model_source import GGUFFile, ModelSource
-from pagedserve.engine.quantized_linear import KEPT_TYPES, QuantizedRows, gguf_rows
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.model_source import GGUFFile, ModelSource
+from pagedserve.engine.models.quantized_linear import KEPT_TYPES, QuantizedRows, gguf_rows
 
 # GGUF tensor name (inside blk.N.) -> Hugging Face module name (inside model.layers.N.), as
 # llama.cpp's converter maps them (gguf.TensorNameMap); families that differ override entries.
@@ -50,7 +50,8 @@ _GGUF_FAMILY_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # Stacked experts [E, out, in], named like transformers 5's stacked tensors (no ".weight"); gate
-# and up fill the two halves of `mlp.experts.gate_up_proj` (engine/model.py `_expert_targets`).
+# and up fill the two halves of `mlp.experts.gate_up_proj` (engine/models/model.py
+# `_expert_targets`).
 _GGUF_EXPERT_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
@@ -154,7 +155,7 @@ def iter_gguf_weights(
     checked against the shape `config` expects (`gguf_weight_shapes`).
 
     `keep_quantized`: Q4_0 / Q4_1 / Q8_0 matmul weights come as `QuantizedRows` (their codes and
-    scales, rows unpermuted likewise) instead (engine/quantized_linear.py).
+    scales, rows unpermuted likewise) instead (engine/models/quantized_linear.py).
     """
     reader = path if isinstance(path, gguf.GGUFReader) else GGUFFile(path)
     expected = gguf_weight_shapes(config)
@@ -209,7 +210,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return hf_files or files
 
 
-# Where a multimodal checkpoint (engine/model_config.py `MULTIMODAL_TEXT_MODELS`) keeps its
+# Where a multimodal checkpoint (engine/models/model_config.py `MULTIMODAL_TEXT_MODELS`) keeps its
 # language model, as saved by transformers 4 (the published files) and 5 -> the text model's own
 # names; and what else it holds, which pagedserve does not run.
 MULTIMODAL_PREFIXES = {

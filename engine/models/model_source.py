@@ -16,7 +16,7 @@ from typing import Literal
 import gguf
 import numpy as np
 
-from pagedserve.engine.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
+from pagedserve.engine.models.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -76,7 +76,7 @@ class ModelSource:
     kind "gguf": `gguf_file` is the .gguf file and `path` the folder holding it; the tokenizer
     is read from the same file.
     kind "dummy": random weights for a config alone: a built-in shape
-    (`engine.model_config.BUILTIN_SHAPES`; `path` None, no tokenizer) or a Hugging Face config.json
+    (`model_config.BUILTIN_SHAPES`; `path` None, no tokenizer) or a Hugging Face config.json
     file (`path` is the file; the tokenizer is its folder's, when the folder has tokenizer files).
     """
 

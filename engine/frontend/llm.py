@@ -8,12 +8,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedserve.engine.beam_search import BeamSearchParams, beam_score
+from pagedserve.engine.core.beam_search import BeamSearchParams, beam_score
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedserve.engine.parallel import TPEndpoint
-from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.engine.frontend.llm_engine import LLMEngine
+from pagedserve.engine.frontend.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.engine.frontend.tokenizer import apply_chat_template
+from pagedserve.engine.worker.parallel import TPEndpoint
 from pagedserve.scheduler import SamplingParams
 
 PromptInput = str | Sequence[int]
@@ -81,7 +81,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (strings or token-id lists): the `beam_width` best
-        sequences of each, best first (engine/beam_search.py says how they are found)."""
+        sequences of each, best first (engine/core/beam_search.py says how they are found)."""
         prompt_list = _as_prompt_list(prompts)
         sampling = params.sampling_params()
         outputs = self._run(prompt_list, [sampling] * len(prompt_list), use_tqdm)

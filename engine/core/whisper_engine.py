@@ -36,7 +36,7 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.engine.messages import EngineStats
-from pagedserve.engine.whisper import PagedBatch, WhisperModel, cross_batch
+from pagedserve.engine.models.whisper import PagedBatch, WhisperModel, cross_batch
 from pagedserve.scheduler.block_pool import Block, BlockPool
 from pagedserve.scheduler.utils import cdiv
 

@@ -38,9 +38,16 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pagedserve.engine.async_engine import EngineClient, EngineDeadError, RequestStream, _post
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.async_engine import (
+    EngineClient,
+    EngineDeadError,
+    RequestStream,
+    _post,
+)
+from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.output_processor import OutputProcessor
+from pagedserve.engine.frontend.tokenizer import load_tokenizer
 from pagedserve.engine.messages import (
     AbortSamples,
     AddRequest,
@@ -54,9 +61,7 @@ from pagedserve.engine.messages import (
     RewindSamples,
     Shutdown,
 )
-from pagedserve.engine.model_source import resolve_model
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
@@ -90,7 +95,7 @@ class ProcessEngine(EngineClient):
         num_threads: int | None = None,
     ) -> None:
         """`inputs`: the InputProcessor (tokenizer) to use, when the caller already has one for
-        this config (several cores behind one server share it: engine/data_parallel.py).
+        this config (several cores behind one server share it: engine/frontend/data_parallel.py).
         `num_threads`: torch's intra-op threads in the core process (None: torch's default)."""
         if inputs is None:
             inputs = front_end_inputs(config)
@@ -298,7 +303,7 @@ class ProcessEngine(EngineClient):
 
     def fail_requests(self, error: BaseException) -> None:
         """End every open request with `error` and abort it in the core, which goes on running
-        (a sibling core died: engine/data_parallel.py)."""
+        (a sibling core died: engine/frontend/data_parallel.py)."""
         with self._state_lock:
             sample_ids = [
                 sample_id
@@ -363,11 +368,15 @@ def run_engine_core(
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     import torch
 
-    from pagedserve.engine.core import EngineCore  # torch and the model code: only in this process
+    from pagedserve.engine.core.engine_core import (
+        EngineCore,  # torch and the model code: only in this process
+    )
     from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 
     keep_large_allocations_in_heap()  # the process's own entry point sets it (why: there)
-    if num_threads is not None:  # this process's share of the CPUs (engine/data_parallel.py)
+    if (
+        num_threads is not None
+    ):  # this process's share of the CPUs (engine/frontend/data_parallel.py)
         torch.set_num_threads(num_threads)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)

@@ -1,6 +1,6 @@
 """The engine as the server sees it: `EngineClient` (request streams, ids, the queue limit, failure
 state), and `AsyncEngine`, which runs an LLMEngine's step loop on a thread of the server's process.
-engine/core_process.py has the other client, with the engine core in a process of its own.
+engine/frontend/core_process.py has the other client, with the engine core in a process of its own.
 
     event loop thread (HTTP handlers)          engine loop thread (`run`)
     ─────────────────────────────────          ──────────────────────────
@@ -33,10 +33,10 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 
-from pagedserve.engine.inputs import InputProcessor, Prompt
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.llm_engine import LLMEngine
+from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
-from pagedserve.engine.outputs import RequestOutput
 from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
@@ -149,7 +149,7 @@ class EngineClient(ABC):
     @property
     def num_cores(self) -> int:
         """Engine cores behind this client, each with its own scheduler and KV cache (more than
-        one: engine/data_parallel.py)."""
+        one: engine/frontend/data_parallel.py)."""
         return 1
 
     @property

@@ -1,5 +1,5 @@
 """Audio in, for Whisper (issue 21): an uploaded file's bytes -> mono float32 samples at 16 kHz ->
-30-second windows -> log-mel features, the input `engine/whisper.py` encodes.
+30-second windows -> log-mel features, the input `engine/models/whisper.py` encodes.
 
 Decoding is soundfile's (libsndfile: WAV, FLAC, MP3, OGG Vorbis/Opus and more), resampling
 soxr's, the features transformers' `WhisperFeatureExtractor`, so each is the field's own code.

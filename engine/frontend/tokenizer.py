@@ -17,8 +17,8 @@ import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from pagedserve.engine.model_config import ModelConfig
-from pagedserve.engine.model_source import (
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.model_source import (
     EMBEDDED_MODELS,
     TOKENIZER_FILES,
     ModelSource,

@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from pagedserve import kernels
-from pagedserve.engine.attention_metadata import AttentionMetadata
-from pagedserve.engine.cuda_graph import DecodeGraphs
-from pagedserve.engine.input_batch import Batch, InputBatch
-from pagedserve.engine.model import CausalLM, KVCache
-from pagedserve.engine.parallel import TPGroup
-from pagedserve.engine.sampler import (
+from pagedserve.engine.models.model import CausalLM, KVCache
+from pagedserve.engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
+from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.worker.cuda_graph import DecodeGraphs
+from pagedserve.engine.worker.input_batch import Batch, InputBatch
+from pagedserve.engine.worker.parallel import TPGroup
+from pagedserve.engine.worker.sampler import (
     DeviceSample,
     LogprobTensors,
     Sampler,
@@ -26,7 +27,6 @@ from pagedserve.engine.sampler import (
     TokenLogprobs,
     to_device,
 )
-from pagedserve.engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
 from pagedserve.scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from pagedserve.scheduler.utils import cdiv
 
@@ -162,10 +162,10 @@ def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    """Runs the steps the scheduler plans, on the persistent batch (engine/input_batch.py).
+    """Runs the steps the scheduler plans, on the persistent batch (engine/worker/input_batch.py).
 
-    `graphs`, when set, runs the decode steps that fit it (see engine/cuda_graph.py); every other
-    step runs the model eagerly.
+    `graphs`, when set, runs the decode steps that fit it (see engine/worker/cuda_graph.py); every
+    other step runs the model eagerly.
 
     `launch(out)` prepares the step and starts its device work; the returned handle's `result()`
     brings the sampled ids back. A step launched before the previous one's result was read

@@ -22,9 +22,9 @@ own cache tensors, under the one block table the scheduler (rank 0's) keeps for 
 A mixture of experts is refused for now (its experts would need their own split).
 
 Rank 0 runs the engine core (scheduler, sampler, front end); ranks 1..N-1 run only the model
-(engine/tp_worker.py). Rank 0 broadcasts each step's plain-data SchedulerOutput over a gloo group
-(`TPGroup.send`), and every rank runs the same ModelRunner code on it, so the collectives inside
-the forward pass line up.
+(engine/worker/tp_worker.py). Rank 0 broadcasts each step's plain-data SchedulerOutput over a gloo
+group (`TPGroup.send`), and every rank runs the same ModelRunner code on it, so the collectives
+inside the forward pass line up.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedserve.engine.model_config import ModelConfig
+from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.scheduler.utils import cdiv
 
 # How long the ranks wait for each other to appear at start-up (loading weights comes after).

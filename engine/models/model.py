@@ -37,13 +37,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
-from pagedserve.engine.attention_metadata import AttentionMetadata
-from pagedserve.engine.cpu_linear import linear, pack
-from pagedserve.engine.kv_cache import kv_cache_groups
-from pagedserve.engine.model_config import ModelConfig
-from pagedserve.engine.parallel import TPGroup, TPShard
-from pagedserve.engine.quantized_linear import QuantizedRows, QuantizedWeight, attach, quantized
-from pagedserve.engine.rotary import RotaryEmbedding
+from pagedserve.engine.models.cpu_linear import linear, pack
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.quantized_linear import (
+    QuantizedRows,
+    QuantizedWeight,
+    attach,
+    quantized,
+)
+from pagedserve.engine.models.rotary import RotaryEmbedding
+from pagedserve.engine.worker.attention_metadata import AttentionMetadata
+from pagedserve.engine.worker.kv_cache import kv_cache_groups
+from pagedserve.engine.worker.parallel import TPGroup, TPShard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
 
@@ -273,7 +278,7 @@ class CausalLM(nn.Module):
 
     `attention_ops` is the backend module every layer calls (see the module docstring).
 
-    Tensor parallel (`shard` and `tp`, engine/parallel.py): the layers are this rank's slice
+    Tensor parallel (`shard` and `tp`, engine/worker/parallel.py): the layers are this rank's slice
     (`config` becomes `shard.local_config`), the embedding and lm_head its `shard.vocab_rows`
     rows of the vocabulary; the other ranks must run the same calls at the same time."""
 
@@ -394,9 +399,9 @@ class CausalLM(nn.Module):
 
     def prepare_matmul_weights(self, *, pack_dense: bool) -> list[QuantizedWeight]:
         """After `load_weights`: keep quantized each matmul weight whose rows all came quantized
-        (engine/quantized_linear.py; a tied embedding only in int8, whose lookups can read it),
-        freeing its dense values; pre-pack the others for oneDNN when `pack_dense` (bf16 and
-        float32 on CPU; see engine/cpu_linear.py). Returns the weights kept quantized."""
+        (engine/models/quantized_linear.py; a tied embedding only in int8, whose lookups can read
+        it), freeing its dense values; pre-pack the others for oneDNN when `pack_dense` (bf16 and
+        float32 on CPU; see engine/models/cpu_linear.py). Returns the weights kept quantized."""
         kept = []
         tied = self.embed_tokens if self.lm_head is None else None
         for param in self.matmul_weights():
@@ -418,8 +423,8 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]]) -> None:
         """Copy Hugging Face-named tensors into the (stacked) parameters; every parameter must be
         written exactly once or a ValueError names what is missing or unexpected. Quantized rows
-        (a GGUF file's, engine/weights.py `iter_gguf_weights(keep_quantized=True)`) are written
-        dequantized and kept for `prepare_matmul_weights`."""
+        (a GGUF file's, engine/models/weights.py `iter_gguf_weights(keep_quantized=True)`) are
+        written dequantized and kept for `prepare_matmul_weights`."""
         targets = self._weight_targets()
         # Parameter storage -> (address of the rows' view, the rows): views of a fused weight
         # (q/k/v, gate/up) start at increasing addresses, which orders its parts.
@@ -550,7 +555,7 @@ class CausalLM(nn.Module):
         add(gate_up, moe.gate_up)
         add(down, moe.down)
         part(p + "block_sparse_moe.gate.weight", p + "mlp.gate.weight", moe.router.data)
-        # GGUF files stack gate and up apart (engine/weights.py `gguf_weight_shapes`).
+        # GGUF files stack gate and up apart (engine/models/weights.py `gguf_weight_shapes`).
         part(p + "mlp.experts.gate_proj", gate_up, moe.gate_up.data.narrow(1, 0, inter))
         part(p + "mlp.experts.up_proj", gate_up, moe.gate_up.data.narrow(1, inter, inter))
         for e in range(self.config.num_experts):

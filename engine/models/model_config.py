@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedserve.engine.rotary import ROPE_SCALING_KEYS, rope_attention_factor, rope_inv_freq
+from pagedserve.engine.models.rotary import ROPE_SCALING_KEYS, rope_attention_factor, rope_inv_freq
 
 if TYPE_CHECKING:
     import gguf
@@ -36,8 +36,8 @@ ARCHITECTURE_CLASSES: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # GGUF files name their architecture themselves (llama.cpp's names); these are the ones whose
-# tensors the GGUF loader (engine/weights.py) knows, and the family each one is. A "llama" file
-# with experts is Mixtral (llama.cpp's converter writes Mixtral as "llama").
+# tensors the GGUF loader (engine/models/weights.py) knows, and the family each one is. A "llama"
+# file with experts is Mixtral (llama.cpp's converter writes Mixtral as "llama").
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "llama",
     "mistral": "mistral",
@@ -75,7 +75,7 @@ HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _CLASS_TO_ARCHITECTURE = {cls: arch for arch, cls in ARCHITECTURE_CLASSES.items()}
 # Multimodal checkpoints whose language model pagedserve serves alone (text in, text out): the
 # class -> the config key of its language model. Their weights load through the prefixes of
-# engine/weights.py `MULTIMODAL_PREFIXES`.
+# engine/models/weights.py `MULTIMODAL_PREFIXES`.
 MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "text_config"}
 
 # Defaults of the Hugging Face config classes, used when a config.json leaves a key out.
@@ -98,10 +98,10 @@ class ModelConfig:
 
     Invariants (checked in `__post_init__`): all sizes positive, `num_attention_heads` a multiple
     of `num_key_value_heads`, every eos id inside the vocabulary, `rope_scaling` (when set) of a
-    type the model implements (`engine.rotary.ROPE_SCALING_KEYS`) with the keys it needs,
+    type the model implements (`rotary.ROPE_SCALING_KEYS`) with the keys it needs,
     `layer_types` one entry per layer, and a mixture of experts' sizes all set.
 
-    What the families differ in beyond the shapes (engine/model.py reads these):
+    What the families differ in beyond the shapes (engine/models/model.py reads these):
       qk_norm        an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
       Gemma          `is_gemma`: norms multiply by (1 + weight), a norm after attention and after
                      the MLP as well as before each, embeddings scaled by sqrt(hidden_size)
@@ -293,7 +293,7 @@ class ModelConfig:
         [E, 2 * I, hidden] and `mlp.experts.down_proj` [E, hidden, I] with its router
         `mlp.gate`. `lm_head.weight` is absent when the embeddings are tied; q/k/v biases are
         present only when `attention_bias`. (Checkpoints that store each expert apart load too:
-        engine/model.py maps their names.)
+        engine/models/model.py maps their names.)
         """
         h, hd = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_attention_heads * hd, self.num_key_value_heads * hd
