@@ -1245,7 +1245,7 @@ def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     from pagedserve.engine.engine_config import EngineConfig
     from pagedserve.engine.frontend.audio import decode_audio, log_mel, windows
     from pagedserve.engine.frontend.whisper_service import TranscriptionService
-    from pagedserve.engine.models.whisper import WHISPER_SHAPES, WhisperConfig
+    from pagedserve.engine.models.whisper_config import WHISPER_SHAPES, WhisperConfig
 
     shape = {**WHISPER_SHAPES["whisper-tiny"], **(SMOKE_WHISPER if args.smoke else {})}
     c = WhisperConfig(**shape)
@@ -1304,7 +1304,7 @@ def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     the --smoke run, always): the tiny Llama's greedy tokens equal one rank's."""
     from pagedserve.engine import LLM, SamplingParams
     from pagedserve.engine.engine_config import EngineConfig
-    from pagedserve.engine.worker.parallel import TPEndpoint, free_port
+    from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 
     def build(distributed: bool, model: str, **kwargs) -> LLM:
         config = EngineConfig(model, device=sizes.device, load_format="dummy", **kwargs)
@@ -1550,8 +1550,8 @@ def write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> str:
 
 def tokenizer_args(model: str, scratch: Path) -> list[str]:
     """[] when the engine gives the model a tokenizer, else --tokenizer with a word-level one."""
-    from pagedserve.engine.frontend.tokenizer import load_tokenizer
     from pagedserve.engine.models.model_source import resolve_model
+    from pagedserve.engine.models.tokenizer import load_tokenizer
 
     source = resolve_model(model)
     if load_tokenizer(source) is not None:

@@ -125,7 +125,7 @@ def transformers_baseline(
 
     from pagedserve.engine.engine_config import DTYPES
     from pagedserve.engine.frontend.audio import decode_audio, log_mel, windows
-    from pagedserve.engine.models.whisper import WHISPER_SHAPES, WhisperConfig
+    from pagedserve.engine.models.whisper_config import WHISPER_SHAPES, WhisperConfig
 
     c = WhisperConfig(**WHISPER_SHAPES[shape])
     hf_config = transformers.WhisperConfig(

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from pagedserve.engine.models.quantized_linear import QUANTIZATIONS
 from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES, cpu_features
 
 DTYPES = {
@@ -37,6 +36,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # budget or this floor (Scheduler._prefill_cap; BENCHMARKS.md, "Prefill while decoding on CPU").
 CPU_SERVING_PREFILL_WHILE_DECODING = 256
 GiB = 1 << 30
+# The choices of --quantization (engine/models/quantized_linear.py acts on them).
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 
 def gib_to_bytes(text: str) -> int:

@@ -1,6 +1,6 @@
 """What passes between the front end (tokenizer, detokenizer, stop strings, streams) and the engine
 core (scheduler, model): plain msgspec structs, the same whether the core runs in the caller's
-process (LLMEngine) or in its own (engine/frontend/core_process.py sends them over ZeroMQ as
+process (LLMEngine) or in its own (engine/frontend/process_client.py sends them over ZeroMQ as
 msgpack).
 
 The core knows samples, not requests: a request with n samples arrives as n CoreRequests, and

@@ -1,7 +1,7 @@
 """`pagedserve serve`: build the engine (weights, KV cache), then serve it over HTTP.
 
 With the engine core in its own process (`--core-process`, the default;
-engine/frontend/core_process.py), or several cores each in one (`--data-parallel-size M`;
+engine/frontend/process_client.py), or several cores each in one (`--data-parallel-size M`;
 engine/frontend/data_parallel.py), the main thread supervises them and uvicorn runs on a second
 thread; in-process, the engine loop runs on the main thread instead (why:
 engine/frontend/async_engine.py). Ctrl-C or SIGTERM drains (`_Drain`): new requests are refused
@@ -16,22 +16,24 @@ import signal
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.async_engine import AsyncEngine, EngineClient
-from pagedserve.engine.frontend.core_process import ProcessEngine
+from pagedserve.engine.frontend.client import EngineClient
 from pagedserve.engine.frontend.data_parallel import DataParallelEngine
-from pagedserve.engine.frontend.llm_engine import LLMEngine
-from pagedserve.engine.frontend.whisper_service import TranscriptionService
-from pagedserve.engine.models.whisper import whisper_config_of
+from pagedserve.engine.frontend.process_client import ProcessEngine
+from pagedserve.engine.models.whisper_config import whisper_config_of
 from pagedserve.server.app import build_app, build_transcription_app
 from pagedserve.server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
+
+if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
+    from pagedserve.engine.frontend.whisper_service import TranscriptionService
 
 logger = logging.getLogger("pagedserve")
 
@@ -109,6 +111,8 @@ def run_server(
         core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
     client: EngineClient | TranscriptionService
     if whisper:
+        from pagedserve.engine.frontend.whisper_service import TranscriptionService
+
         client = TranscriptionService.from_config(config, max_queue_len)  # logs its plan
         description = client.describe()
     elif data_parallel_size > 1:
@@ -119,7 +123,10 @@ def run_server(
         client = ProcessEngine(config, max_queue_len=max_queue_len)
         client.start()  # loads the model in the core process; logs its plan there
         description = client.description
-    else:
+    else:  # the engine core in this process: only then does it import the model code
+        from pagedserve.engine.frontend.async_engine import AsyncEngine
+        from pagedserve.engine.frontend.llm_engine import LLMEngine
+
         engine = LLMEngine(config)  # logs parameters, dtype, device and the KV-cache plan
         client = AsyncEngine(engine, max_queue_len=max_queue_len)
         description = engine.describe()
@@ -132,7 +139,7 @@ def run_server(
             max_request_body_bytes=max_request_body_bytes,
             allowed_origins=allowed_origins,
         )
-        if isinstance(client, TranscriptionService):
+        if whisper:
             app = build_transcription_app(client, names, **common)
         else:
             app = build_app(client, names, max_n=max_n, tool_call_parser=tool_call_parser, **common)

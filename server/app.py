@@ -11,14 +11,14 @@ import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedserve.engine.frontend.async_engine import EngineClient, check_core_index
-from pagedserve.engine.frontend.whisper_service import TranscriptionService
+from pagedserve.engine.frontend.client import EngineClient, check_core_index
 from pagedserve.server.dashboard import dashboard_html
 from pagedserve.server.errors import (
     APIError,
@@ -43,6 +43,9 @@ from pagedserve.server.serving_transcriptions import (
     audio_seconds,
     create_transcription,
 )
+
+if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
+    from pagedserve.engine.frontend.whisper_service import TranscriptionService
 
 
 def version() -> str:

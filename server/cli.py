@@ -14,7 +14,7 @@ import sys
 
 from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 from pagedserve.engine.engine_config import DTYPES, EngineConfig
-from pagedserve.engine.worker.parallel import TPEndpoint
+from pagedserve.engine.tp_endpoint import TPEndpoint
 from pagedserve.server.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -39,21 +39,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_plan(args: argparse.Namespace) -> int:
+    from pagedserve.engine.models import whisper_config
     from pagedserve.engine.models.model_source import resolve_model
     from pagedserve.engine.worker.kv_cache import kv_plan_report
 
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
-    from pagedserve.engine.models import whisper
-
-    whisper_config = whisper.whisper_config_of(args.model)
-    if whisper_config is not None:  # an encoder-decoder: self- and cross-attention KV
-        tokens = args.max_model_len or whisper_config.max_target_positions
+    whisper = whisper_config.whisper_config_of(args.model)
+    if whisper is not None:  # an encoder-decoder: self- and cross-attention KV
+        tokens = args.max_model_len or whisper.max_target_positions
         dtype = EngineConfig(kv_cache_dtype=args.kv_cache_dtype).torch_kv_cache_dtype(
             DTYPES[args.dtype]
         )
-        report = whisper.kv_plan_report(
-            args.model, whisper_config, dtype, args.num_seqs, tokens, args.block_size
+        report = whisper_config.kv_plan_report(
+            args.model, whisper, dtype, args.num_seqs, tokens, args.block_size
         )
         print(report)
         return 0

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.engine.frontend.async_engine import DrainingError, EngineDeadError, QueueFullError
+from pagedserve.engine.frontend.client import DrainingError, EngineDeadError, QueueFullError
 from pagedserve.server.limits import QUEUE_FULL_RETRY_AFTER_S
 
 logger = logging.getLogger("pagedserve")

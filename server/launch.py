@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,12 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from pagedserve.engine.tp_endpoint import free_port
+
 # `python -m pagedserve.server.cli` is the `pagedserve` console script without needing it on PATH;
 # -P keeps the working directory off sys.path (from a checkout, its folders would shadow installed
 # modules: bench/__init__.py says why).
 DEFAULT_COMMAND = (sys.executable, "-P", "-m", "pagedserve.server.cli")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

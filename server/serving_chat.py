@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.engine.frontend.tokenizer import apply_chat_template
+from pagedserve.engine.models.tokenizer import apply_chat_template
 from pagedserve.scheduler.sampling_params import MAX_LOGPROBS
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedserve.engine.frontend.async_engine import EngineClient, RequestStream
+from pagedserve.engine.frontend.client import EngineClient, RequestStream
 from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.scheduler import SamplingParams, StructuredOutputs

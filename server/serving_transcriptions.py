@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from fastapi import Request
@@ -28,7 +29,6 @@ from starlette.datastructures import UploadFile
 
 from pagedserve.engine.frontend.audio import decode_audio, duration, windows
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.frontend.whisper_service import TranscriptionService, TranscriptionStream
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import Metrics
 from pagedserve.server.serving_common import (
@@ -46,6 +46,9 @@ from pagedserve.server.transcription_formats import (
     full_text,
     window_segments,
 )
+
+if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
+    from pagedserve.engine.frontend.whisper_service import TranscriptionService, TranscriptionStream
 
 logger = logging.getLogger("pagedserve")
 

@@ -216,7 +216,8 @@ def tiny_whisper(tmp_path_factory):
     import transformers
 
     from pagedserve.engine.models.weights import iter_safetensors_weights
-    from pagedserve.engine.models.whisper import WhisperConfig, WhisperModel
+    from pagedserve.engine.models.whisper import WhisperModel
+    from pagedserve.engine.models.whisper_config import WhisperConfig
 
     folder = tmp_path_factory.mktemp("tiny-whisper")
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ functions included, so that a lazy import cannot hide a dependency."""
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,108 @@ def test_imports_point_down_the_table(package):
     assert bad == []
 
 
+# engine/'s rooms (ARCHITECTURE.md): each may import the engine modules shared by all (at engine/'s
+# top level) and the rooms below it, down this table; the front end only the light modules of the
+# others (configs, the tokenizer, the core process's entry point), except in the modules that run
+# a core in the caller's process.
+ROOM_ALLOWED = {
+    "models": set(),
+    "worker": {"models"},
+    "core": {"worker", "models"},
+    "frontend": set(),
+}
+ENGINE_SHARED = {
+    "engine.engine_config", "engine.messages", "engine.structured_output",
+    "engine.cpu_allocator", "engine.tp_endpoint",
+}  # fmt: skip
+FRONT_END_MAY_IMPORT = {
+    "engine.models.model_config", "engine.models.model_source", "engine.models.tokenizer",
+    "engine.models.whisper_config", "engine.core.process", "engine.core.beam_search",
+}  # fmt: skip
+IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}
+# Until the steps of ARCHITECTURE.md's "Where engine/ is going" land: Whisper's service builds its
+# own engine, and a tensor-parallel rank runs a whole core.
+ROOM_EXCEPTIONS = {
+    "engine/frontend/whisper_service.py": {
+        "engine.core.whisper_engine", "engine.models.weights", "engine.models.whisper",
+        "engine.worker.kv_cache",
+    },
+    "engine/worker/tp_worker.py": {"engine.core.engine_core"},
+}  # fmt: skip
+
+
+def _room(path_or_module: str) -> str | None:
+    """The room of an engine file or module (None: shared, or not in engine/)."""
+    parts = path_or_module.removesuffix(".py").replace("/", ".").split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "engine" else None
+
+
+def _engine_targets(imp: Import) -> set[str]:
+    """The engine modules an import takes: `from pagedserve.engine.models import x` takes the
+    module engine.models.x."""
+    rooms = {f"engine.{room}" for room in ROOM_ALLOWED}
+    return {m for m in imp.modules if m != imp.project} if imp.project in rooms else {imp.project}
+
+
+def _may_import(path: str, target: str) -> bool:
+    room, target_room = _room(path), _room(target)
+    if target in ENGINE_SHARED or target_room == room:
+        return True
+    if room is None or target_room is None:  # shared modules import only shared ones
+        return False
+    if room == "frontend":
+        return target in FRONT_END_MAY_IMPORT or path in IN_PROCESS_FRONT_END
+    return target_room in ROOM_ALLOWED[room]
+
+
+def test_engine_rooms_import_down_their_table():
+    bad = [
+        f"{imp.path}:{imp.line} imports {target}"
+        for imp in ALL_IMPORTS["engine"]
+        if imp.path != "engine/__init__.py" and imp.top == "engine"
+        for target in _engine_targets(imp)
+        if not _may_import(imp.path, target) and target not in ROOM_EXCEPTIONS.get(imp.path, ())
+    ]
+    assert bad == []
+
+
+def test_the_room_rule_refuses_what_it_should():
+    # Guards the rule itself.
+    assert not _may_import("engine/models/model.py", "engine.worker.kv_cache")
+    assert not _may_import("engine/worker/sampler.py", "engine.core.engine_core")
+    assert not _may_import("engine/frontend/process_client.py", "engine.models.model")
+    assert not _may_import("engine/messages.py", "engine.models.model_config")
+    assert _may_import("engine/core/engine_core.py", "engine.worker.model_runner")
+    assert _may_import("engine/frontend/llm_engine.py", "engine.core.engine_core")
+
+
+# What the API server's process may load of engine/ (the model config's rotary parameters come
+# with the model config).
+FRONT_END_LOADS = FRONT_END_MAY_IMPORT | {"engine.models.rotary"}
+SERVER_PROCESS_IMPORTS = (
+    "pagedserve.server.cli", "pagedserve.server.api_server",
+    "pagedserve.engine.frontend.process_client", "pagedserve.engine.frontend.data_parallel",
+)  # fmt: skip
+
+
+def test_the_api_servers_process_loads_no_model_worker_or_core_code():
+    # The model, the worker and the core load in the core's process (and in the server's only
+    # with --no-core-process).
+    script = (
+        f"import sys\nimport {', '.join(SERVER_PROCESS_IMPORTS)}\n"
+        "print(*sorted(m for m in sys.modules if m.startswith('pagedserve.engine')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded = {m.removeprefix(f"{NAMESPACE}.") for m in done.stdout.split()}
+    assert "engine.frontend.process_client" in loaded  # the scan itself works
+    heavy = sorted(
+        m for m in loaded if _room(m) and _room(m) != "frontend" and m not in FRONT_END_LOADS
+    )
+    in_process = sorted(m for m in loaded if m.replace(".", "/") + ".py" in IN_PROCESS_FRONT_END)
+    assert (heavy, in_process) == ([], [])
+
+
 def test_scheduler_is_pure_python():
     third_party = [
         f"{i.path}:{i.line} imports {i.module}"
@@ -175,7 +278,7 @@ def test_only_entry_points_tune_the_allocator():
     }
     assert callers == {
         "server/cli.py",
-        "engine/frontend/core_process.py",  # the entry point of the engine core's own process
+        "engine/core/process.py",  # the entry point of the engine core's own process
         "engine/worker/tp_worker.py",  # the entry point of a tensor-parallel rank's process
         "tests/conftest.py",
         "bench/compare_serve.py",

@@ -3,7 +3,7 @@
 It knows samples (one scheduler request each) and token ids; text is the front end's
 (engine/frontend/output_processor.py). Token-level stops (EOS, stop token ids, max_tokens,
 max_model_len) are the scheduler's; a stop string found by the front end comes back as
-`finish_samples`. `LLMEngine` runs a core in the caller's process; engine/frontend/core_process.py
+`finish_samples`. `LLMEngine` runs a core in the caller's process; engine/frontend/process_client.py
 runs one in its own.
 """
 
@@ -21,15 +21,17 @@ import torch
 from pagedserve import kernels
 from pagedserve.engine.core.beam_search import BeamSearch, start_beam_search
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
 from pagedserve.engine.models.cpu_linear import can_pack
 from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import ModelSource, resolve_model
+from pagedserve.engine.models.parallel import TPGroup, describe_shards, plan_shards
 from pagedserve.engine.models.quantized_linear import describe, keep_quantized
+from pagedserve.engine.models.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.models.weights import load_weights
 from pagedserve.engine.structured_output import StructuredOutputManager
+from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 from pagedserve.engine.worker.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from pagedserve.engine.worker.kv_cache import (
     GiB,
@@ -37,7 +39,6 @@ from pagedserve.engine.worker.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
     gpu_kv_cache_budget,
-    kv_cache_groups,
     plan_kv_cache,
 )
 from pagedserve.engine.worker.model_runner import (
@@ -45,13 +46,6 @@ from pagedserve.engine.worker.model_runner import (
     RunnerOutput,
     StepHandle,
     profile_step,
-)
-from pagedserve.engine.worker.parallel import (
-    TPEndpoint,
-    TPGroup,
-    describe_shards,
-    free_port,
-    plan_shards,
 )
 from pagedserve.scheduler import (
     Request,
@@ -69,7 +63,7 @@ class EngineCore:
     """The model side of the engine: weights, KV cache, scheduler and runner. Takes samples
     (`add_samples`), steps them, returns what each step produced (`step_samples`).
 
-    With `tensor_parallel_size` N > 1 this is rank 0 of N (engine/worker/parallel.py): it starts
+    With `tensor_parallel_size` N > 1 this is rank 0 of N (engine/models/parallel.py): it starts
     ranks 1..N-1 (engine/worker/tp_worker.py), or joins those torchrun started, and sends them each
     step. `endpoint` makes it another rank instead, which only runs `serve_as_worker()`."""
 
@@ -286,7 +280,7 @@ class EngineCore:
         measure its activation peak, and give the KV cache what the --gpu-memory-utilization
         share leaves after that peak and everything already in use."""
         device, mc, block_size = self.device, self.model_config, self.config.block_size
-        groups = kv_cache_groups(mc)
+        groups = mc.kv_cache_groups()
         step = profile_step(
             self.max_num_batched_tokens,
             self.config.max_num_seqs,
@@ -363,7 +357,7 @@ class EngineCore:
             max_batch,
             cdiv(self.max_model_len, self.config.block_size),
             self.device,
-            num_groups=len(kv_cache_groups(self.model_config)),
+            num_groups=len(self.model_config.kv_cache_groups()),
         )
         graphs.capture_all()
         return graphs

@@ -8,7 +8,7 @@
                                                           └─> ProcessEngine 1 ─> core 1: ...
     each ProcessEngine's receiver thread: its core's outputs, detokenized, to the streams
 
-`DataParallelEngine` is an EngineClient over M `ProcessEngine`s (engine/frontend/core_process.py)
+`DataParallelEngine` is an EngineClient over M `ProcessEngine`s (engine/frontend/process_client.py)
 that share the server's InputProcessor. A request is checked once (`add_request`, as for one core),
 then routed to one core, which owns it to the end: its aborts, rewinds and outputs go through that
 core's ProcessEngine, and when it finishes its work is taken off the core's load.
@@ -60,14 +60,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.async_engine import (
+from pagedserve.engine.frontend.client import (
     EngineClient,
     EngineDeadError,
     RequestStream,
     check_core_index,
 )
-from pagedserve.engine.frontend.core_process import ProcessEngine, front_end_inputs
 from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.process_client import ProcessEngine, front_end_inputs
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import SamplingParams
 from pagedserve.scheduler.block_hash import hash_block_tokens

@@ -12,8 +12,8 @@ from pagedserve.engine.core.beam_search import BeamSearchParams, beam_score
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.frontend.llm_engine import LLMEngine
 from pagedserve.engine.frontend.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedserve.engine.frontend.tokenizer import apply_chat_template
-from pagedserve.engine.worker.parallel import TPEndpoint
+from pagedserve.engine.models.tokenizer import apply_chat_template
+from pagedserve.engine.tp_endpoint import TPEndpoint
 from pagedserve.scheduler import SamplingParams
 
 PromptInput = str | Sequence[int]

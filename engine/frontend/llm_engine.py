@@ -3,8 +3,8 @@
 It is an EngineCore (model, scheduler, runner) with the front end's two halves on top: the
 InputProcessor checks prompts, the OutputProcessor fans requests out into samples and turns
 what each core step produced into RequestOutputs (text, stop strings, logprobs). The offline LLM
-API and the server's in-process mode run it; engine/frontend/core_process.py splits the same pieces
-across two processes.
+API and the server's in-process mode run it; engine/frontend/process_client.py splits the same
+pieces across two processes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
 from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.frontend.outputs import RequestOutput
-from pagedserve.engine.worker.parallel import TPEndpoint
+from pagedserve.engine.tp_endpoint import TPEndpoint
 from pagedserve.scheduler import SamplingParams
 
 

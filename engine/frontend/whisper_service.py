@@ -33,22 +33,23 @@ import torch
 from pagedserve import kernels
 from pagedserve.engine.core.whisper_engine import TranscriptionRequest, WhisperEngine
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.async_engine import (
-    CommandLoop,
+from pagedserve.engine.frontend.async_engine import CommandLoop
+from pagedserve.engine.frontend.audio import log_mel
+from pagedserve.engine.frontend.client import (
     DrainingError,
     EngineDeadError,
     QueueFullError,
-    _post,
+    post_to_loop,
 )
-from pagedserve.engine.frontend.audio import log_mel
-from pagedserve.engine.frontend.tokenizer import (
+from pagedserve.engine.messages import EngineStats
+from pagedserve.engine.models.tokenizer import (
     TOKENIZER_FILES,
     load_tokenizer,
     synthetic_tokenizer,
 )
-from pagedserve.engine.messages import EngineStats
 from pagedserve.engine.models.weights import iter_safetensors_weights
-from pagedserve.engine.models.whisper import WhisperConfig, WhisperModel, whisper_config_of
+from pagedserve.engine.models.whisper import WhisperModel
+from pagedserve.engine.models.whisper_config import WhisperConfig, whisper_config_of
 from pagedserve.engine.worker.kv_cache import GiB, default_cpu_kv_memory
 from pagedserve.scheduler.utils import cdiv
 
@@ -443,7 +444,7 @@ class TranscriptionService(CommandLoop):
             if r.finish_reason is None and (len(r.output) == sent or not stream.deltas):
                 continue
             output = WindowOutput(window, r.output[sent:], r.finish_reason)
-            _post(stream.loop, stream.queue.put_nowait, output)
+            post_to_loop(stream.loop, stream.queue.put_nowait, output)
             if r.finish_reason is None:
                 self._live[r.request_id] = (stream, window, len(r.output))
             else:
@@ -465,7 +466,7 @@ class TranscriptionService(CommandLoop):
                 del self._live[request_id]
         with self._lock:
             self._windows_left.pop(id(stream), None)
-        _post(stream.loop, stream.queue.put_nowait, error)
+        post_to_loop(stream.loop, stream.queue.put_nowait, error)
 
     def _fail_all(self, error: BaseException, commands: list[tuple] = ()) -> None:
         """Every stream gets `error`: those running and those whose windows are still among the
@@ -478,7 +479,7 @@ class TranscriptionService(CommandLoop):
         streams = {id(s): s for s, _, _ in self._live.values()}
         streams.update((id(p[0]), p[0]) for kind, p in commands if kind == "add")
         for stream in streams.values():
-            _post(stream.loop, stream.queue.put_nowait, error)
+            post_to_loop(stream.loop, stream.queue.put_nowait, error)
         self._live.clear()
         with self._lock:
             self._windows_left.clear()

@@ -37,8 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.parallel import TPGroup, TPShard
 from pagedserve.engine.models.quantized_linear import (
     QuantizedRows,
     QuantizedWeight,
@@ -46,9 +48,6 @@ from pagedserve.engine.models.quantized_linear import (
     quantized,
 )
 from pagedserve.engine.models.rotary import RotaryEmbedding
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
-from pagedserve.engine.worker.kv_cache import kv_cache_groups
-from pagedserve.engine.worker.parallel import TPGroup, TPShard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
 
@@ -278,7 +277,7 @@ class CausalLM(nn.Module):
 
     `attention_ops` is the backend module every layer calls (see the module docstring).
 
-    Tensor parallel (`shard` and `tp`, engine/worker/parallel.py): the layers are this rank's slice
+    Tensor parallel (`shard` and `tp`, engine/models/parallel.py): the layers are this rank's slice
     (`config` becomes `shard.local_config`), the embedding and lm_head its `shard.vocab_rows`
     rows of the vocabulary; the other ranks must run the same calls at the same time."""
 
@@ -310,7 +309,7 @@ class CausalLM(nn.Module):
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype first.
         self.embed_scale = math.sqrt(config.hidden_size) if config.is_gemma else None
         group_of = {
-            layer: g for g, group in enumerate(kv_cache_groups(config)) for layer in group.layers
+            layer: g for g, group in enumerate(config.kv_cache_groups()) for layer in group.layers
         }
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, group_of[i], attention_ops, tp)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pagedserve.engine.models.rotary import ROPE_SCALING_KEYS, rope_attention_factor, rope_inv_freq
+from pagedserve.scheduler.kv_groups import KVCacheGroup, group_layers
 
 if TYPE_CHECKING:
     import gguf
@@ -271,6 +272,10 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for a full-attention layer."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The KV-cache groups of the layers (by each layer's window)."""
+        return group_layers([self.layer_window(i) for i in range(self.num_hidden_layers)])
 
     @property
     def routing_weights_in_dtype(self) -> bool:

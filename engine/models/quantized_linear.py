@@ -34,11 +34,12 @@ import gguf
 import numpy as np
 import torch
 
+from pagedserve.engine.engine_config import QUANTIZATIONS
+
 GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block: inputs per scale
 INT4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
 INT8_TYPES = (gguf.GGMLQuantizationType.Q8_0,)
 KEPT_TYPES = INT4_TYPES + INT8_TYPES
-QUANTIZATIONS = ("auto", "none", "gguf")
 
 _QUANTIZED = "_pagedserve_quantized"
 logger = logging.getLogger(__name__)

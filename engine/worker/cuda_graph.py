@@ -26,8 +26,8 @@ import time
 import torch
 
 from pagedserve.engine.engine_config import GiB
+from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.model import CausalLM, KVCache
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedserve")
 

@@ -24,15 +24,9 @@ from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.scheduler.kv_groups import (
     KVCacheGroup,
     blocks_per_request,
-    group_layers,
     layers_per_block,
 )
 from pagedserve.scheduler.utils import cdiv
-
-
-def kv_cache_groups(config: ModelConfig) -> tuple[KVCacheGroup, ...]:
-    """The KV-cache groups of a model's layers (by each layer's window)."""
-    return group_layers([config.layer_window(i) for i in range(config.num_hidden_layers)])
 
 
 def default_cpu_kv_memory() -> int:
@@ -128,7 +122,7 @@ def plan_kv_cache(
 
     `max_chunk`: the most tokens one step computes for a request (the step's token budget;
     max_model_len when None), which the sliding groups hold next to their window."""
-    groups = kv_cache_groups(config)
+    groups = config.kv_cache_groups()
     per_block = bytes_per_block(config, groups, dtype, block_size)
     if num_blocks is None:
         budget = default_cpu_kv_memory() if memory_bytes is None else memory_bytes
@@ -193,7 +187,7 @@ def kv_plan_report(
             f"hold {blocks_per_seq}: {by_layer} bytes ({by_layer / GiB:.3f} GiB, "
             f"{total / by_layer:.2f}x less than without)"
         )
-        groups = kv_cache_groups(config)
+        groups = config.kv_cache_groups()
         group_blocks = blocks_per_request([g.window for g in groups], T, block_size, 1)
         engine_bytes = B * group_blocks * bytes_per_block(config, groups, dtype, block_size)
         kinds = ", ".join(
@@ -214,10 +208,8 @@ def _tensor_parallel_lines(
 ) -> list[str]:
     """Each rank's KV heads and bytes for `num_tokens` tokens; every rank's pool has as many
     blocks as the one with the most heads has room for."""
-    from pagedserve.engine.worker.parallel import (  # torch.distributed: only here
-        describe_shards,
-        plan_shards,
-    )
+    # torch.distributed: only here
+    from pagedserve.engine.models.parallel import describe_shards, plan_shards
 
     shards = plan_shards(config, size)
     lines = [describe_shards(config, shards)]

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from pagedserve import kernels
+from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.model import CausalLM, KVCache
+from pagedserve.engine.models.parallel import TPGroup
 from pagedserve.engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
-from pagedserve.engine.worker.attention_metadata import AttentionMetadata
 from pagedserve.engine.worker.cuda_graph import DecodeGraphs
 from pagedserve.engine.worker.input_batch import Batch, InputBatch
-from pagedserve.engine.worker.parallel import TPGroup
 from pagedserve.engine.worker.sampler import (
     DeviceSample,
     LogprobTensors,

@@ -1,5 +1,5 @@
 """Ranks 1..N-1 of a tensor-parallel engine: processes that hold their slice of the model and its
-KV cache, and run each step rank 0 broadcasts (engine/worker/parallel.py says how the model splits).
+KV cache, and run each step rank 0 broadcasts (engine/models/parallel.py says how the model splits).
 
     rank 0 (the engine core: EngineCore)          rank r (`run_worker`: EngineCore, headless)
     ──────────────────────────────────            ──────────────────────────────────────────
@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.worker.parallel import TPEndpoint
+from pagedserve.engine.tp_endpoint import TPEndpoint
 
 logger = logging.getLogger("pagedserve")
 

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.frontend.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from pagedserve.engine.frontend.async_engine import AsyncEngine
+from pagedserve.engine.frontend.client import EngineDeadError, QueueFullError
 from tests.helpers import stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(8)]

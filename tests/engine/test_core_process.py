@@ -11,8 +11,8 @@ import time
 import pytest
 
 from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from pagedserve.engine.frontend.async_engine import EngineDeadError
-from pagedserve.engine.frontend.core_process import ProcessEngine
+from pagedserve.engine.frontend.client import EngineDeadError
+from pagedserve.engine.frontend.process_client import ProcessEngine
 from pagedserve.engine.messages import AddRequest
 from tests.helpers import process_alive, stream_with_rewind
 

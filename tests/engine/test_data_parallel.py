@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.frontend.async_engine import EngineDeadError
+from pagedserve.engine.frontend.client import EngineDeadError
 from pagedserve.engine.frontend.data_parallel import (
     BALANCE_FRACTION,
     BALANCE_MIN_TOKENS,

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from pagedserve.engine.frontend.tokenizer import apply_chat_template, load_tokenizer
+from pagedserve.engine.models.tokenizer import apply_chat_template, load_tokenizer
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.frontend.tokenizer import (
+from pagedserve.engine.models.model_config import ModelConfig, builtin_config
+from pagedserve.engine.models.model_source import resolve_model
+from pagedserve.engine.models.tokenizer import (
     apply_chat_template,
     is_synthetic_tokenizer,
     load_tokenizer,
     render_chat_prompt,
     synthetic_tokenizer,
 )
-from pagedserve.engine.models.model_config import ModelConfig, builtin_config
-from pagedserve.engine.models.model_source import resolve_model
 from tests.helpers import TINY_CONFIG_JSON  # 300 ids, bos 1, eos 2; 0 and 3..257 are bytes
 
 
@@ -145,7 +145,7 @@ def test_chat_template(tok):
 
 def test_load_tokenizer_warns_and_files_win(tok, caplog, tmp_path: Path):
     source = resolve_model("smollm2-135m")
-    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.frontend.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.models.tokenizer"):
         synthetic = load_tokenizer(source)
     assert is_synthetic_tokenizer(synthetic) and len(synthetic) == 49152
     assert synthetic.name_or_path == "synthetic:smollm2-135m"
@@ -160,7 +160,7 @@ def test_load_tokenizer_warns_and_files_win(tok, caplog, tmp_path: Path):
     assert override.encode("<260><|eos|>h") == [260, 2, ord("h") + 2]
     # A config.json next to tokenizer files: those are the model's tokenizer.
     (tmp_path / "tok" / "config.json").write_text(json.dumps(TINY_CONFIG_JSON))
-    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.frontend.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine.models.tokenizer"):
         beside = load_tokenizer(resolve_model(str(tmp_path / "tok" / "config.json")))
     assert not is_synthetic_tokenizer(beside) and len(beside) == 300
     assert len(caplog.messages) == 1  # no second warning

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/worker/parallel.py, engine/worker/tp_worker.py) on CPU over gloo: how
+"""Tensor parallelism (engine/models/parallel.py, engine/worker/tp_worker.py) on CPU over gloo: how
 each model splits, and greedy tokens of N ranks equal to one rank's, for even, uneven and replicated
 KV heads, the families whose weights are stored fused (Phi-3) or carry extra norms (Gemma 3), and
 the real SmolLM2 (3 KV heads on 2 ranks). Rank 0 is this test's process; the other ranks are
@@ -17,7 +17,8 @@ from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.messages import CoreRequest
 from pagedserve.engine.models.model_config import ModelConfig
-from pagedserve.engine.worker.parallel import TPEndpoint, TPShard, free_port, plan_shards
+from pagedserve.engine.models.parallel import TPShard, plan_shards
+from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 from pagedserve.scheduler import StructuredOutputs
 from tests.families import COMMON, build_family
 from tests.helpers import tiny_config

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.frontend import tokenizer as tokenizer_module
-from pagedserve.engine.frontend.tokenizer import (
+from pagedserve.engine.models import tokenizer as tokenizer_module
+from pagedserve.engine.models.model_config import builtin_config
+from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
+from pagedserve.engine.models.tokenizer import (
     apply_chat_template,
     encode_prompt,
     eos_token_ids,
@@ -17,8 +19,6 @@ from pagedserve.engine.frontend.tokenizer import (
     normalize_messages,
     render_chat_prompt,
 )
-from pagedserve.engine.models.model_config import builtin_config
-from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 # <|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face

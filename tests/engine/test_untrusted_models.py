@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine import LLM
-from pagedserve.engine.frontend.tokenizer import load_tokenizer
 from pagedserve.engine.models.model_source import resolve_model
+from pagedserve.engine.models.tokenizer import load_tokenizer
 from pagedserve.server.cli import build_parser
 
 

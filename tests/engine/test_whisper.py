@@ -13,14 +13,8 @@ import json
 import pytest
 import torch
 
-from pagedserve.engine.models.whisper import (
-    PagedBatch,
-    WhisperConfig,
-    WhisperModel,
-    cross_batch,
-    greedy,
-    whisper_config_of,
-)
+from pagedserve.engine.models.whisper import PagedBatch, WhisperModel, cross_batch, greedy
+from pagedserve.engine.models.whisper_config import WhisperConfig, whisper_config_of
 from pagedserve.server.cli import main as cli_main
 from tests.helpers import whisper_features
 

@@ -14,8 +14,8 @@ import torch
 
 from pagedserve.engine.core.whisper_engine import WhisperEngine
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.async_engine import EngineDeadError, QueueFullError
 from pagedserve.engine.frontend.audio import log_mel
+from pagedserve.engine.frontend.client import EngineDeadError, QueueFullError
 from pagedserve.engine.frontend.whisper_service import (
     TranscriptionService,
     WhisperDecoding,
@@ -23,7 +23,8 @@ from pagedserve.engine.frontend.whisper_service import (
     plan_blocks,
 )
 from pagedserve.engine.models import cpu_linear
-from pagedserve.engine.models.whisper import WhisperConfig, greedy
+from pagedserve.engine.models.whisper import greedy
+from pagedserve.engine.models.whisper_config import WhisperConfig
 
 
 def _audio(n: int, seed: int = 0) -> list[np.ndarray]:

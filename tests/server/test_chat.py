@@ -159,7 +159,7 @@ def test_chat_logprobs(server):
 
 def test_chat_beam_search(server, real_llm):
     from pagedserve.engine import BeamSearchParams
-    from pagedserve.engine.frontend.tokenizer import apply_chat_template
+    from pagedserve.engine.models.tokenizer import apply_chat_template
 
     c = client(server)
     r = c.chat.completions.create(

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from pagedserve.server.launch import free_port
+from pagedserve.engine.tp_endpoint import free_port
 from tests.helpers import child_pids, process_alive
 from tests.server.conftest import SMOLLM2_ARGS
 from tests.server.util import PAGEDSERVE, sse_events

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.server.launch import free_port, wait_healthy
+from pagedserve.engine.tp_endpoint import free_port
+from pagedserve.server.launch import wait_healthy
 from tests.server.util import PAGEDSERVE
 
 # The dummy model with room for long streams: a stream whose end the test must not reach takes

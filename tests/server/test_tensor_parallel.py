@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from pagedserve.server.launch import free_port
+from pagedserve.engine.tp_endpoint import free_port
 from tests.helpers import child_pids
 from tests.server.conftest import SMOLLM2_ARGS
 from tests.server.test_core_process import _server, _Stream, _wait_gone

@@ -303,7 +303,7 @@ def test_streaming_holds_back_a_call_and_nothing_else():
 
 
 def test_a_template_with_tools_gets_them_and_earlier_calls_as_objects():
-    from pagedserve.engine.frontend.tokenizer import render_chat_prompt, synthetic_tokenizer
+    from pagedserve.engine.models.tokenizer import render_chat_prompt, synthetic_tokenizer
     from tests.helpers import tiny_config
 
     template = (

@@ -1,4 +1,5 @@
-"""The engine core in a process of its own, and `ProcessEngine`, the server's client of it.
+"""`ProcessEngine`: the server's client of an engine core in a process of its own (the process:
+engine/core/process.py).
 
     API server process                                  engine core process (`run_engine_core`)
     ──────────────────                                  ───────────────────────────────────────
@@ -24,13 +25,9 @@ killed server.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
-import os
 import shutil
-import signal
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -38,21 +35,20 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from pagedserve.engine.core.process import run_engine_core
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.async_engine import (
+from pagedserve.engine.frontend.client import (
     EngineClient,
     EngineDeadError,
     RequestStream,
-    _post,
+    post_to_loop,
 )
 from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
 from pagedserve.engine.frontend.output_processor import OutputProcessor
-from pagedserve.engine.frontend.tokenizer import load_tokenizer
 from pagedserve.engine.messages import (
     AbortSamples,
     AddRequest,
     CoreFailed,
-    CoreInput,
     CoreMessage,
     CoreOutputs,
     CoreReady,
@@ -62,13 +58,12 @@ from pagedserve.engine.messages import (
     Shutdown,
 )
 from pagedserve.engine.models.model_source import resolve_model
+from pagedserve.engine.models.tokenizer import load_tokenizer
 from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
 _POLL_MS = 100  # how often the receiver looks at the core process while no output arrives
-_PARENT_CHECK_MS = 1000  # how often an idle core checks that its parent is alive
-_PR_SET_PDEATHSIG = 1
 
 
 def front_end_inputs(config: EngineConfig) -> InputProcessor:
@@ -268,7 +263,9 @@ class ProcessEngine(EngineClient):
         with self._state_lock:
             if not self.is_running or self._stopping:  # the core died since add_request checked
                 self._finish(request_id, stream)
-                _post(stream.loop, stream.queue.put_nowait, EngineDeadError(self._dead_message()))
+                post_to_loop(
+                    stream.loop, stream.queue.put_nowait, EngineDeadError(self._dead_message())
+                )
                 return
             samples = self.output_processor.add(request_id, prompt, params, arrival_time)
             try:
@@ -299,7 +296,7 @@ class ProcessEngine(EngineClient):
             if stream is not None:
                 self._finish(request_id, stream)
                 if output is not None:
-                    _post(stream.loop, stream.queue.put_nowait, output)
+                    post_to_loop(stream.loop, stream.queue.put_nowait, output)
 
     def fail_requests(self, error: BaseException) -> None:
         """End every open request with `error` and abort it in the core, which goes on running
@@ -347,106 +344,3 @@ class ProcessEngine(EngineClient):
             self._fail_all(EngineDeadError(self._dead_message()))
         if self.on_dead is not None:
             self.on_dead()
-
-
-# ---- the core process ---------------------------------------------------------------------------
-
-
-def run_engine_core(
-    config: EngineConfig,
-    input_address: str,
-    output_address: str,
-    log_level: int,
-    num_threads: int | None = None,
-) -> None:
-    """The engine core process: load the model, say CoreReady, then loop (take inputs, step,
-    send outputs) until Shutdown, SIGTERM or the parent's death. `num_threads`: torch's
-    intra-op threads, set before the model is built (None: torch's default, every CPU)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_now)
-    parent = _die_with_parent()
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    import torch
-
-    from pagedserve.engine.core.engine_core import (
-        EngineCore,  # torch and the model code: only in this process
-    )
-    from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
-
-    keep_large_allocations_in_heap()  # the process's own entry point sets it (why: there)
-    if (
-        num_threads is not None
-    ):  # this process's share of the CPUs (engine/frontend/data_parallel.py)
-        torch.set_num_threads(num_threads)
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(output_address)
-    encoder = msgspec.msgpack.Encoder()
-    try:
-        try:
-            core = EngineCore(config)
-        except Exception as e:
-            if not isinstance(e, ValueError):
-                logger.exception("the engine core could not start")
-            outputs.send(encoder.encode(CoreFailed(str(e), isinstance(e, ValueError))))
-            return
-        outputs.send(encoder.encode(CoreReady(core.max_model_len, core.describe(), core.stats())))
-        try:
-            _serve(core, inputs, outputs, encoder, parent)
-        finally:
-            core.close()  # tensor parallel: the workers stop with it
-    finally:
-        inputs.close(linger=0)
-        outputs.close(linger=1000)  # let the last message out
-        context.term()
-
-
-def _serve(core, inputs: zmq.Socket, outputs: zmq.Socket, encoder, parent: int) -> None:
-    decoder = msgspec.msgpack.Decoder(CoreInput)
-    while True:
-        if not core.has_work():  # idle: block on the input socket, watching the parent
-            while not inputs.poll(_PARENT_CHECK_MS):
-                if os.getppid() != parent:
-                    return
-        rewound = []  # outputs of rewinds, ahead of the step's
-        while True:  # everything that arrived during the last step
-            try:
-                frame = inputs.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            message = decoder.decode(frame)
-            if isinstance(message, AddRequest):
-                core.add_samples(message.samples)
-            elif isinstance(message, AbortSamples):
-                core.abort_samples(message.request_ids, stopped=message.stopped)
-            elif isinstance(message, GetKVMap):  # answered at once, between two steps
-                outputs.send(encoder.encode(KVMap(message.query_id, core.kv_map())))
-            elif isinstance(message, RewindSamples):
-                try:
-                    rewound += core.rewind_samples(message.request_ids, message.num_tokens)
-                except ValueError as e:
-                    logger.warning("rewind of %s dropped: %s", message.request_ids, e)
-            else:
-                return  # Shutdown
-        samples = rewound + (core.step_samples() if core.has_work() else [])
-        outputs.send(encoder.encode(CoreOutputs(samples, core.stats())))
-
-
-def _exit_now(signum: int, frame: object) -> None:
-    sys.exit(0)
-
-
-def _die_with_parent() -> int:
-    """Ask Linux to SIGTERM this process when its parent dies; return the parent's pid (an idle
-    core also checks it, where prctl is not available)."""
-    parent = multiprocessing.parent_process().pid
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        sys.exit(0)
-    return parent
