@@ -628,7 +628,7 @@ def timed_parts(engine) -> Iterator[tuple[dict[str, float], list[str]]]:
     compute_logits, sample) and update_from_output. Parts this engine version does not have are
     reported as missing. Host wall time: the first part that waits for the GPU (reading sampled
     ids) absorbs it."""
-    runner = engine.runner
+    runner = engine.worker.runner
     # "execute" is the launch of a step (prepare, forward, logits, sample: kernels queued); the
     # wait for its sampled ids (StepHandle.result) falls in step_other_ms.
     targets = [
@@ -767,7 +767,7 @@ def _time_decode(llm, batch_size: int, sizes: Sizes, base: dict[str, Any], rec: 
 
     engine = llm.engine
     config = engine.model_config
-    device = str(engine.device)
+    device = str(engine.worker.device)
     num_steps = 3 + sizes.decode_steps + sizes.split_steps
     with _DecodeBatch(engine, batch_size, sizes, num_steps) as batch:
         for _ in range(3):
@@ -787,7 +787,7 @@ def _time_decode(llm, batch_size: int, sizes: Sizes, base: dict[str, Any], rec: 
             + (sizes.decode_steps - 1) / 2
         )
         median = statistics.median(times)
-        dtype_bytes = engine.dtype.itemsize
+        dtype_bytes = engine.worker.dtype.itemsize
         # Every weight is read once per step; an untied embedding only for the step's rows.
         untied_embedding = 0 if config.tie_word_embeddings else config.vocab_size
         weight_bytes = (config.num_params() - untied_embedding * config.hidden_size) * dtype_bytes
@@ -876,7 +876,7 @@ def _profile_decode(
     """torch.profiler over profile_steps pure decode steps: GPU time against wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = str(llm.engine.device)
+    device = str(llm.engine.worker.device)
     with _DecodeBatch(llm.engine, batch_size, sizes, 2 + sizes.profile_steps) as batch:
         for _ in range(2):
             batch.step()
@@ -1144,7 +1144,7 @@ def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
         s = llm.engine.scheduler
         info = {
             **engine_info(llm),
-            "num_kv_blocks": llm.engine.kv_plan.num_blocks,
+            "num_kv_blocks": llm.engine.worker.kv_plan.num_blocks,
             "preemptions": s.num_preemptions,
             "swap_outs": s.num_swap_outs,
             "swap_ins": s.num_swap_ins,
@@ -1729,7 +1729,7 @@ def _generate_ids(
     llm, prompts: list[list[int]], params, batch_size: int
 ) -> tuple[list[list[int]], float]:
     """Every prompt's token ids, batch_size prompts per generate call, and the wall time."""
-    device = str(llm.engine.device)
+    device = str(llm.engine.worker.device)
     tokens: list[list[int]] = []
     sync(device)
     start = time.perf_counter()

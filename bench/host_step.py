@@ -94,10 +94,10 @@ def measure(
         pass
     hidden = TINY_CONFIG["hidden_size"]
 
-    engine.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
+    engine.worker.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
     undo = None
     if device_ms is not None:
-        undo = simulate_device(engine.runner, device_ms / 1e3)
+        undo = simulate_device(engine.worker.runner, device_ms / 1e3)
 
     parts: collections.Counter[str] = collections.Counter()
 
@@ -115,11 +115,11 @@ def measure(
 
     timed(engine.scheduler, "schedule", "schedule")
     timed(engine.scheduler, "update_from_output", "update_from_output")
-    timed(engine.runner, "launch", "launch")
-    timed(engine.runner.input_batch, "prepare", "launch.prepare")
-    timed(engine.runner, "_finish", "finish")
-    timed(engine.runner.sampler, "sample", "launch.sampler")
-    timed(engine.model, "compute_logits", "launch.lm_head")
+    timed(engine.worker.runner, "launch", "launch")
+    timed(engine.worker.runner.input_batch, "prepare", "launch.prepare")
+    timed(engine.worker.runner, "_finish", "finish")
+    timed(engine.worker.runner.sampler, "sample", "launch.sampler")
+    timed(engine.worker.model, "compute_logits", "launch.lm_head")
     # The split at the process boundary: what the core process would run per step (step_samples,
     # plus encoding its outputs for the socket) and what the API server would (process).
     timed(engine, "step_samples", "core.step_samples")
@@ -152,7 +152,7 @@ def measure(
         "batch_size": batch_size,
         "context": context,
         "steps": steps,
-        "async_scheduling": engine.async_scheduling,
+        "async_scheduling": engine.worker.async_scheduling,
         "device_ms": device_ms,
         "loop": "core" if core_loop else "engine",
         "step_ms": round(step_ms, 3),

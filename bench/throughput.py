@@ -169,7 +169,7 @@ def measure(
     # prompts: the timed run must not find them in the prefix cache. On CUDA a batch of 1, 16
     # and 17 too: Triton compiles a kernel again for integer arguments equal to 1 or divisible
     # by 16, and that compile must not land in the timed run.
-    warm_sizes = [2] if llm.engine.device.type == "cpu" else [1, 16, 17]
+    warm_sizes = [2] if llm.engine.worker.device.type == "cpu" else [1, 16, 17]
     for size in warm_sizes:
         warm = [p[::-1] for p in prompts[:size]]
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -203,12 +203,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ranged = args.input_len_range is not None or args.output_len_range is not None
     result = {
         "model": config.model,
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
-        "kv_blocks": engine.kv_plan.num_blocks,
+        "dtype": str(engine.worker.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.worker.kv_cache_dtype).removeprefix("torch."),
+        "kv_blocks": engine.worker.kv_plan.num_blocks,
         "max_model_len": engine.max_model_len,
-        "max_concurrency": round(engine.kv_plan.max_concurrency, 2),
-        "device": str(engine.device),
+        "max_concurrency": round(engine.worker.kv_plan.max_concurrency, 2),
+        "device": str(engine.worker.device),
         "num_prompts": args.num_prompts,
         "input_len": None if args.input_len_range else args.input_len,
         "output_len": None if args.output_len_range else args.output_len,

@@ -19,6 +19,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+# First, before any torch work: with PAGEDSERVE_CPU_ISA set it lowers torch's and oneDNN's ISA too
+# (kernels/cpu_features.py), which only works before torch first computes.
+import pagedserve.kernels  # noqa: F401
+
 if TYPE_CHECKING:  # the names for type checkers and editors (`as` marks them re-exported)
     from pagedserve.engine.core.beam_search import BeamSearchParams as BeamSearchParams
     from pagedserve.engine.engine_config import EngineConfig as EngineConfig

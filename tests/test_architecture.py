@@ -141,14 +141,12 @@ FRONT_END_MAY_IMPORT = {
     "engine.models.whisper_config", "engine.core.process", "engine.core.beam_search",
 }  # fmt: skip
 IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}
-# Until the steps of ARCHITECTURE.md's "Where engine/ is going" land: Whisper's service builds its
-# own engine, and a tensor-parallel rank runs a whole core.
+# Until Whisper runs through the core, its service builds an engine of its own.
 ROOM_EXCEPTIONS = {
     "engine/frontend/whisper_service.py": {
         "engine.core.whisper_engine", "engine.models.weights", "engine.models.whisper",
         "engine.worker.kv_cache",
     },
-    "engine/worker/tp_worker.py": {"engine.core.engine_core"},
 }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ samples, best first.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -222,3 +223,71 @@ def start_beam_search(
         new_id=new_id,
     )
     return search, search.new_beam([], 0.0)
+
+
+class BeamSearches:
+    """The core's live beam searches, by the ids of their beams and of their result samples."""
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: Iterable[int]) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self._of_beam: dict[str, BeamSearch] = {}
+        self._of_sample: dict[str, BeamSearch] = {}
+        beam_ids = itertools.count()
+        self._new_beam_id = lambda: f"beam-{next(beam_ids)}"
+
+    def __bool__(self) -> bool:
+        return bool(self._of_beam)
+
+    def start(self, samples: list[CoreRequest]) -> None:
+        """Start the search whose results `samples` are: its first beam goes to the scheduler."""
+        search, first = start_beam_search(samples, self.eos_token_ids, self._new_beam_id)
+        self.scheduler.add_request(first)
+        self._of_beam[first.request_id] = search
+        for sample in samples:
+            self._of_sample[sample.request_id] = search
+
+    def abort(self, sample_id: str) -> bool:
+        """End the search `sample_id` is a result of; False when it is not one."""
+        search = self._of_sample.get(sample_id)
+        if search is not None:
+            self._drop(search)
+        return search is not None
+
+    def route(self, outputs: list[SampleOutput]) -> list[SampleOutput]:
+        """Beams' outputs go to their searches, which move on once every beam of theirs has its
+        token; what comes out is a finished search's results (or a failed one's error), beside
+        the outputs of other samples."""
+        routed: list[SampleOutput] = []
+        touched: dict[int, BeamSearch] = {}
+        for out in outputs:
+            search = self._of_beam.get(out.request_id)
+            if search is None:
+                routed.append(out)
+            elif out.finish_reason == "error":  # the beam's step failed: so does the search
+                routed.append(SampleOutput(search.sample_ids[0], [], "error", error=out.error))
+                self._drop(search)
+            elif out.new_token_ids:
+                search.report(out)
+                touched[id(search)] = search
+        for search in touched.values():
+            if search.sample_ids[0] not in self._of_sample or not search.round_done:
+                continue  # dropped above, or still waiting for a beam
+            before = list(search.beams)
+            results = search.advance(self.scheduler)
+            for beam_id in before:
+                del self._of_beam[beam_id]
+            if results:
+                self._drop(search)
+                routed += results
+            else:
+                self._of_beam.update(dict.fromkeys(search.beams, search))
+        return routed
+
+    def _drop(self, search: BeamSearch) -> None:
+        """End a beam search: its beams' blocks are freed, its ids forgotten."""
+        search.abort(self.scheduler)
+        for beam_id in [b for b, s in self._of_beam.items() if s is search]:
+            del self._of_beam[beam_id]
+        for sample_id in search.sample_ids:
+            self._of_sample.pop(sample_id, None)

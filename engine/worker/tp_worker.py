@@ -1,7 +1,7 @@
 """Ranks 1..N-1 of a tensor-parallel engine: processes that hold their slice of the model and its
 KV cache, and run each step rank 0 broadcasts (engine/models/parallel.py says how the model splits).
 
-    rank 0 (the engine core: EngineCore)          rank r (`run_worker`: EngineCore, headless)
+    rank 0 (the engine core over its Worker)      rank r (`run_worker`: a Worker alone)
     ──────────────────────────────────            ──────────────────────────────────────────
     start_workers(): one process per rank ──────> main(): its arguments on stdin
     TPGroup: rendezvous on rank 0's store <─────> TPGroup
@@ -138,13 +138,15 @@ def start_workers(config: EngineConfig, endpoint: TPEndpoint) -> TPWorkers:
 
 
 def run_worker(config: EngineConfig, endpoint: TPEndpoint) -> None:
-    """Be rank `endpoint.rank`: build this rank's part of the engine, then run rank 0's steps
-    until it says stop."""
-    from pagedserve.engine.core.engine_core import (
-        EngineCore,
-    )  # torch and the model: only once the process is set up
+    """Be rank `endpoint.rank`: build this rank's worker, then run rank 0's steps until it says
+    stop."""
+    # torch and the model: only once the process is set up
+    from pagedserve.engine.models.model_source import resolve_model
+    from pagedserve.engine.worker.worker import Worker
 
-    EngineCore(config, endpoint).serve_as_worker()
+    source = resolve_model(config.model)
+    max_model_len = config.model_len(source.config.max_position_embeddings)
+    Worker(config, source, max_model_len, endpoint).serve()
     # Skip the interpreter's teardown: destroying the process groups while other ranks are still
     # connected aborts (std::terminate in gloo's threads), and there is nothing left to save.
     logging.shutdown()

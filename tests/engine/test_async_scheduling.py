@@ -93,7 +93,7 @@ def run(tiny_llama_dir, arrivals: list[Arrival], async_scheduling: bool):
         step += 1
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
-    assert engine.runner.input_batch.num_reqs <= engine.config.max_num_seqs
+    assert engine.worker.runner.input_batch.num_reqs <= engine.config.max_num_seqs
     return finals, aborted, engine
 
 
@@ -126,7 +126,7 @@ def test_async_scheduling_gives_the_same_outputs(tiny_llama_dir, seed):
     arrivals = random_workload(seed)
     sync_finals, sync_aborted, sync_engine = run(tiny_llama_dir, arrivals, False)
     async_finals, async_aborted, async_engine = run(tiny_llama_dir, arrivals, True)
-    assert not sync_engine.async_scheduling and async_engine.async_scheduling
+    assert not sync_engine.worker.async_scheduling and async_engine.worker.async_scheduling
     # The run exercised what it is meant to: preemption, prefix hits, aborts, stop strings.
     for engine in (sync_engine, async_engine):
         assert engine.scheduler.num_preemptions > 0

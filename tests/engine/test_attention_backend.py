@@ -31,7 +31,7 @@ def _generate(path, backend: str, prompts, **kwargs) -> tuple[LLM, list[list[int
     llm = LLM(
         str(path), device="cpu", dtype="float32", block_size=4, attention_backend=backend, **kwargs
     )
-    assert llm.engine.attention_backend == backend
+    assert llm.engine.worker.attention_backend == backend
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
@@ -130,15 +130,16 @@ def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
 
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
     default = engine()
-    assert default.attention_backend == "cpu"  # CPU default: the compiled kernel
-    assert default.model.layers[0].self_attn.ops is kernels.get_backend("cpu")
-    assert engine(attention_backend="torch").model.layers[0].self_attn.ops is kernels.reference
+    assert default.worker.attention_backend == "cpu"  # CPU default: the compiled kernel
+    assert default.worker.model.layers[0].self_attn.ops is kernels.get_backend("cpu")
+    torch_layer = engine(attention_backend="torch").worker.model.layers[0]
+    assert torch_layer.self_attn.ops is kernels.reference
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     from_env = engine()
-    assert from_env.attention_backend == "triton"
-    layer = from_env.model.layers[1]
+    assert from_env.worker.attention_backend == "triton"
+    layer = from_env.worker.model.layers[1]
     assert layer.self_attn.ops is layer.mlp.ops is layer.input_layernorm.ops is triton_ops
-    assert engine(attention_backend="torch").attention_backend == "torch"  # option beats env
+    assert engine(attention_backend="torch").worker.attention_backend == "torch"  # option beats env
     monkeypatch.setenv(kernels.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="PAGEDSERVE_ATTENTION_BACKEND='flash' is not an"):
         engine()

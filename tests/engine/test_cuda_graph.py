@@ -37,11 +37,11 @@ def _with_buffers(llm: LLM, max_batch_size: int) -> tuple[DecodeGraphs, list[int
     """Route the engine's decode steps through DecodeGraphs(capture=False); record batch sizes."""
     engine = llm.engine
     graphs = DecodeGraphs(
-        engine.model,
-        engine.runner.kv_caches,
+        engine.worker.model,
+        engine.worker.runner.kv_caches,
         max_batch_size,
         cdiv(engine.max_model_len, engine.config.block_size),
-        engine.device,
+        engine.worker.device,
         capture=False,
     )
     sizes: list[int] = []
@@ -52,7 +52,7 @@ def _with_buffers(llm: LLM, max_batch_size: int) -> tuple[DecodeGraphs, list[int
         return real_run(input_ids, positions, meta)
 
     graphs.run = run
-    engine.runner.graphs = graphs
+    engine.worker.runner.graphs = graphs
     return graphs, sizes
 
 
@@ -111,9 +111,16 @@ def test_decode_graphs_refuse_capture_without_cuda(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=32)
     engine = llm.engine
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
-        DecodeGraphs(engine.model, engine.runner.kv_caches, 8, 16, engine.device)
+        DecodeGraphs(
+            engine.worker.model, engine.worker.runner.kv_caches, 8, 16, engine.worker.device
+        )
     graphs = DecodeGraphs(
-        engine.model, engine.runner.kv_caches, 8, 16, engine.device, capture=False
+        engine.worker.model,
+        engine.worker.runner.kv_caches,
+        8,
+        16,
+        engine.worker.device,
+        capture=False,
     )
     assert graphs.can_run(num_tokens=8, num_seqs=8, block_table_width=16)
     assert not graphs.can_run(num_tokens=9, num_seqs=8, block_table_width=16)  # a prefill
@@ -146,7 +153,12 @@ def test_profile_step_runs_and_samples_every_sequence(tiny_llama_dir):
     engine = llm.engine
     step = profile_step(48, 6, 16, engine.max_model_len, engine.model_config.vocab_size)
     runner = ModelRunner(
-        engine.model, engine.runner.kv_caches, 16, engine.device, 6, engine.max_model_len
+        engine.worker.model,
+        engine.worker.runner.kv_caches,
+        16,
+        engine.worker.device,
+        6,
+        engine.max_model_len,
     )
     out = runner.execute(step)
     assert sorted(out.sampled_token_ids) == sorted(f"profile-{i}" for i in range(6))
@@ -162,4 +174,4 @@ def test_gpu_kv_cache_budget():
 
 def test_engine_on_cpu_has_no_graphs(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=32)
-    assert llm.engine.runner.graphs is None
+    assert llm.engine.worker.runner.graphs is None

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pagedserve.engine.core.engine_core import is_out_of_memory
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.worker.worker import is_out_of_memory
 from tests.helpers import NAN_TOKEN as BAD_TOKEN
 
 GOOD_PROMPTS = {"a": list(range(3, 13)), "b": list(range(40, 47))}
@@ -82,7 +82,7 @@ def test_nan_logits_fail_their_request_alone(nan_llama_dir, reference, backend, 
     assert _tokens(out, GOOD_PROMPTS) == reference
     assert all(out[rid].error is None for rid in GOOD_PROMPTS)
     # The failed request's blocks were cleared: no NaN is left for their next owner...
-    for k_cache, v_cache in engine.runner.kv_caches:
+    for k_cache, v_cache in engine.worker.runner.kv_caches:
         assert torch.isfinite(k_cache).all() and torch.isfinite(v_cache).all()
     # ...and left the prefix cache: the same prompt fails again rather than reading zeros.
     again = _run(engine, {"bad-again": (BAD_PROMPT, GREEDY), "a": (GOOD_PROMPTS["a"], GREEDY)})
@@ -125,7 +125,7 @@ def test_running_out_of_memory_in_a_large_prefill_fails_that_request_alone(
     tiny_llama_dir, reference, monkeypatch, async_scheduling
 ):
     engine = _engine(tiny_llama_dir, async_scheduling=async_scheduling)
-    runner = engine.runner
+    runner = engine.worker.runner
     forward = runner._forward
     step_sizes = []
 

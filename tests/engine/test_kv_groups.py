@@ -30,7 +30,7 @@ def test_a_windowed_model_far_past_its_window_holds_only_its_groups_blocks(tmp_p
         max_model_len=128, max_num_batched_tokens=16,
     )  # fmt: skip
     engine: LLMEngine = llm.engine
-    plan = engine.kv_plan
+    plan = engine.worker.kv_plan
     assert plan.windows == (None,) + (WINDOW,) * 5  # six groups of one layer each
     kv = engine.scheduler.kv_cache_manager
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

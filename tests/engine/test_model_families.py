@@ -116,7 +116,7 @@ def test_phi3_longrope_picks_long_factors_past_the_original_context(built):
     for max_model_len, seq_len in ((64, None), (256, 65)):
         inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=seq_len)
         angles = positions[:max_model_len, None] * inv_freq[None, :]
-        rotary = _llm(path, max_model_len=max_model_len).engine.model.rotary
+        rotary = _llm(path, max_model_len=max_model_len).engine.worker.model.rotary
         torch.testing.assert_close(rotary.cos, torch.cat((angles, angles), -1).cos() * factor)
 
 

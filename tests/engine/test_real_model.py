@@ -32,7 +32,7 @@ def test_chat_answer_names_paris(real_llm):
 def test_greedy_tokens_equal_transformers_on_the_same_gguf(real_llm, hf_smollm2):
     # Through CPU's default backend, the compiled kernel (decode steps; prompts longer than
     # cpu_ops.KERNEL_MAX_NEW_TOKENS go to SDPA).
-    assert real_llm.engine.attention_backend == "cpu"
+    assert real_llm.engine.worker.attention_backend == "cpu"
     hf_model, hf_tok = hf_smollm2
     prompt_ids = [hf_tok.encode(p) for p in PROMPTS]
     expected = [hf_greedy(hf_model, ids, GREEDY.max_tokens) for ids in prompt_ids]

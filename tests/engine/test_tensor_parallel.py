@@ -205,7 +205,7 @@ def _equal_to_one_rank(path, size: int) -> None:
     got, llm = _generate(path, params, size, prompts, max_num_batched_tokens=24)
     assert _tokens(got) == _tokens(want)
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
-    workers = llm.engine._workers
+    workers = llm.engine.worker._workers
     llm.engine.close()
     assert [p.returncode for p in workers.processes] == [0] * (size - 1)
 
@@ -314,5 +314,5 @@ def test_one_rank_through_the_distributed_path_equals_the_plain_engine(tiny_llam
     prompts = _prompts(512)
     want = _core_tokens(EngineCore(config), prompts, params)
     core = EngineCore(config, TPEndpoint(0, 1, "127.0.0.1", free_port(), 0))
-    assert core.tp is not None and core.tp.size == 1
+    assert core.worker.tp is not None and core.worker.tp.size == 1
     assert _core_tokens(core, prompts, params) == want
