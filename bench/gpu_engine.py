@@ -1,4 +1,4 @@
-"""The engine on an H200 (issue 5): correctness, decode step time, profile, offline and online
+"""The engine on an H200: correctness, decode step time, profile, offline and online
 throughput, speculative decoding and shared blocks, as steps of one script.
 `bench/gpu_engine.sh` runs them in order, each under its own time limit.
 
@@ -374,7 +374,7 @@ def engine_info(llm) -> dict[str, Any]:
     plan = getattr(engine, "kv_plan", None)
     return {
         "attention_backend": getattr(engine, "attention_backend", None),
-        # On CUDA the default loop schedules step N+1 while step N runs (issue 13).
+        # On CUDA the default loop schedules step N+1 while step N runs.
         "async_scheduling": getattr(engine, "async_scheduling", None),
         "cuda_graphs": graphs is not None and bool(getattr(graphs, "graphs", None)),
         "graph_batch_sizes": list(getattr(graphs, "batch_sizes", []) or []) or None,
@@ -994,7 +994,8 @@ def step_offline(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 def step_moe(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
     """A tiny Qwen3-MoE's fp32 greedy tokens against transformers' (the fused MoE kernel
     compiled, graphs and eager), then offline throughput of a Qwen3-30B-A3B-shaped model."""
-    from pagedserve.engine.models.model_config import BUILTIN_SHAPES, ModelConfig
+    from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES
+    from pagedserve.engine.models.model_config import ModelConfig
     from pagedserve.server import cli
 
     tiny = args.scratch / "tiny-qwen3-moe"
@@ -1115,7 +1116,7 @@ def throughput_record(model: str, sizes: Sizes) -> dict[str, Any]:
 
 
 def step_kvcap(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    """KV capacity on the device (issue 18): the tiny Llama's fp32 greedy tokens with swap
+    """KV capacity on the device: the tiny Llama's fp32 greedy tokens with swap
     preemption (4-token blocks, a pool too small for all at once, pinned host pool) equal the
     CPU engine's with a roomy pool, graphs and eager; with an fp8 cache calibrated on the first
     step (scales set in place after the graphs were captured), the share of positions that
@@ -1231,7 +1232,7 @@ SMOKE_WHISPER_RUNS = ((1, 2), (2, 4))
 
 
 def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    """Whisper on the device (issue 21). The whisper-tiny shape with peaked random weights saved
+    """Whisper on the device. The whisper-tiny shape with peaked random weights saved
     by transformers: fp32 greedy tokens of 4 synthetic audio windows decoded together by the
     engine (Triton's kernels, the generation config's suppressed tokens) equal transformers'
     `generate` on the same device. Then the whisper-large-v3 shape with random weights, bf16,
@@ -1296,7 +1297,7 @@ def step_whisper(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
 
 
 def step_tp(args: argparse.Namespace, rec: Recorder, sizes: Sizes) -> None:
-    """Tensor parallelism on the device (issue 19). With one GPU: the tiny Llama's fp32 greedy
+    """Tensor parallelism on the device. With one GPU: the tiny Llama's fp32 greedy
     tokens through the distributed path at one rank (its all-reduces, the logits' gather and the
     ids' broadcast over an NCCL group of one, captured in the CUDA graphs) equal the plain
     engine's, graphs and eager; then the 1B shape's offline throughput both ways in the same run

@@ -1,4 +1,4 @@
-"""`POST /v1/audio/transcriptions` (issue 21): OpenAI's multipart form in, the transcription out
+"""`POST /v1/audio/transcriptions`: OpenAI's multipart form in, the transcription out
 in the response format asked for, or streamed as server-sent text deltas.
 
 The form: `file` (WAV, FLAC, MP3 or OGG; engine/frontend/audio.py), `model`, `language` (ISO-639-1

@@ -7,10 +7,18 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.models.model_config import ModelConfig
 
 # The token whose input embedding is NaN in the `nan_llama_dir` fixture's model.
 NAN_TOKEN = 77
+
+
+def cpu_engine_config(model_dir: Path | str, **changes) -> EngineConfig:
+    """The engine tests' usual options for a tiny model on CPU: float32, blocks of 4 tokens, 512
+    of them, 512 positions; `changes` override any option."""
+    options = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=512)
+    return EngineConfig(**{"model": str(model_dir), **options, "max_model_len": 512, **changes})
 
 
 def smollm2_gguf_path() -> Path:

@@ -137,7 +137,8 @@ ENGINE_SHARED = {
     "engine.cpu_allocator", "engine.tp_endpoint",
 }  # fmt: skip
 FRONT_END_MAY_IMPORT = {
-    "engine.models.model_config", "engine.models.model_source", "engine.models.tokenizer",
+    "engine.models.model_config", "engine.models.hf_config", "engine.models.gguf_config",
+    "engine.models.builtin_shapes", "engine.models.model_source", "engine.models.tokenizer",
     "engine.models.whisper_config", "engine.core.process", "engine.core.beam_search",
 }  # fmt: skip
 IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}

@@ -1,4 +1,4 @@
-"""Continuous batching for Whisper transcriptions (issue 21): requests of one 30-second window each
+"""Continuous batching for Whisper transcriptions: requests of one 30-second window each
 run together, step by step, over one block pool holding two KV groups per request: the decoder's
 self-attention blocks and the cross-attention blocks of its encoder states.
 

@@ -36,9 +36,8 @@ from pagedserve.engine.frontend.client import (
     RequestStream,
     post_to_loop,
 )
-from pagedserve.engine.frontend.inputs import Prompt
+from pagedserve.engine.frontend.inputs import NewRequest
 from pagedserve.engine.frontend.llm_engine import LLMEngine
-from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -106,8 +105,8 @@ class AsyncEngine(CommandLoop, EngineClient):
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def _submit(self, request_id, prompt, params, arrival_time, stream) -> None:
-        self._commands.put(("add", (request_id, prompt, params, arrival_time, stream)))
+    def _submit(self, request: NewRequest, stream: RequestStream) -> None:
+        self._commands.put(("add", (request, stream)))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -161,16 +160,9 @@ class AsyncEngine(CommandLoop, EngineClient):
             self._error = e
             self._fail_all(EngineDeadError(self._dead_message()))
 
-    def _add(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        arrival_time: float | None,
-        stream: RequestStream,
-    ) -> None:
-        self.engine.enqueue(request_id, prompt, params, arrival_time)
-        self._streams[request_id] = stream
+    def _add(self, request: NewRequest, stream: RequestStream) -> None:
+        self.engine.enqueue(request)
+        self._streams[request.request_id] = stream
 
     def _rewind(self, request_id: str, num_tokens: int) -> None:
         try:

@@ -1,4 +1,4 @@
-"""Audio in, for Whisper (issue 21): an uploaded file's bytes -> mono float32 samples at 16 kHz ->
+"""Audio in, for Whisper: an uploaded file's bytes -> mono float32 samples at 16 kHz ->
 30-second windows -> log-mel features, the input `engine/models/whisper.py` encodes.
 
 Decoding is soundfile's (libsndfile: WAV, FLAC, MP3, OGG Vorbis/Opus and more), resampling

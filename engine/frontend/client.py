@@ -13,10 +13,11 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 
-from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import SamplingParams
@@ -188,7 +189,8 @@ class EngineClient(ABC):
             self._ids_in_use.add(request_id)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         try:
-            self._submit(request_id, prompt, params, arrival_time, stream)
+            request = NewRequest(request_id, prompt, params, arrival_time or time.time())
+            self._submit(request, stream)
         except BaseException:  # not queued after all: it must not count against the queue
             with self._lock:
                 self._num_submitted -= 1
@@ -197,14 +199,7 @@ class EngineClient(ABC):
         return stream
 
     @abstractmethod
-    def _submit(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        arrival_time: float | None,
-        stream: RequestStream,
-    ) -> None:
+    def _submit(self, request: NewRequest, stream: RequestStream) -> None:
         """Hand a checked request to the engine; its outputs go to `stream`."""
 
     @abstractmethod

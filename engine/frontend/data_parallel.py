@@ -66,7 +66,7 @@ from pagedserve.engine.frontend.client import (
     RequestStream,
     check_core_index,
 )
-from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.process_client import ProcessEngine, front_end_inputs
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import SamplingParams
@@ -387,22 +387,15 @@ class DataParallelEngine(EngineClient):
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def _submit(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        arrival_time: float | None,
-        stream: RequestStream,
-    ) -> None:
-        cost = request_cost(prompt, params)
-        index = self.router.assign(self.router.prefix_hashes(prompt.token_ids), cost)
+    def _submit(self, request: NewRequest, stream: RequestStream) -> None:
+        cost = request_cost(request.prompt, request.params)
+        index = self.router.assign(self.router.prefix_hashes(request.prompt.token_ids), cost)
         with self._lock:
-            self._routes[request_id] = (index, cost)
+            self._routes[request.request_id] = (index, cost)
         try:
-            self.cores[index]._submit(request_id, prompt, params, arrival_time, stream)
+            self.cores[index]._submit(request, stream)
         except BaseException:
-            self._release(request_id)
+            self._release(request.request_id)
             raise
 
     def abort(self, request_id: str) -> None:

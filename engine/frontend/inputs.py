@@ -21,6 +21,17 @@ class Prompt:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """A checked request on its way to a core, whichever client carries it: its id, prompt,
+    sampling parameters and arrival time (seconds since the epoch)."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    arrival_time: float
+
+
 class InputProcessor:
     """Where a prompt is checked, once, before it is queued: in the caller's process, whether the
     engine core runs there or in its own. Safe from any thread: it reads only the tokenizer and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ from tqdm import tqdm
 
 from pagedserve.engine.core.beam_search import BeamSearchParams, beam_score
 from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.frontend.inputs import NewRequest
 from pagedserve.engine.frontend.llm_engine import LLMEngine
 from pagedserve.engine.frontend.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.engine.models.tokenizer import apply_chat_template
@@ -128,7 +130,8 @@ class LLM:
         for prompt, params in zip(inputs, params_list, strict=True):
             request_id = str(next(self._ids))
             # Only the finished output is read: no per-step copies of the outputs so far.
-            self.engine.enqueue(request_id, prompt, params.clone(output_kind="final"))
+            final = params.clone(output_kind="final")
+            self.engine.enqueue(NewRequest(request_id, prompt, final, time.time()))
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)

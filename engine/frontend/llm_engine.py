@@ -9,11 +9,12 @@ pieces across two processes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.tp_endpoint import TPEndpoint
@@ -56,19 +57,13 @@ class LLMEngine(EngineCore):
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self.process_inputs(prompt, params)
-        self.enqueue(request_id, prompt, params, arrival_time)
+        self.enqueue(NewRequest(request_id, prompt, params, arrival_time or time.time()))
         return prompt
 
-    def enqueue(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None:
+    def enqueue(self, request: NewRequest) -> None:
         """Queue a request whose inputs `process_inputs` accepted (AsyncEngine checks them on the
         caller's thread, then queues them here on the engine's)."""
-        self.add_samples(self.output_processor.add(request_id, prompt, params, arrival_time))
+        self.add_samples(self.output_processor.add(request))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort every sample of a request in whatever state it is; its blocks are freed now.

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from pagedserve.engine.frontend.inputs import Prompt
+from pagedserve.engine.frontend.inputs import NewRequest
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.engine.messages import CoreRequest, SampleOutput, TokenLogprobs
 from pagedserve.scheduler import SamplingParams
@@ -164,19 +164,12 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._parents
 
-    def add(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> list[CoreRequest]:
+    def add(self, request: NewRequest) -> list[CoreRequest]:
         """Register a request whose inputs were checked; return its n samples for the core."""
+        request_id, prompt, params = request.request_id, request.prompt, request.params
         assert request_id not in self._parents, f"request id {request_id!r} is already in use"
         prompt_token_ids = prompt.token_ids
-        parent = _Parent(
-            request_id, prompt.text, prompt_token_ids, params, arrival_time or time.time()
-        )
+        parent = _Parent(request_id, prompt.text, prompt_token_ids, params, request.arrival_time)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         samples = []

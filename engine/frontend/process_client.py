@@ -43,7 +43,7 @@ from pagedserve.engine.frontend.client import (
     RequestStream,
     post_to_loop,
 )
-from pagedserve.engine.frontend.inputs import InputProcessor, Prompt
+from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest
 from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.messages import (
     AbortSamples,
@@ -59,7 +59,6 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.models.tokenizer import load_tokenizer
-from pagedserve.scheduler import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -252,14 +251,8 @@ class ProcessEngine(EngineClient):
 
     # ---- requests (event loop thread) ------------------------------------------------------------
 
-    def _submit(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        arrival_time: float | None,
-        stream: RequestStream,
-    ) -> None:
+    def _submit(self, request: NewRequest, stream: RequestStream) -> None:
+        request_id = request.request_id
         with self._state_lock:
             if not self.is_running or self._stopping:  # the core died since add_request checked
                 self._finish(request_id, stream)
@@ -267,7 +260,7 @@ class ProcessEngine(EngineClient):
                     stream.loop, stream.queue.put_nowait, EngineDeadError(self._dead_message())
                 )
                 return
-            samples = self.output_processor.add(request_id, prompt, params, arrival_time)
+            samples = self.output_processor.add(request)
             try:
                 message = self._encoder.encode(AddRequest(samples))
             except BaseException:  # nothing may stay registered for a request never sent

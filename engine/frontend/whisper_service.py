@@ -1,4 +1,4 @@
-"""Serving Whisper (issue 21): a `WhisperEngine` stepping on a thread of its own, fed by the HTTP
+"""Serving Whisper: a `WhisperEngine` stepping on a thread of its own, fed by the HTTP
 handlers' event loops (server/serving_transcriptions.py), and what the model folder says about
 decoding: the decoder prompt's special tokens and the tokens `generate` suppresses.
 

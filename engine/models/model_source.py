@@ -16,7 +16,8 @@ from typing import Literal
 import gguf
 import numpy as np
 
-from pagedserve.engine.models.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
+from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_config
+from pagedserve.engine.models.model_config import ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

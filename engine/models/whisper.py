@@ -1,6 +1,6 @@
-"""Whisper (`WhisperForConditionalGeneration` folders): the encoder-decoder's shapes, its encoder,
-the per-layer cross-attention keys and values computed once from the encoder's output, and the
-decoder, with transformers' parameter names (issue 21).
+"""Whisper (`WhisperForConditionalGeneration` folders): its encoder, the per-layer cross-attention
+keys and values computed once from the encoder's output, and the decoder, with transformers'
+parameter names (its configuration: engine/models/whisper_config.py).
 
 This is the model's arithmetic, checked against transformers (tests/engine/test_whisper.py), and
 its paged form: `decode_paged` writes the decoder's self-attention K/V into paged blocks and reads

@@ -8,24 +8,16 @@ import time
 
 import pytest
 
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.frontend.async_engine import AsyncEngine
 from pagedserve.engine.frontend.client import EngineDeadError, QueueFullError
-from tests.helpers import stream_with_rewind
+from tests.helpers import cpu_engine_config, stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(8)]
 
 
 def _engine(tiny_llama_dir, **kwargs) -> LLMEngine:
-    fields = dict(
-        model=str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=512,
-        max_model_len=512,
-    )
-    return LLMEngine(EngineConfig(**{**fields, **kwargs}))
+    return LLMEngine(cpu_engine_config(tiny_llama_dir, **kwargs))
 
 
 def _sync_tokens(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:

@@ -12,7 +12,8 @@ import torch
 
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.models import model_source
-from pagedserve.engine.models.model_config import BUILTIN_SHAPES, ModelConfig, builtin_config
+from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_config
+from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 from pagedserve.engine.models.weights import load_weights
 from pagedserve.kernels import cpu_features

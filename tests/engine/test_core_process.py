@@ -10,30 +10,18 @@ import time
 
 import pytest
 
-from pagedserve.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedserve.engine import LLMEngine, RequestOutput, SamplingParams
 from pagedserve.engine.frontend.client import EngineDeadError
 from pagedserve.engine.frontend.process_client import ProcessEngine
 from pagedserve.engine.messages import AddRequest
-from tests.helpers import process_alive, stream_with_rewind
+from tests.helpers import cpu_engine_config, process_alive, stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(6)]
 
 
-def _config(tiny_llama_dir, **kwargs) -> EngineConfig:
-    fields = dict(
-        model=str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=512,
-        max_model_len=512,
-    )
-    return EngineConfig(**{**fields, **kwargs})
-
-
 @pytest.fixture(scope="module")
 def process_engine(tiny_llama_dir):
-    engine = ProcessEngine(_config(tiny_llama_dir))
+    engine = ProcessEngine(cpu_engine_config(tiny_llama_dir))
     engine.start()
     pid = engine.pid
     assert process_alive(pid)
@@ -64,7 +52,7 @@ def _generate(engine, requests: dict[str, tuple[list[int], SamplingParams]]):
 
 
 def _reference(tiny_llama_dir, requests) -> dict[str, RequestOutput]:
-    engine = LLMEngine(_config(tiny_llama_dir))
+    engine = LLMEngine(cpu_engine_config(tiny_llama_dir))
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params.clone(output_kind="final"))
     finished = {}
@@ -215,7 +203,7 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind(process_engine, mon
 
 
 def test_a_config_the_core_refuses_is_a_value_error_and_leaves_no_process(tiny_llama_dir):
-    engine = ProcessEngine(_config(tiny_llama_dir, num_kv_blocks=2))
+    engine = ProcessEngine(cpu_engine_config(tiny_llama_dir, num_kv_blocks=2))
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         engine.start()
     assert not process_alive(engine.pid)
@@ -223,7 +211,7 @@ def test_a_config_the_core_refuses_is_a_value_error_and_leaves_no_process(tiny_l
 
 
 def test_a_killed_core_fails_every_stream_and_marks_the_engine_dead(tiny_llama_dir):
-    engine = ProcessEngine(_config(tiny_llama_dir))
+    engine = ProcessEngine(cpu_engine_config(tiny_llama_dir))
     engine.start()
     died, killed = [], []
     engine.on_dead = lambda: died.append(time.monotonic())
@@ -259,7 +247,7 @@ def test_shutdown_does_not_wait_for_a_core_that_just_died(tiny_llama_dir, monkey
     # A signal to the whole process group ends the core as the server starts to shut down: the
     # core may still look alive when shutdown() sends it the stop message, but its socket is
     # gone, and a blocking send on a PUSH socket with no peer never returns.
-    engine = ProcessEngine(_config(tiny_llama_dir))
+    engine = ProcessEngine(cpu_engine_config(tiny_llama_dir))
     engine.start()
     pid = engine.pid
     os.kill(pid, signal.SIGKILL)

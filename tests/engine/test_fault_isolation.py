@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.worker.worker import is_out_of_memory
 from tests.helpers import NAN_TOKEN as BAD_TOKEN
+from tests.helpers import cpu_engine_config
 
 GOOD_PROMPTS = {"a": list(range(3, 13)), "b": list(range(40, 47))}
 # BAD_TOKEN early in a 12-token prompt: with block_size 4 a prefix-cache hit would cover it.
@@ -25,15 +26,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def _engine(model_dir: Path, **changes) -> LLMEngine:
-    config = dict(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=32,
-        max_model_len=128,
-    )
-    return LLMEngine(EngineConfig(**{**config, **changes}))
+    changes = {"num_kv_blocks": 32, "max_model_len": 128, **changes}
+    return LLMEngine(cpu_engine_config(model_dir, **changes))
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.models.model_config import ModelConfig, builtin_config
+from pagedserve.engine.models.builtin_shapes import builtin_config
+from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.models.tokenizer import (
     apply_chat_template,

