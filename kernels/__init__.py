@@ -3,7 +3,7 @@
 `paged_attention`, `reshape_and_cache`, `copy_blocks`, the fused layer ops (`rms_norm`,
 `fused_add_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul`, `rotary_and_cache`) and the
 mixture-of-experts ops (`moe_route`, `fused_moe`) route each call to a backend module with the
-same signatures:
+same signatures, those of the `KernelBackend` contract (kernels/backend.py):
 
     cpu     `kernels.cpu_ops`: paged attention compiled from C++ for this machine's CPU (built
             once and cached), the other ops from the reference; the default for CPU tensors
@@ -29,14 +29,14 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 # cpu_features first: with PAGEDSERVE_CPU_ISA set it tells torch and oneDNN to act as that lesser
 # CPU, which only holds if it runs before torch's first op (importing torch computes nothing).
 from pagedserve.kernels import cpu_features, reference  # noqa: F401
+from pagedserve.kernels.backend import OPS, KernelBackend
 from pagedserve.kernels.fp8 import (
     FP8_KV_DTYPES,
     MIN_KV_SCALE,
@@ -48,6 +48,8 @@ from pagedserve.kernels.fp8 import (
 
 __all__ = [
     "BACKENDS",
+    "OPS",
+    "KernelBackend",
     "BACKEND_ENV",
     "FP8_KV_DTYPES",
     "MIN_KV_SCALE",
@@ -107,18 +109,19 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def get_backend(name: str) -> ModuleType:
-    """The module implementing backend `name` (imported on first use)."""
+def get_backend(name: str) -> KernelBackend:
+    """The module implementing backend `name` (imported on first use): a module that keeps the
+    `KernelBackend` contract (kernels/backend.py)."""
     if name == "torch":
-        return reference
+        return cast(KernelBackend, reference)
     if name == "cpu":
         from pagedserve.kernels import cpu_ops
 
-        return cpu_ops
+        return cast(KernelBackend, cpu_ops)
     if name == "triton":
         from pagedserve.kernels import triton_ops
 
-        return triton_ops
+        return cast(KernelBackend, triton_ops)
     raise ValueError(f"{name!r} is not an attention backend; choose one of: " + ", ".join(BACKENDS))
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -297,7 +298,7 @@ _TL_DTYPES = {
 }
 
 
-def copy_blocks(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_blocks(caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy KV block `src[i]` into block `dst[i]` in every cache, all layers in one launch; see
     `kernels.reference`."""
     if validation.CHECK_ARGS:

@@ -26,11 +26,7 @@ from pagedserve.engine.frontend.data_parallel import DataParallelEngine
 from pagedserve.engine.frontend.process_client import ProcessEngine
 from pagedserve.engine.models.whisper_config import whisper_config_of
 from pagedserve.server.app import build_app, build_transcription_app
-from pagedserve.server.limits import (
-    DEFAULT_MAX_N,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-)
+from pagedserve.server.server_config import ServerConfig
 
 if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
     from pagedserve.engine.frontend.whisper_service import TranscriptionService
@@ -63,42 +59,18 @@ DEFAULT_CORE_PROCESS = {"cuda": True, "cpu": True}
 DEAD_CORE_GRACE_S = 1.0
 
 
-def run_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    served_model_names: list[str] | None = None,
-    api_key: str | None = None,
-    max_queue_len: int | None = None,
-    request_timeout: float | None = None,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-    max_n: int = DEFAULT_MAX_N,
-    tool_call_parser: str = "auto",
-    allowed_origins: list[str] | None = None,
-    log_level: str = "info",
-    access_log: bool = True,
-    core_process: bool | None = None,
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    data_parallel_size: int = 1,
-) -> None:
+def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "info") -> None:
     """Load the model and serve until interrupted (Ctrl-C / SIGTERM: see _Drain).
-    `core_process`: run the engine core in a process of its own (None: the default for the
-    device, DEFAULT_CORE_PROCESS). `data_parallel_size`: engine cores, each a process of its own
-    with its own KV cache (engine/frontend/data_parallel.py); more than one needs `core_process`. A
-    Whisper model (engine/frontend/whisper_service.py) is served in this process, by one engine."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {port}")
+    `server.core_process`: run the engine core in a process of its own (None: the default for the
+    device, DEFAULT_CORE_PROCESS). `server.data_parallel_size`: engine cores, each a process of
+    its own with its own KV cache (engine/frontend/data_parallel.py). A Whisper model
+    (engine/frontend/whisper_service.py) is served in this process, by one engine."""
+    host, port, core_process = server.host, server.port, server.core_process
+    data_parallel_size, max_queue_len = server.data_parallel_size, server.max_queue_len
     _check_port_free(host, port)  # before loading: a model can take minutes to load
-    if data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
     if data_parallel_size > 1:
-        if core_process is False:
-            raise ValueError(
-                f"--data-parallel-size {data_parallel_size} runs each engine core in a process "
-                "of its own: drop --no-core-process"
-            )
         core_process = True
-    names = served_model_names or [config.model]
+    names = list(server.served_model_name or [config.model])
     whisper = whisper_config_of(config.model) is not None
     if whisper:
         if core_process or data_parallel_size > 1:
@@ -133,16 +105,22 @@ def run_server(
     try:
         common = dict(
             model_root=config.model,
-            api_key=api_key,
+            api_key=server.api_key,
             manage_engine=False,
-            request_timeout=request_timeout,
-            max_request_body_bytes=max_request_body_bytes,
-            allowed_origins=allowed_origins,
+            request_timeout=server.request_timeout,
+            max_request_body_bytes=server.max_request_body_bytes,
+            allowed_origins=list(server.allowed_origins or ()) or None,
         )
         if whisper:
             app = build_transcription_app(client, names, **common)
         else:
-            app = build_app(client, names, max_n=max_n, tool_call_parser=tool_call_parser, **common)
+            app = build_app(
+                client,
+                names,
+                max_n=server.max_n,
+                tool_call_parser=server.tool_call_parser,
+                **common,
+            )
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, %s%s)",
             names[0],
@@ -150,23 +128,23 @@ def run_server(
             port,
             description,
             _where(client) if core_process else "engine core in this process",
-            ", API key required" if api_key else "",
+            ", API key required" if server.api_key else "",
         )
-        config = uvicorn.Config(
+        uvicorn_config = uvicorn.Config(
             app,
             host=host,
             port=port,
             log_level=log_level.lower(),
-            access_log=access_log,
+            access_log=server.access_log,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
         )
         # After Config, which sets uvicorn's loggers up.
         logging.getLogger("uvicorn.access").addFilter(RedactApiKey())
-        server = uvicorn.Server(config)
-        http = threading.Thread(target=server.run, name="pagedserve-http", daemon=True)
+        http_server = uvicorn.Server(uvicorn_config)
+        http = threading.Thread(target=http_server.run, name="pagedserve-http", daemon=True)
         http.start()
-        while not server.started:  # bind errors end the thread early
+        while not http_server.started:  # bind errors end the thread early
             if not http.is_alive():
                 raise ValueError(f"could not serve on {host}:{port} (see the log above)")
             time.sleep(0.05)
@@ -179,7 +157,7 @@ def run_server(
         client.shutdown()  # uvicorn ended by itself (e.g. a fatal error): end the engine
 
     threading.Thread(target=stop_engine_when_http_stops, daemon=True).start()
-    drain = _Drain(client, shutdown_timeout)
+    drain = _Drain(client, server.shutdown_timeout)
     previous_term = signal.signal(signal.SIGTERM, drain.on_signal)
     previous_int = signal.signal(signal.SIGINT, drain.on_signal)
     try:
@@ -195,7 +173,7 @@ def run_server(
         try:
             drain.stop_now()
             client.shutdown()  # first: streams in flight end at once, not after uvicorn's grace
-            server.should_exit = True
+            http_server.should_exit = True
             http.join(timeout=10)
         finally:
             signal.signal(signal.SIGINT, previous_int)

@@ -1,6 +1,7 @@
 """`pagedserve` command line: serve, generate, kv-plan, and bench (throughput, serve, soak).
 
-The engine flags come from `EngineConfig`'s fields (`EngineConfig.add_cli_args`). `bench` is
+The engine flags come from `EngineConfig`'s fields, the server's from `ServerConfig`'s
+(engine/options.py). `bench` is
 parsed by `bench.cli`, imported only when that command runs: the server never loads the
 benchmarks or their dependencies.
 """
@@ -9,18 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 from pagedserve.engine.engine_config import DTYPES, EngineConfig
 from pagedserve.engine.tp_endpoint import TPEndpoint
-from pagedserve.server.limits import (
-    DEFAULT_MAX_N,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-)
-from pagedserve.server.tool_calls import TOOL_CALL_PARSERS
+from pagedserve.server.server_config import ServerConfig
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -88,46 +83,18 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.api_server import run_server
 
-    if args.max_queue_len is not None and args.max_queue_len < 1:
-        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
-    if args.max_n < 1:
-        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
-    if args.max_request_body_bytes < 1:
-        raise ValueError(
-            f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
-        )
-    if args.request_timeout is not None and not args.request_timeout > 0:
-        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    server = ServerConfig.from_cli_args(args)
     config = args.config_cls.from_cli_args(args).for_serving()
     endpoint = TPEndpoint.from_torchrun()
     if endpoint is not None:  # every rank of a tensor-parallel engine started by torchrun
-        if args.data_parallel_size != 1:
+        if server.data_parallel_size != 1:
             raise ValueError("--data-parallel-size is not for torchrun: its ranks are one engine")
         if endpoint.rank != 0:  # only rank 0 serves HTTP; the others run its steps
             from pagedserve.engine.worker.tp_worker import run_worker
 
             run_worker(config, endpoint)
             return 0
-    run_server(
-        config,
-        host=args.host,
-        port=args.port,
-        served_model_names=args.served_model_name,
-        api_key=args.api_key,
-        max_queue_len=args.max_queue_len,
-        request_timeout=args.request_timeout,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_n=args.max_n,
-        tool_call_parser=args.tool_call_parser,
-        allowed_origins=args.allowed_origins,
-        log_level=args.log_level,
-        access_log=not args.no_access_log,
-        core_process=args.core_process,
-        shutdown_timeout=args.shutdown_timeout,
-        data_parallel_size=args.data_parallel_size,
-    )
+    run_server(config, server, log_level=args.log_level)
     return 0
 
 
@@ -150,91 +117,7 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    config_cls.add_cli_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use in `model` (default: the --model value)",
-    )
-    srv.add_argument(
-        "--api-key",
-        default=os.environ.get("PAGEDSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDSERVE_API_KEY)",
-    )
-    srv.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=None,
-        help="answer 503 while this many requests wait to be scheduled (default: no limit)",
-    )
-    srv.add_argument(
-        "--max-n",
-        type=int,
-        default=DEFAULT_MAX_N,
-        help="largest n (samples per prompt) a request may ask for (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
-        default="auto",
-        help="how tool calls are read from the model's answers for tool_choice auto: hermes "
-        "(<tool_call> blocks: Qwen, SmolLM2, ...), llama3_json (bare JSON calls), or auto: "
-        "llama3_json when the chat template speaks of <|python_tag|>, else hermes",
-    )
-    srv.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accepted for vLLM command lines: tool_choice auto is always on here",
-    )
-    srv.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        default=None,
-        help="origins that browsers may call this server from (CORS; default: none, CORS off)",
-    )
-    srv.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="refuse larger request bodies with a 413 (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="seconds a request may take, queueing included; past it the request is aborted, "
-        "its blocks freed, and the client gets a 504 (a final error event on a stream) "
-        "(default: no limit)",
-    )
-    srv.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish while new ones "
-        "are refused with a 503; then the rest end with an error event (a second signal: at "
-        "once) (default: %(default)s)",
-    )
-    srv.add_argument("--no-access-log", action="store_true")
-    srv.add_argument(
-        "--core-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run the engine core (scheduler, model) in a process of its own, apart from HTTP, "
-        "tokenization and detokenization (default: on; --no-core-process runs the engine loop "
-        "in the server's process)",
-    )
-    srv.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        metavar="M",
-        help="engine cores, each in a process of its own with its own KV cache (and on CPU "
-        "1/M of the CPUs), behind this one server; requests go to the least loaded core, or to "
-        "one whose prefix cache holds their prompt's beginning (default: %(default)s)",
-    )
+    ServerConfig.add_cli_args(srv, groups=config_cls.add_cli_args(srv))
     srv.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")

@@ -133,7 +133,7 @@ ROOM_ALLOWED = {
     "frontend": set(),
 }
 ENGINE_SHARED = {
-    "engine.engine_config", "engine.messages", "engine.structured_output",
+    "engine.engine_config", "engine.options", "engine.messages", "engine.structured_output",
     "engine.cpu_allocator", "engine.tp_endpoint",
 }  # fmt: skip
 FRONT_END_MAY_IMPORT = {

@@ -30,13 +30,13 @@ import collections
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 
 from pagedserve import kernels
 from pagedserve.engine.messages import EngineStats
 from pagedserve.engine.models.whisper import PagedBatch, WhisperModel, cross_batch
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.scheduler.block_pool import Block, BlockPool
 from pagedserve.scheduler.utils import cdiv
 
@@ -66,7 +66,7 @@ class WhisperEngine:
         block_size: int = 16,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
-        ops: ModuleType = kernels.reference,
+        ops: KernelBackend = kernels.reference,
         seed: int = 0,
         suppress_tokens: Sequence[int] = (),
         begin_suppress_tokens: Sequence[int] = (),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +47,7 @@ from pagedserve.engine.models.quantized_linear import (
     quantized,
 )
 from pagedserve.engine.models.rotary import RotaryEmbedding
+from pagedserve.kernels.backend import KernelBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache): [num_blocks, block_size, Hkv, D]
 
@@ -72,7 +72,7 @@ class RMSNorm(nn.Module):
     it first (in place) and returns (normalised, the updated residual)."""
 
     def __init__(
-        self, hidden_size: int, eps: float, ops: ModuleType = kernels, unit_offset: bool = False
+        self, hidden_size: int, eps: float, ops: KernelBackend = kernels, unit_offset: bool = False
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         config: ModelConfig,
         layer: int,
         kv_group: int,
-        ops: ModuleType = kernels,
+        ops: KernelBackend = kernels,
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
@@ -189,7 +189,7 @@ class MLP(nn.Module):
     GeGLU)."""
 
     def __init__(
-        self, config: ModelConfig, ops: ModuleType = kernels, tp: TPGroup | None = None
+        self, config: ModelConfig, ops: KernelBackend = kernels, tp: TPGroup | None = None
     ) -> None:
         super().__init__()
         self.ops = ops
@@ -207,7 +207,7 @@ class MoE(nn.Module):
     """A mixture of experts: the router picks each token's top-k experts (`ops.moe_route`), and
     `ops.fused_moe` runs them and sums their outputs by the routing weights."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType = kernels) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend = kernels) -> None:
         super().__init__()
         self.ops = ops
         e, inter, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
@@ -234,7 +234,7 @@ class DecoderLayer(nn.Module):
         config: ModelConfig,
         layer: int,
         kv_group: int,
-        ops: ModuleType = kernels,
+        ops: KernelBackend = kernels,
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
@@ -285,7 +285,7 @@ class CausalLM(nn.Module):
         self,
         config: ModelConfig,
         max_positions: int,
-        attention_ops: ModuleType = kernels,
+        attention_ops: KernelBackend = kernels,
         shard: TPShard | None = None,
         tp: TPGroup | None = None,
     ) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 
 from pagedserve.engine.models import cpu_linear
 from pagedserve.engine.models.whisper_config import WhisperConfig
+from pagedserve.kernels.backend import KernelBackend
 
 
 class _Linear(nn.Linear):
@@ -200,7 +200,7 @@ class WhisperModel(nn.Module):
         cross: list[tuple[torch.Tensor, torch.Tensor]],
         caches: list[tuple[torch.Tensor, torch.Tensor]],
         slots: torch.Tensor,
-        ops: ModuleType,
+        ops: KernelBackend,
     ) -> None:
         """Write `cross_kv`'s keys and values ([B, heads, positions, head_dim] per layer) into the
         cross-attention caches, request b's position p at slots[b, p]: once per request."""
@@ -222,7 +222,7 @@ class WhisperModel(nn.Module):
         self_batch: PagedBatch,
         cross_caches: list[tuple[torch.Tensor, torch.Tensor]],
         cross: PagedBatch,
-        ops: ModuleType,
+        ops: KernelBackend,
     ) -> torch.Tensor:
         """Logits [num_tokens, vocab] (float32) of a step's decoder tokens (flattened over its
         requests, at `positions`), their self-attention K/V written to `self_batch`'s slots and

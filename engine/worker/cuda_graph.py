@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from pagedserve.engine.engine_config import GiB
 from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.model import CausalLM, KVCache
+from pagedserve.engine.options import GiB
 
 logger = logging.getLogger("pagedserve")
 

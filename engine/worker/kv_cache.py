@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.engine_config import GiB
 from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.options import GiB
 from pagedserve.scheduler.kv_groups import (
     KVCacheGroup,
     blocks_per_request,

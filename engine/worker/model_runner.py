@@ -7,7 +7,6 @@ does) and never mutates requests (update_from_output does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from pagedserve.engine.worker.sampler import (
     TokenLogprobs,
     to_device,
 )
+from pagedserve.kernels.backend import KernelBackend
 from pagedserve.scheduler import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from pagedserve.scheduler.utils import cdiv
 
@@ -182,7 +182,7 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         graphs: DecodeGraphs | None = None,
-        ops: ModuleType = kernels,
+        ops: KernelBackend = kernels,
         windows: tuple[int | None, ...] = (None,),
         num_host_blocks: int = 0,
         tp: TPGroup | None = None,

@@ -9,9 +9,11 @@ import sys
 
 import pytest
 
-from pagedserve.engine.engine_config import EngineConfig, option
+from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.options import GROUPS, option
 from pagedserve.kernels import triton_attention
 from pagedserve.server.cli import build_parser, main
+from pagedserve.server.server_config import ServerConfig
 from tests.server.util import PAGEDSERVE
 
 
@@ -278,11 +280,38 @@ def test_the_help_states_each_default_once_and_right(capsys):
     assert "captured CUDA graphs (default: False)" in help_text
 
 
+def test_the_server_options_are_flags_in_their_groups(capsys):
+    # ServerConfig's fields are `serve`'s flags too, in --help's groups beside the engine's.
+    assert ServerConfig.from_cli_args(build_parser().parse_args(["serve"])) == ServerConfig()
+    help_text = _serve_help(capsys)
+    for f in dataclasses.fields(ServerConfig):
+        assert f"--{f.name.replace('_', '-')}" in help_text
+    sections = [help_text.index(f"{group} options:") for group in GROUPS]
+    assert sections == sorted(sections)
+    parallel = help_text[
+        sections[GROUPS.index("parallel")] : sections[GROUPS.index("parallel") + 1]
+    ]
+    assert "--tensor-parallel-size" in parallel and "--data-parallel-size M" in parallel
+    args = build_parser().parse_args(
+        ["serve", "--served-model-name", "a", "b", "--no-access-log", "--no-core-process"]
+    )
+    server = ServerConfig.from_cli_args(args)
+    assert (server.served_model_name, server.access_log, server.core_process) == (
+        ("a", "b"), False, False
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="drop --no-core-process"):
+        ServerConfig(data_parallel_size=2, core_process=False)
+
+
 def test_a_new_engine_config_field_appears_in_serve_help(capsys):
     @dataclasses.dataclass(frozen=True)
     class WithNewOption(EngineConfig):
-        num_speculative_tokens: int = option(3, "draft tokens proposed per step")
-        quantization: str | None = option(None, "weight quantization", choices=("fp8",))
+        num_speculative_tokens: int = option(
+            3, "draft tokens proposed per step", group="speculative"
+        )
+        quantization: str | None = option(
+            None, "weight quantization", choices=("fp8",), group="model"
+        )
 
     help_text = _serve_help(capsys, WithNewOption)
     assert (
