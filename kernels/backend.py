@@ -12,92 +12,51 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
+from torch import Tensor
 
 
+# One op per line or two, so the contract reads at a glance (the backends spell each out).
 class KernelBackend(Protocol):
     def paged_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        out: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+        query_start_loc: Tensor, scale: float, *, sliding_window: int | None = None,
+        softcap: float | None = None, out: Tensor | None = None, k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
+    ) -> Tensor: ...  # fmt: skip
 
     def reshape_and_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> None: ...
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+        *, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+    ) -> None: ...  # fmt: skip
 
-    def copy_blocks(
-        self, caches: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
-    ) -> None: ...
+    def copy_blocks(self, caches: Sequence[Tensor], src: Tensor, dst: Tensor) -> None: ...
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
-    ) -> torch.Tensor: ...
+        self, x: Tensor, weight: Tensor, eps: float, *, unit_offset: bool = False
+    ) -> Tensor: ...  # fmt: skip
 
     def fused_add_rms_norm(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        *,
-        unit_offset: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, unit_offset: bool = False
+    ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def silu_and_mul(self, gate_up: Tensor) -> Tensor: ...
 
-    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def gelu_tanh_and_mul(self, gate_up: Tensor) -> Tensor: ...
 
     def rotary_and_cache(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_table: torch.Tensor,
-        sin_table: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+        self, qkv: Tensor, positions: Tensor, cos_table: Tensor, sin_table: Tensor, k_cache: Tensor,
+        v_cache: Tensor, slot_mapping: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+        *, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+    ) -> Tensor: ...  # fmt: skip
 
     def moe_route(
-        self, router_logits: torch.Tensor, top_k: int, renormalize: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, router_logits: Tensor, top_k: int, renormalize: bool
+    ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
     def fused_moe(
-        self,
-        x: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        *,
+        self, x: Tensor, gate_up: Tensor, down: Tensor, topk_weights: Tensor, topk_ids: Tensor, *,
         activation: str = "silu",
-    ) -> torch.Tensor: ...
+    ) -> Tensor: ...  # fmt: skip
 
 
 # The ops, in the Protocol's order.

@@ -12,11 +12,16 @@ from pagedserve.kernels import cpu_ops, reference, triton_ops
 from pagedserve.kernels.backend import OPS, KernelBackend
 
 
+def _annotation(annotation) -> str:
+    """An annotation's text, `torch.Tensor` and `Tensor` alike."""
+    return " ".join(str(annotation).split()).replace("torch.Tensor", "Tensor")
+
+
 def _shape(fn) -> tuple:
     params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
     return (
-        [(p.name, p.kind, p.default, " ".join(str(p.annotation).split())) for p in params],
-        str(inspect.signature(fn).return_annotation),
+        [(p.name, p.kind, p.default, _annotation(p.annotation)) for p in params],
+        _annotation(inspect.signature(fn).return_annotation),
     )
 
 
