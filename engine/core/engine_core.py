@@ -57,6 +57,14 @@ class EngineCore:
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
         self.worker = Worker(config, self.source, self.max_model_len, endpoint)
+        try:
+            self._build(config)
+        except BaseException:
+            self.worker.close()  # the ranks it started, if any
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        mc = self.model_config
         self.max_num_batched_tokens = config.step_token_budget
         plan = self.worker.kv_plan
         # Asynchronous scheduling: the step launched last, whose outputs the next step() reads.
