@@ -5,17 +5,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.forks import Forks
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
-from pagedserve.scheduler.ngram import NgramIndex
+from pagedserve.scheduler.kv_map import kv_map
 from pagedserve.scheduler.outputs import (
     CachedRequestData,
     NewRequestData,
     RequestDelta,
     SchedulerOutput,
 )
+from pagedserve.scheduler.preemption import Preemption
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.speculation import Speculation
 
 __all__ = [
     "CachedRequestData",
@@ -27,7 +29,7 @@ __all__ = [
 ]
 
 
-class Scheduler:
+class Scheduler(Preemption, Speculation, Forks):
     """Decides, step by step, which tokens of which requests the model computes.
 
     Every request catches its `num_computed_tokens` up to `num_tokens`; there is no separate
@@ -49,6 +51,10 @@ class Scheduler:
     schedule() may run again before update_from_output() (asynchronous scheduling): a token
     being sampled counts as a placeholder (`Request.num_output_placeholders`) whose position
     is scheduled like any other; the runner fills its id in on the device.
+
+    Its parts in files of their own: preemption and swap (scheduler/preemption.py), speculative
+    drafts (scheduler/speculation.py), forks and rewind (scheduler/forks.py), and the block map
+    it serves (scheduler/kv_map.py).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -102,73 +108,8 @@ class Scheduler:
         return bool(self.requests)
 
     def kv_map(self) -> dict:
-        """The live block map (GET /v1/kv): every block's state, ref count, owners and prefix
-        hash, every live request's blocks, and the pool's totals. Plain JSON-ready data;
-        O(blocks + table entries), a few milliseconds for tens of thousands of blocks."""
-        kv = self.kv_cache_manager
-        states, refs, cached = kv.block_pool.block_states()
-        owners = kv.block_owners()
-        size = kv.block_size
-        running = set(map(id, self.running))
-        requests = []
-        num_unused = 0
-        for request in self.requests.values():
-            if id(request) in running:
-                status = "running"
-            elif kv.is_swapped(request.request_id):
-                status = "swapped"
-            elif request.status == RequestStatus.PREEMPTED:
-                status = "preempted"
-            else:
-                status = "waiting"
-            unused = kv.num_unused_slots(request)
-            num_unused += unused
-            requests.append(
-                {
-                    "id": request.request_id,
-                    "status": status,
-                    "num_prompt_tokens": request.num_prompt_tokens,
-                    "num_output_tokens": request.num_output_tokens,
-                    "num_computed_tokens": request.num_computed_tokens,
-                    # null: a sliding-window block given back
-                    "block_ids": kv.table_entries(request.request_id),
-                    "num_swapped_blocks": kv.swapped_block_count(request.request_id),
-                    "num_unused_slots": unused,
-                    "num_preemptions": request.num_preemptions,
-                }
-            )
-        num_used = sum(state == BLOCK_USED for state in states)
-        queries, hits = kv.num_prefix_cache_queries_tokens, kv.num_prefix_cache_hits_tokens
-        host = kv.host_pool
-        return {
-            "block_size": size,
-            "num_blocks": kv.num_total_blocks,
-            "num_groups": kv.num_groups,
-            "blocks": {"state": states, "ref_count": refs, "cached": cached},
-            # JSON object keys are strings: block id -> request ids holding it.
-            "owners": {str(block_id): ids for block_id, ids in owners.items()},
-            "requests": requests,
-            "totals": {
-                "used_blocks": num_used,
-                "free_blocks": states.count(BLOCK_FREE),
-                "cached_free_blocks": states.count(BLOCK_CACHED),
-                "cached_blocks": kv.block_pool.num_cached_blocks,
-                "shared_blocks": sum(ref > 1 for ref in refs),
-                "usage": num_used / kv.num_total_blocks,
-                "prefix_cache_queries": queries,
-                "prefix_cache_hits": hits,
-                "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-                "host_blocks": 0 if host is None else host.num_blocks,
-                "swapped_blocks": kv.num_swapped_blocks,
-                "fragmentation_tokens": num_unused,
-                "fragmentation": num_unused / (num_used * size) if num_used else 0.0,
-                "num_running": len(self.running),
-                "num_waiting": self.num_waiting,
-                "num_preemptions": self.num_preemptions,
-                "num_swap_outs": self.num_swap_outs,
-                "num_swap_ins": self.num_swap_ins,
-            },
-        }
+        """The live block map (GET /v1/kv): scheduler/kv_map.py."""
+        return kv_map(self)
 
     # ------------------------------------------------------------------ admission
 
@@ -383,38 +324,6 @@ class Scheduler:
             sampling_params=request.sampling_params,
         )
 
-    def _propose(self, request: Request, max_drafts: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request by prompt lookup, at most `max_drafts` and never
-        past its max_tokens or max_model_len.
-
-        The runner samples every verified position from the request's own distribution and the
-        drafts are accepted while they equal what it sampled; for a draft that is a single
-        token (not a distribution) that is exactly rejection sampling: a draft d is kept with
-        probability p(d), and a rejected one is replaced by a draw from p without d. So greedy
-        and sampled requests keep their outputs' distribution, and a seeded request, whose k-th
-        token always uses the k-th number of its seed, its very tokens. Requests with logprobs
-        or penalties get no drafts: an output carries one token's logprobs, and penalties read
-        a history the drafts would have to be part of.
-        """
-        index = request.ngram_index
-        if index is None:
-            params = request.sampling_params
-            drafts = params.logprobs is None and not any(params.needs_history)
-            index = request.ngram_index = (
-                NgramIndex(self.config.ngram_min, self.config.ngram_max) if drafts else False
-            )
-        if index is False:
-            return ()
-        num_tokens = len(request.all_token_ids)
-        room = min(
-            request.sampling_params.max_tokens - len(request.output_token_ids),
-            self.config.max_model_len - num_tokens,
-        )
-        max_drafts = min(max_drafts, room - 1)  # the step's own sampled token comes on top
-        if max_drafts < 1:
-            return ()
-        return tuple(index.propose(request.all_token_ids, max_drafts))
-
     @staticmethod
     def _advance(
         request: Request,
@@ -455,90 +364,6 @@ class Scheduler:
         wanting = prefilling + len(self.waiting)
         share = self.config.max_num_batched_tokens * wanting // (wanting + decoding)
         return max(cap, share)
-
-    def _swap_in(
-        self,
-        request: Request,
-        token_budget: int,
-        new_requests: list[NewRequestData],
-        num_scheduled: dict[str, int],
-        sampling: list[Request],
-    ) -> bool:
-        """Resume a swapped request at the head of the queue: its KV comes back from the host
-        pool into fresh device blocks, and it goes on from where it was preempted. Returns False
-        when the device pool cannot take it yet. Should it never fit (nothing else runs, so no
-        blocks will come free), its KV is dropped and it is recomputed like any other."""
-        kv = self.kv_cache_manager
-        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-        if kv.num_swap_in_blocks(request, num_new_tokens) > kv.num_free_blocks:
-            if not self.running:
-                kv.drop_swapped(request)
-                request.num_computed_tokens = 0
-            return False
-        self.waiting.remove(request)
-        self._swap_in_copies.extend(kv.swap_in(request))
-        new_block_ids = kv.allocate_slots(request, num_new_tokens)
-        assert new_block_ids is not None, f"swap-in of {request.request_id!r} found no room"
-        self.num_swap_ins += 1
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        new_requests.append(self._new_request_data(request))
-        self._advance(request, num_new_tokens, num_scheduled, sampling)
-        return True
-
-    def _preempt_idle(self, preempted: list[Request]) -> bool:
-        """Preempt the latest-admitted running request that awaits a choice (a beam whose
-        search waits for its other beams), to recompute later: it holds blocks it computes
-        nothing with, and without this a pool full of such beams would admit nobody, their
-        searches' other beams included. Returns False when there is none."""
-        for request in reversed(self.running):
-            if request.awaiting_choice:
-                self.running.remove(request)
-                self._preempt(request)
-                preempted.append(request)
-                return True
-        return False
-
-    def _preempt(self, request: Request, swap: bool = False) -> None:
-        """Take a running request's blocks and requeue it first. With `swap` (a preemption
-        for room, in swap mode) its KV moves to the host pool when that has room, and it
-        resumes where it was; otherwise its blocks are freed and it recomputes later."""
-        copies = self.kv_cache_manager.swap_out(request) if swap else None
-        if copies is None:
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-        else:
-            self._swap_out_copies.extend(copies)
-            self.num_swap_outs += 1
-        request.status = RequestStatus.PREEMPTED
-        request.send_in_full = False  # it will be, when readmitted
-        request.spec_token_ids = ()  # a step undone: its drafts never come back
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def undo_step(self, output: SchedulerOutput) -> None:
-        """Forget a step that failed before it produced anything (the device ran out of memory):
-        its sampling placeholders are dropped, and every request it scheduled that still runs is
-        preempted, to recompute later. The prefix cache is emptied, since blocks cached when the
-        step's slots were granted never received their KV."""
-        for request in self._sampling.pop(output.step_id, ()):
-            request.num_output_placeholders -= 1
-        # In reverse: each preempted request goes to the head of the queue, so they keep their
-        # order there.
-        for request_id in reversed(output.num_scheduled_tokens):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            self.running.remove(request)
-            self._preempt(request)
-            self._preempted_since_schedule.append(request_id)
-        # The step's swap-out copies may not have run: no swapped KV is trusted, so every
-        # swapped request recomputes.
-        for request in self.waiting:
-            if self.kv_cache_manager.drop_swapped(request):
-                request.num_computed_tokens = 0
-        self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------- results
 
@@ -614,112 +439,6 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
         return deltas
 
-    def _apply_accepted(self, request: Request, tokens: Sequence[int]) -> RequestDelta:
-        """Append a speculative step's tokens (the accepted drafts, then the model's own next
-        token) one by one under the stop rules; the rejected drafts' positions are computed
-        again. Returns the request's delta."""
-        drafts = request.spec_token_ids
-        request.spec_token_ids = ()
-        num_accepted = len(tokens) - 1
-        if not 0 <= num_accepted <= len(drafts) or list(tokens[:-1]) != list(drafts[:num_accepted]):
-            raise ValueError(
-                f"request {request.request_id!r}: accepted tokens {list(tokens)} do not start "
-                f"with a prefix of its drafts {list(drafts)}"
-            )
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += num_accepted
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        params = request.sampling_params
-        finished = None
-        appended = 0
-        for token_id in tokens:
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            appended += 1
-            if token_id in request.finishing_token_ids:
-                finished = RequestStatus.FINISHED_STOPPED
-            elif (
-                len(request.output_token_ids) >= params.max_tokens
-                or len(request.all_token_ids) >= self.config.max_model_len
-            ):
-                finished = RequestStatus.FINISHED_LENGTH
-            if finished is not None:
-                break
-        new_token_ids = tuple(tokens[:appended])
-        if finished is None:
-            return self._delta(request, new_token_ids)
-        self._release(request, finished, remove_from_queues=request.status != RequestStatus.RUNNING)
-        return self._delta(request, new_token_ids)
-
-    def fork_request(self, parent: Request, child: Request) -> None:
-        """Add `child`, whose tokens are the parent's up to its computed ones and then its own
-        (a beam continued by another token than the one the parent sampled). A running parent's
-        blocks of its computed tokens are shared (`KVCacheManager.fork`) and the child runs at
-        once, to be sent to the runner in full; a parent without blocks (preempted) shares
-        nothing and the child queues first, to compute its tokens alone."""
-        request_id = child.request_id
-        assert request_id not in self.requests, f"request id {request_id!r} is already in use"
-        num_shared = parent.num_computed_tokens
-        assert child.all_token_ids[:num_shared] == parent.all_token_ids[:num_shared], (
-            f"request {request_id!r} does not continue {parent.request_id!r}'s computed tokens"
-        )
-        self.requests[request_id] = child
-        if parent.status == RequestStatus.RUNNING and num_shared:
-            self._run_forked(parent, child, num_shared)
-        else:
-            self.waiting.appendleft(child)
-
-    def _run_forked(self, parent: Request, child: Request, num_shared: int) -> None:
-        """The child shares the parent's blocks of its first `num_shared` tokens, has computed
-        them, and runs; the runner gets it in full at the next schedule()."""
-        self.kv_cache_manager.fork(parent, child, num_shared)
-        child.num_computed_tokens = num_shared
-        child.status = RequestStatus.RUNNING
-        child.send_in_full = True
-        self.running.append(child)
-
-    # ------------------------------------------------------------------- rewind
-
-    def rewind(self, request_id: str, num_tokens: int) -> int:
-        """Take back the last `num_tokens` output tokens of a live request, running or waiting,
-        and return how many output tokens it has left.
-
-        A running request's blocks past the new end go back to the pool
-        (`KVCacheManager.truncate`); the kept prefix stays in the cache and is not computed
-        again, except the last kept token, whose logits give the next one (unless a sliding
-        window already gave back blocks the new end needs: then it is all computed again). The
-        runner gets the shortened request in full at its next step; a token it still has in
-        flight is dropped when it comes back. A waiting request holds no device blocks: only its
-        tokens go back (a swapped one drops its host copy and recomputes).
-        """
-        request = self.requests.get(request_id)
-        if request is None:
-            raise ValueError(f"cannot rewind request {request_id!r}: it is unknown or finished")
-        num_outputs = len(request.output_token_ids)
-        if not 0 < num_tokens <= num_outputs:
-            raise ValueError(
-                f"cannot rewind request {request_id!r} by {num_tokens} tokens: it has "
-                f"{num_outputs} output tokens (rewind by 1 to {num_outputs})"
-            )
-        if request.num_output_placeholders:
-            for sampling in self._sampling.values():
-                if request in sampling:
-                    sampling.remove(request)
-            request.num_output_placeholders = 0
-        request.ngram_index = None  # indexes the tokens taken back too
-        del request.output_token_ids[-num_tokens:]
-        del request.all_token_ids[-num_tokens:]
-        if self.kv_cache_manager.drop_swapped(request):  # recomputed rather than cut
-            request.num_computed_tokens = 0
-        if request.status == RequestStatus.RUNNING:
-            request.num_computed_tokens = self.kv_cache_manager.truncate(
-                request, min(request.num_computed_tokens, request.num_tokens - 1)
-            )
-            if not request.send_in_full:
-                request.send_in_full = True
-                self._preempted_since_schedule.append(request_id)  # the runner drops its row
-        return len(request.output_token_ids)
-
     # ------------------------------------------------------------- finishing early
 
     def finish_request(self, request_id: str, status: RequestStatus) -> RequestDelta | None:
@@ -751,28 +470,6 @@ class Scheduler:
     def abort(self, request_id: str) -> RequestDelta | None:
         """Abort a request in any state; None if the id is unknown or already finished."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-
-    def _fork_children(self, parent: Request, share: bool) -> None:
-        """Release the samples attached to `parent`. With `share` (the parent runs and its
-        prompt's KV is computed), as many as there are free sequence slots fork the parent's
-        blocks holding all prompt tokens but the last and join the running requests, to be sent
-        to the runner in full; the rest stay attached for a later token of the parent. Without
-        it they go to the head of the queue, in their order, to compute their prompts alone."""
-        num_shared = parent.num_prompt_tokens - 1
-        if share and num_shared:
-            free_slots = max(0, self.config.max_num_seqs - len(self.running))
-            num_forked = min(len(parent.fork_children), free_slots)
-            for child in parent.fork_children[:num_forked]:
-                child.fork_parent = None
-                self._run_forked(parent, child, num_shared)
-            del parent.fork_children[:num_forked]
-            self._num_attached -= num_forked
-            return
-        children, parent.fork_children = parent.fork_children, []
-        self._num_attached -= len(children)
-        for child in reversed(children):
-            child.fork_parent = None
-            self.waiting.appendleft(child)
 
     def _release(self, request: Request, status: RequestStatus, remove_from_queues: bool) -> None:
         """Mark finished, free blocks, forget the request and tell the runner next step."""
