@@ -18,12 +18,14 @@ TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
 
 
 class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
-    """One sample to schedule: its id, prompt and params (n = 1; its own seed)."""
+    """One sample to schedule: its id, prompt and params (n = 1; its own seed); for an
+    encoder-decoder model (Whisper), the audio its encoder takes (16 kHz float32 samples)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    encoder_input: bytes | None = None
 
 
 class SampleOutput(msgspec.Struct, array_like=True, gc=False):

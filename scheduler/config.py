@@ -42,6 +42,11 @@ class SchedulerConfig:
     # does not stall the streams (Scheduler._prefill_cap); 0: no cap beyond the budget. A step
     # without decodes (a burst of arrivals) takes the whole budget.
     max_prefill_tokens_while_decoding: int = 0
+    # Encoder-decoder models (Whisper): the blocks of cross-attention KV a request with an
+    # encoder input holds from admission to its end, and the step's token budget its encoder
+    # pass counts for (every step admits at least one).
+    encoder_blocks: int = 0
+    encoder_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -54,7 +59,13 @@ class SchedulerConfig:
         assert type(cap) is int and cap >= 0, cap
         assert self.num_speculative_tokens >= 0, self.num_speculative_tokens
         assert 1 <= self.ngram_min <= self.ngram_max, (self.ngram_min, self.ngram_max)
-        need = blocks_per_request(
+        assert self.encoder_blocks >= 0 and self.encoder_tokens >= 0
+        # Prefix hashes cover the decoder's tokens only: equal prompts over different audio
+        # would share KV that differs.
+        assert not (self.encoder_blocks and self.enable_prefix_caching), (
+            "an encoder-decoder model cannot use the prefix cache"
+        )
+        need = self.encoder_blocks + blocks_per_request(
             self.kv_group_windows, self.max_model_len, self.block_size, self.max_num_batched_tokens
         )
         assert self.num_blocks >= need, (

@@ -3,27 +3,12 @@ one prompt) and requests that take tokens back (rewind): the scheduler's part of
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING
-
 from pagedserve.scheduler.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler.config import SchedulerConfig
-    from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.state import SchedulerState
 
 
-class Forks:
+class Forks(SchedulerState):
     """Forking and rewinding requests (a part of `Scheduler`)."""
-
-    config: SchedulerConfig
-    kv_cache_manager: KVCacheManager
-    requests: dict[str, Request]
-    waiting: deque[Request]
-    running: list[Request]
-    _num_attached: int
-    _sampling: dict[int, list[Request]]
-    _preempted_since_schedule: list[str]
 
     def fork_request(self, parent: Request, child: Request) -> None:
         """Add `child`, whose tokens are the parent's up to its computed ones and then its own

@@ -90,6 +90,9 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens, counted once per admission.
         self.num_prefix_cache_queries_tokens = 0
         self.num_prefix_cache_hits_tokens = 0
+        # Encoder-decoder requests' cross-attention blocks: allocated once at admission, never
+        # grown, shared or swapped, freed with the request's table.
+        self._encoder_blocks: dict[str, list[Block]] = {}
 
     # ----------------------------------------------------------------- capacity / stats
 
@@ -345,6 +348,18 @@ class KVCacheManager:
                     self.block_pool.uncache(block)
         return num_tokens
 
+    def allocate_encoder_blocks(self, request: Request, num_blocks: int) -> bool:
+        """Give an admitted encoder-decoder request its cross-attention blocks; False, changing
+        nothing, when the pool has too few free."""
+        if num_blocks > self.block_pool.num_free_blocks:
+            return False
+        self._encoder_blocks[request.request_id] = self.block_pool.allocate(num_blocks)
+        return True
+
+    def encoder_block_ids(self, request_id: str) -> list[int]:
+        """The request's cross-attention blocks (empty when it holds none)."""
+        return [block.block_id for block in self._encoder_blocks.get(request_id, ())]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks and forget its table; a no-op if it holds none.
 
@@ -362,6 +377,9 @@ class KVCacheManager:
             self._block_copies = [c for c in self._block_copies if c[0] != request_id]
         if table:
             self.block_pool.free(block for block in reversed(table) if block is not None)
+        encoder_blocks = self._encoder_blocks.pop(request_id, None)
+        if encoder_blocks:
+            self.block_pool.free(reversed(encoder_blocks))
 
     def free_untrusted(self, request: Request) -> list[int]:
         """Free the blocks of a request whose KV must not be reused (its step produced NaN or
@@ -377,7 +395,7 @@ class KVCacheManager:
     def block_owners(self) -> dict[int, list[str]]:
         """Block id -> the requests whose tables hold it (blocks in use only)."""
         owners: dict[int, list[str]] = {}
-        for request_id, table in self._tables.items():
+        for request_id, table in [*self._tables.items(), *self._encoder_blocks.items()]:
             for block in table:
                 if block is not None:
                     owners.setdefault(block.block_id, []).append(request_id)
@@ -416,13 +434,14 @@ class KVCacheManager:
         """Move the request's blocks to the host pool: each block it holds gets a host block,
         and its device blocks are freed (a shared one stays with its other holders; a cached one
         keeps its hash in the free list). Returns the (device block id, host block id) copies
-        for the runner, or None, changing nothing, when there is no host pool or too few of its
-        blocks are free (the caller then recomputes instead).
+        for the runner, or None, changing nothing, when there is no host pool, too few of its
+        blocks are free, or the request holds encoder blocks (the caller then recomputes instead,
+        an encoder-decoder request its encoder pass included).
 
         The request keeps its hashes and progress, so `swap_in` resumes it where it was."""
         request_id = request.request_id
         table = self._tables.get(request_id)
-        if self.host_pool is None or not table:
+        if self.host_pool is None or not table or request_id in self._encoder_blocks:
             return None
         held = [block for block in table if block is not None]
         if len(held) > self.host_pool.num_free_blocks:

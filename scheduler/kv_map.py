@@ -43,6 +43,8 @@ def kv_map(scheduler: Scheduler) -> dict:
                 # null: a sliding-window block given back
                 "block_ids": kv.table_entries(request.request_id),
                 "num_swapped_blocks": kv.swapped_block_count(request.request_id),
+                # an encoder-decoder's cross-attention blocks (empty for a decoder-only model)
+                "encoder_block_ids": kv.encoder_block_ids(request.request_id),
                 "num_unused_slots": unused,
                 "num_preemptions": request.num_preemptions,
             }

@@ -32,6 +32,11 @@ class NewRequestData:
     block_ids: tuple[int, ...]  # the whole table after this step's allocation
     num_computed_tokens: int
     sampling_params: SamplingParams
+    # An encoder-decoder's request: its cross-attention blocks (fixed for its life), and the
+    # encoder's input when the step is to encode it into them (at admission, and again after a
+    # preemption freed them; not when only the runner's state for it is rebuilt).
+    encoder_block_ids: tuple[int, ...] = ()
+    encoder_input: object | None = None
 
 
 @dataclass(frozen=True)

@@ -3,32 +3,17 @@ pool, resumption from the host pool, and undoing a step that failed on the devic
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.state import SchedulerState
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler.config import SchedulerConfig
-    from pagedserve.scheduler.kv_cache_manager import KVCacheManager
     from pagedserve.scheduler.outputs import NewRequestData, SchedulerOutput
 
 
-class Preemption:
+class Preemption(SchedulerState):
     """Preemption and swap (a part of `Scheduler`)."""
-
-    config: SchedulerConfig
-    kv_cache_manager: KVCacheManager
-    requests: dict[str, Request]
-    waiting: deque[Request]
-    running: list[Request]
-    num_preemptions: int
-    num_swap_outs: int
-    num_swap_ins: int
-    _swap_out_copies: list[tuple[int, int]]
-    _swap_in_copies: list[tuple[int, int]]
-    _sampling: dict[int, list[Request]]
-    _preempted_since_schedule: list[str]
 
     def _swap_in(
         self,

@@ -77,6 +77,7 @@ class Request:
         "send_in_full",
         "pause_after_sample",
         "awaiting_choice",
+        "encoder_input",
     )
 
     def __init__(
@@ -86,6 +87,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
+        encoder_input: object | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -125,6 +127,9 @@ class Request:
         # until its owner decides (a beam search keeps it and clears this, or ends it). Beams of
         # one search report in different steps once preemption has split them up.
         self.awaiting_choice = False
+        # An encoder-decoder's request (Whisper): what the runner's encoder turns into its
+        # cross-attention KV (opaque here), which holds SchedulerConfig.encoder_blocks blocks.
+        self.encoder_input = encoder_input
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.forks import Forks
-from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.kv_map import kv_map
 from pagedserve.scheduler.outputs import (
     CachedRequestData,
@@ -56,40 +54,6 @@ class Scheduler(Preemption, Speculation, Forks):
     drafts (scheduler/speculation.py), forks and rewind (scheduler/forks.py), and the block map
     it serves (scheduler/kv_map.py).
     """
-
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-        self.kv_cache_manager = KVCacheManager(
-            config.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            config.kv_group_windows,
-            config.num_host_blocks,
-        )
-        # Live requests only (waiting, running, preempted); finished ones leave at once.
-        self.requests: dict[str, Request] = {}
-        # Preempted requests sit at the front, so they resume before newer arrivals.
-        self.waiting: deque[Request] = deque()
-        # Admission order: the tail is the first to be preempted.
-        self.running: list[Request] = []
-        self.num_preemptions = 0
-        # Swap preemption: preemptions that moved the request's KV to the host pool (the rest
-        # recomputed), resumptions that moved it back, and this step's copies for the runner.
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
-        self._swap_out_copies: list[tuple[int, int]] = []
-        self._swap_in_copies: list[tuple[int, int]] = []
-        # Speculative decoding: drafts scheduled, and accepted, in the steps applied so far.
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        # Samples attached to a parent sample (add_request's fork_parent), in no queue yet.
-        self._num_attached = 0
-        self._finished_since_schedule: list[str] = []
-        # Taken out of the batch by undo_step or rewind, for the runner to drop.
-        self._preempted_since_schedule: list[str] = []
-        # Per step not yet applied by update_from_output: the requests it samples for.
-        self._step_id = 0
-        self._sampling: dict[int, list[Request]] = {}
 
     # --------------------------------------------------------------------- queries
 
@@ -232,6 +196,7 @@ class Scheduler(Preemption, Speculation, Forks):
             index += 1
 
         # Admitting while preempting would hand the blocks just freed to newer requests.
+        num_encoded = encoder_charge = 0
         if not preempted:
             position = 0  # requests before it in the queue await a choice (beams): skipped
             while (
@@ -256,6 +221,9 @@ class Scheduler(Preemption, Speculation, Forks):
                             continue
                         break  # FIFO: it waits for room, and so does everyone behind it
                     # Its KV was dropped (it could never fit back): admitted to recompute.
+                encode = request.encoder_input is not None
+                if encode and num_encoded and token_budget < self.config.encoder_tokens:
+                    break  # the step's encoder work is spent: it starts next step
                 if request.sampling_params.prompt_logprobs is None:
                     computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(
                         request
@@ -270,10 +238,12 @@ class Scheduler(Preemption, Speculation, Forks):
                     if prefill_left == 0:
                         break  # the streams decoding come first; it starts next step
                     num_new_tokens = min(num_new_tokens, prefill_left)
+                encoder_blocks = self.config.encoder_blocks
                 if (
-                    self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
-                    is None
-                ):
+                    encode and not kv.allocate_encoder_blocks(request, encoder_blocks)
+                ) or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                    if encode:
+                        kv.free(request)  # its encoder blocks, when only its slots found no room
                     if self._preempt_idle(preempted):
                         continue  # room from a request awaiting a choice; try again
                     break  # FIFO: nobody overtakes the head of the queue
@@ -281,11 +251,16 @@ class Scheduler(Preemption, Speculation, Forks):
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached_tokens
                 self.running.append(request)
-                new_requests.append(self._new_request_data(request))
+                new_requests.append(self._new_request_data(request, encode))
                 self._advance(request, num_new_tokens, num_scheduled, sampling)
                 token_budget -= num_new_tokens
                 if prefill_left is not None:
                     prefill_left -= num_new_tokens
+                if encode:
+                    num_encoded += 1
+                    charge = min(token_budget, self.config.encoder_tokens)
+                    token_budget -= charge
+                    encoder_charge += charge
 
         self._step_id += 1
         if sampling:
@@ -304,7 +279,9 @@ class Scheduler(Preemption, Speculation, Forks):
                 tuple(cached_ids), tuple(cached_new_blocks), tuple(cached_starts)
             ),
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - token_budget,
+            total_num_scheduled_tokens=(
+                self.config.max_num_batched_tokens - token_budget - encoder_charge
+            ),
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
             spec_token_ids=spec_tokens,
@@ -313,8 +290,9 @@ class Scheduler(Preemption, Speculation, Forks):
             swap_in=swap_in,
         )
 
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        """The request in full, for a runner that has no state for it (before `_advance`)."""
+    def _new_request_data(self, request: Request, encode: bool = False) -> NewRequestData:
+        """The request in full, for a runner that has no state for it (before `_advance`);
+        `encode`: its encoder blocks are new, for the runner to fill from its encoder input."""
         return NewRequestData(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids),
@@ -322,6 +300,8 @@ class Scheduler(Preemption, Speculation, Forks):
             block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
             num_computed_tokens=request.num_computed_tokens,
             sampling_params=request.sampling_params,
+            encoder_block_ids=tuple(self.kv_cache_manager.encoder_block_ids(request.request_id)),
+            encoder_input=request.encoder_input if encode else None,
         )
 
     @staticmethod

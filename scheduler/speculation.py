@@ -8,18 +8,14 @@ from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.ngram import NgramIndex
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.state import SchedulerState
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler.config import SchedulerConfig
     from pagedserve.scheduler.outputs import RequestDelta
 
 
-class Speculation:
+class Speculation(SchedulerState):
     """The Scheduler's draft proposals and their acceptance (a part of `Scheduler`)."""
-
-    config: SchedulerConfig
-    num_draft_tokens: int
-    num_accepted_tokens: int
 
     def _propose(self, request: Request, max_drafts: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request by prompt lookup, at most `max_drafts` and never

@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -24,12 +23,8 @@ from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.frontend.client import EngineClient
 from pagedserve.engine.frontend.data_parallel import DataParallelEngine
 from pagedserve.engine.frontend.process_client import ProcessEngine
-from pagedserve.engine.models.whisper_config import whisper_config_of
-from pagedserve.server.app import build_app, build_transcription_app
+from pagedserve.server.app import build_app
 from pagedserve.server.server_config import ServerConfig
-
-if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
-    from pagedserve.engine.frontend.whisper_service import TranscriptionService
 
 logger = logging.getLogger("pagedserve")
 
@@ -63,31 +58,18 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
     """Load the model and serve until interrupted (Ctrl-C / SIGTERM: see _Drain).
     `server.core_process`: run the engine core in a process of its own (None: the default for the
     device, DEFAULT_CORE_PROCESS). `server.data_parallel_size`: engine cores, each a process of
-    its own with its own KV cache (engine/frontend/data_parallel.py). A Whisper model
-    (engine/frontend/whisper_service.py) is served in this process, by one engine."""
+    its own with its own KV cache (engine/frontend/data_parallel.py); a Whisper model the same
+    ways."""
     host, port, core_process = server.host, server.port, server.core_process
     data_parallel_size, max_queue_len = server.data_parallel_size, server.max_queue_len
     _check_port_free(host, port)  # before loading: a model can take minutes to load
     if data_parallel_size > 1:
         core_process = True
     names = list(server.served_model_name or [config.model])
-    whisper = whisper_config_of(config.model) is not None
-    if whisper:
-        if core_process or data_parallel_size > 1:
-            raise ValueError(
-                "a Whisper model is served by one engine in the server's process: drop "
-                "--core-process and --data-parallel-size"
-            )
-        core_process = False
-    elif core_process is None:
+    if core_process is None:
         core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
-    client: EngineClient | TranscriptionService
-    if whisper:
-        from pagedserve.engine.frontend.whisper_service import TranscriptionService
-
-        client = TranscriptionService.from_config(config, max_queue_len)  # logs its plan
-        description = client.describe()
-    elif data_parallel_size > 1:
+    client: EngineClient
+    if data_parallel_size > 1:
         client = DataParallelEngine(config, data_parallel_size, max_queue_len)
         client.start()  # loads the model in every core process at once
         description = client.description
@@ -103,24 +85,18 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
         client = AsyncEngine(engine, max_queue_len=max_queue_len)
         description = engine.describe()
     try:
-        common = dict(
+        app = build_app(
+            client,
+            names,
             model_root=config.model,
             api_key=server.api_key,
             manage_engine=False,
             request_timeout=server.request_timeout,
             max_request_body_bytes=server.max_request_body_bytes,
+            max_n=server.max_n,
+            tool_call_parser=server.tool_call_parser,
             allowed_origins=list(server.allowed_origins or ()) or None,
         )
-        if whisper:
-            app = build_transcription_app(client, names, **common)
-        else:
-            app = build_app(
-                client,
-                names,
-                max_n=server.max_n,
-                tool_call_parser=server.tool_call_parser,
-                **common,
-            )
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, %s%s)",
             names[0],

@@ -1,7 +1,8 @@
-"""The FastAPI apps: routes, API-key check, lifespan of the engine thread.
+"""The FastAPI app: routes, API-key check, lifespan of the engine thread.
 
-`build_app(async_engine, ...)` serves a decoder-only model, `build_transcription_app(service,
-...)` a Whisper model; `server.api_server.run_server` wraps either in uvicorn for the CLI.
+`build_app(engine, ...)` serves a model through any engine client: a decoder-only model's text
+routes, or a Whisper model's /v1/audio/transcriptions; `server.api_server.run_server` wraps it
+in uvicorn for the CLI.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -19,6 +19,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.engine.frontend.client import EngineClient, check_core_index
+from pagedserve.engine.models.whisper_config import (
+    WhisperConfig,
+    WhisperDecoding,
+    whisper_config_of,
+)
 from pagedserve.server.dashboard import dashboard_html
 from pagedserve.server.errors import (
     APIError,
@@ -43,9 +48,6 @@ from pagedserve.server.serving_transcriptions import (
     audio_seconds,
     create_transcription,
 )
-
-if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
-    from pagedserve.engine.frontend.whisper_service import TranscriptionService
 
 
 def version() -> str:
@@ -95,13 +97,11 @@ def build_app(
         state.metrics,
     )  # fmt: skip
 
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
-        return await create_completion(state, body, raw_request)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await create_chat_completion(state, body, raw_request)
+    whisper = whisper_config_of(model_root)
+    if whisper is None:
+        _add_text_routes(v1, state)
+    else:
+        _add_transcription_routes(v1, state, whisper, WhisperDecoding.of(model_root))
 
     @v1.get("/kv")
     async def kv_map(engine_index: int = Query(0, alias="engine")) -> Response:
@@ -118,15 +118,6 @@ def build_app(
                 503, "the engine core did not answer within 10 s", code="engine_busy"
             ) from None
         return Response(body, media_type="application/json")
-
-    @v1.post("/audio/transcriptions")
-    async def transcriptions() -> Response:
-        raise APIError(
-            400,
-            f"model {state.model_name!r} does not transcribe audio: serve a Whisper model "
-            "(a WhisperForConditionalGeneration folder) for /v1/audio/transcriptions",
-            code="model_not_supported",
-        )
 
     app.include_router(v1)
 
@@ -182,50 +173,55 @@ def build_app(
     return app
 
 
-def build_transcription_app(
-    service: TranscriptionService,
-    served_model_names: tuple[str, ...] | list[str],
-    model_root: str,
-    api_key: str | None = None,
-    manage_engine: bool = True,
-    request_timeout: float | None = None,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-    allowed_origins: list[str] | None = None,
-) -> FastAPI:
-    """The app of a Whisper model: /v1/audio/transcriptions (server/serving_transcriptions.py)
-    and the routes every pagedserve server has (/v1/models, /health, /metrics, /version)."""
-    if not served_model_names:
-        raise ValueError("served_model_names must name at least one model")
-    metrics = Metrics(lambda: service.stats)
-    state = TranscriptionState(
-        service, metrics, tuple(served_model_names), request_timeout, audio_seconds(metrics)
+def _add_text_routes(v1: APIRouter, state: ServerState) -> None:
+    """A decoder-only model: completions and chat; it transcribes nothing."""
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(state, body, raw_request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(state, body, raw_request)
+
+    _refuse(
+        v1,
+        ["/audio/transcriptions"],
+        f"model {state.model_name!r} does not transcribe audio: serve a Whisper model (a "
+        "WhisperForConditionalGeneration folder) for /v1/audio/transcriptions",
     )
-    app, v1, _ = _new_app(service, api_key or None, max_request_body_bytes, allowed_origins,
-                          manage_engine)  # fmt: skip
-    app.state.server = state
-    _add_common_routes(app, v1, service, state.served_model_names, model_root,
-                       service.config.max_target_positions, metrics)  # fmt: skip
+
+
+def _add_transcription_routes(
+    v1: APIRouter, state: ServerState, whisper: WhisperConfig, decoding: WhisperDecoding
+) -> None:
+    """A Whisper model: /v1/audio/transcriptions (server/serving_transcriptions.py); it
+    continues no text."""
+    transcription = TranscriptionState(state, whisper, decoding, audio_seconds(state.metrics))
 
     @v1.post("/audio/transcriptions")
     async def transcriptions(raw_request: Request) -> Response:
-        return await create_transcription(state, raw_request)
+        return await create_transcription(transcription, raw_request)
 
-    @v1.post("/completions")
-    @v1.post("/chat/completions")
-    async def text_generation() -> Response:
-        raise APIError(
-            400,
-            f"model {state.served_model_names[0]!r} is a Whisper model: it serves "
-            "/v1/audio/transcriptions only",
-            code="model_not_supported",
-        )
+    _refuse(
+        v1,
+        ["/completions", "/chat/completions"],
+        f"model {state.model_name!r} is a Whisper model: it serves /v1/audio/transcriptions only",
+    )
 
-    app.include_router(v1)
-    return app
+
+def _refuse(v1: APIRouter, paths: list[str], message: str) -> None:
+    """POST `paths`: a 400 saying what this model does not do."""
+
+    async def not_supported() -> Response:
+        raise APIError(400, message, code="model_not_supported")
+
+    for path in paths:
+        v1.post(path)(not_supported)
 
 
 def _new_app(
-    engine: EngineClient | TranscriptionService,
+    engine: EngineClient,
     api_key: str | None,
     max_request_body_bytes: int,
     allowed_origins: list[str] | None,
@@ -282,7 +278,7 @@ def _new_app(
 def _add_common_routes(
     app: FastAPI,
     v1: APIRouter,
-    engine: EngineClient | TranscriptionService,
+    engine: EngineClient,
     served_model_names: tuple[str, ...],
     model_root: str,
     max_model_len: int,

@@ -5,10 +5,12 @@ The form: `file` (WAV, FLAC, MP3 or OGG; engine/frontend/audio.py), `model`, `la
 code or English name; default en), `prompt` (text the model takes as what came before),
 `response_format` (json, text, verbose_json, srt, vtt), `temperature` (0: greedy), `stream`,
 `timestamp_granularities[]` (segment; verbose_json only). The audio is cut into 30-second
-windows that all run in the continuous batch at once (engine/frontend/whisper_service.py); their
-texts join in order. A stream sends each window's text as it is decoded, in window order:
-`{"type": "transcript.text.delta", "delta": ...}` events, then one `transcript.text.done` with
-the whole text and the token usage, then `[DONE]`, the events OpenAI's client reads.
+windows, each an engine request of its own (an AudioPrompt: the decoder prompt and the window's
+samples) in the continuous batch, through whichever engine client the server runs (in-process,
+core process, data parallel); their texts join in order. A stream sends each window's text as it
+is decoded, in window order: `{"type": "transcript.text.delta", "delta": ...}` events, then one
+`transcript.text.done` with the whole text and the token usage, then `[DONE]`, the events
+OpenAI's client reads.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 from fastapi import Request
@@ -29,12 +31,17 @@ from starlette.datastructures import UploadFile
 
 from pagedserve.engine.frontend.audio import decode_audio, duration, windows
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.frontend.inputs import AudioPrompt
+from pagedserve.engine.models.whisper_config import WhisperConfig, WhisperDecoding
+from pagedserve.scheduler import SamplingParams
 from pagedserve.server.errors import APIError
 from pagedserve.server.metrics import Metrics
 from pagedserve.server.serving_common import (
     SSE_DONE,
-    Deadline,
+    ServerState,
+    add_requests,
     check_model_name,
+    iterate_all,
     new_id,
     sse,
     sse_error,
@@ -47,9 +54,6 @@ from pagedserve.server.transcription_formats import (
     window_segments,
 )
 
-if TYPE_CHECKING:  # the Whisper service loads the model code: imported when one is served
-    from pagedserve.engine.frontend.whisper_service import TranscriptionService, TranscriptionStream
-
 logger = logging.getLogger("pagedserve")
 
 FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature", "stream",
@@ -60,13 +64,20 @@ STREAM_FORMATS = ("json", "text")  # a stream carries text deltas: no segments t
 
 @dataclass(frozen=True)
 class TranscriptionState:
-    """What the handler needs; one per app (kept on app.state)."""
+    """What the handler needs beside the server's state; one per app serving a Whisper model."""
 
-    service: TranscriptionService
-    metrics: Metrics
-    served_model_names: tuple[str, ...]
-    request_timeout: float | None  # seconds a request may take (--request-timeout)
+    server: ServerState
+    whisper: WhisperConfig
+    decoding: WhisperDecoding  # the decoder prompt's special tokens, from the model's folder
     audio_seconds: Counter
+
+
+class WindowOutput(NamedTuple):
+    """A window's tokens that are new since its last output; `finish_reason` on its last."""
+
+    window: int
+    token_ids: list[int]
+    finish_reason: str | None
 
 
 def audio_seconds(metrics: Metrics) -> Counter:
@@ -170,34 +181,40 @@ async def read_form(request: Request) -> TranscriptionForm:
 
 def audio_windows(data: bytes, window_seconds: float) -> tuple[list[np.ndarray], float]:
     """(the windows of 16 kHz samples, seconds of audio) of an uploaded file; ValueError for
-    bytes that are not audio. (Their features are made on the engine's thread: submit.)"""
+    bytes that are not audio. (Their features are made where the encoder runs.)"""
     samples = decode_audio(data)
     return windows(samples, window_seconds), duration(samples)
 
 
 async def create_transcription(state: TranscriptionState, raw_request: Request) -> Response:
     arrival = time.monotonic()
-    service = state.service
+    server, whisper = state.server, state.whisper
     form = await read_form(raw_request)
-    check_model_name(state.served_model_names, form.model)
+    check_model_name(server.served_model_names, form.model)
     try:
-        language = service.decoding.language(form.language)
+        language = state.decoding.language(form.language)
     except ValueError as e:
         raise APIError(400, str(e), param="language") from None
     previous = []
     if form.prompt and form.prompt.strip():
         # As transformers' get_prompt_ids: the text after a space, without special tokens.
-        previous = service.tokenizer.encode(" " + form.prompt.strip(), add_special_tokens=False)
-    prompt = service.decoding.prompt(language, previous, service.config.max_target_positions)
+        tokenizer = server.engine.tokenizer
+        previous = tokenizer.encode(" " + form.prompt.strip(), add_special_tokens=False)
+    prompt = state.decoding.prompt(language, previous, whisper.max_target_positions)
     data = await form.upload.read()
     try:
-        parts, seconds = await asyncio.to_thread(audio_windows, data, service.config.window_seconds)
+        parts, seconds = await asyncio.to_thread(audio_windows, data, whisper.window_seconds)
     except ValueError as e:
         raise APIError(400, str(e), param="file") from None
-    stream = service.submit(parts, prompt, form.temperature, new_id("trsc"), form.stream)
-    num_windows = len(parts)
-    state.metrics.prompt_tokens.inc(len(prompt) * num_windows)
-    request = _Transcription(state, stream, prompt, num_windows, seconds, language, arrival)
+    # Each window decodes for as long as the decoder's positions allow, as `generate` does.
+    params = SamplingParams(
+        temperature=form.temperature,
+        max_tokens=max(1, whisper.max_target_positions - len(prompt)),
+        output_kind="delta",
+    )
+    prompts = [AudioPrompt(prompt, part) for part in parts]
+    queued = add_requests(server, new_id("trsc"), prompts, [params] * len(parts), arrival)
+    request = _Transcription(state, queued, prompt, len(parts), seconds, language)
     if form.stream:
         return StreamingResponse(request.events(), media_type="text/event-stream")
     await unless_disconnected(raw_request, request.collect())
@@ -212,55 +229,35 @@ class _Transcription:
     """One transcription's windows as they come back: gathered whole (`collect`, then `body`)
     or as SSE events (`events`)."""
 
-    def __init__(self, state, stream: TranscriptionStream, prompt, num_windows, seconds, language,
-                 arrival) -> None:  # fmt: skip
-        self.state, self.stream, self.prompt = state, stream, prompt
-        self.seconds, self.language, self.arrival = seconds, language, arrival
+    def __init__(self, state, queued, prompt, num_windows, seconds, language) -> None:
+        self.state, self.queued, self.prompt = state, queued, prompt
+        self.seconds, self.language = seconds, language
         self.tokens: list[list[int]] = [[] for _ in range(num_windows)]
         self.finish_reasons: list[str | None] = [None] * num_windows
-        self.first_token_at: float | None = None
 
-    async def outputs(self):
-        """The windows' outputs as they come; leaving early, a timeout (APIError 504) or a
-        cancellation (the client went away) aborts the windows still running."""
-        deadline = Deadline(self.state.request_timeout)
-        items = aiter(self.stream)
-        try:
-            while True:
-                try:
-                    output = await deadline(anext(items))
-                except StopAsyncIteration:
-                    break
-                if output.token_ids and self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
-                    self.state.metrics.ttft.observe(self.first_token_at - self.arrival)
-                self.tokens[output.window] += output.token_ids
-                self.finish_reasons[output.window] = output.finish_reason
-                yield output
-        finally:
-            self.stream.abort()
-        self._count()
+    async def outputs(self) -> AsyncIterator[WindowOutput]:
+        """The windows' outputs as they come; leaving early, a timeout (APIError 504), a failed
+        window or a cancellation (the client went away) aborts the windows still running."""
+        timeout = self.state.server.request_timeout
+        async for window, output in iterate_all(self.queued, timeout):
+            completion = output.outputs[0]
+            self.tokens[window] += completion.token_ids
+            self.finish_reasons[window] = completion.finish_reason
+            yield WindowOutput(window, list(completion.token_ids), completion.finish_reason)
+        self.state.audio_seconds.inc(self.seconds)
 
     async def collect(self) -> None:
         async for _ in self.outputs():
             pass
 
-    def _count(self) -> None:
-        metrics = self.state.metrics
-        metrics.generation_tokens.inc(sum(len(t) for t in self.tokens))
-        reason = "length" if "length" in self.finish_reasons else "stop"
-        metrics.requests_finished.labels(finish_reason=reason).inc()
-        metrics.e2e.observe(time.monotonic() - self.arrival)
-        self.state.audio_seconds.inc(self.seconds)
-
     def text_tokens(self, window: int) -> list[int]:
         """The window's tokens without its end of text."""
         tokens = self.tokens[window]
-        eos = self.state.service.config.eos_token_id
+        eos = self.state.whisper.eos_token_id
         return tokens[:-1] if tokens and tokens[-1] == eos else tokens
 
     def segments(self):
-        tokenizer = self.state.service.tokenizer
+        tokenizer = self.state.server.engine.tokenizer
         texts = [
             tokenizer.decode(self.text_tokens(w), skip_special_tokens=True)
             for w in range(len(self.tokens))
@@ -269,7 +266,7 @@ class _Transcription:
             texts,
             [self.text_tokens(w) for w in range(len(self.tokens))],
             self.seconds,
-            self.state.service.config.window_seconds,
+            self.state.whisper.window_seconds,
         )
 
     def body(self, response_format: str):
@@ -283,7 +280,8 @@ class _Transcription:
     async def events(self) -> AsyncIterator[str]:
         """SSE: text deltas in window order (a later window's text waits for the earlier ones
         to finish), then the done event and [DONE]; an error ends it with an error event."""
-        tokenizer = self.state.service.tokenizer
+        tokenizer = self.state.server.engine.tokenizer
+        eos = self.state.whisper.eos_token_id
         num_windows = len(self.tokens)
         detokenizers = [IncrementalDetokenizer(tokenizer, self.prompt) for _ in range(num_windows)]
         held: list[list[str]] = [[] for _ in range(num_windows)]
@@ -292,7 +290,7 @@ class _Transcription:
         try:
             async for output in self.outputs():
                 w = output.window
-                ids = [t for t in output.token_ids if t != self.state.service.config.eos_token_id]
+                ids = [t for t in output.token_ids if t != eos]
                 held[w].append(detokenizers[w].add_tokens(ids))
                 if output.finish_reason is not None:
                     held[w].append(detokenizers[w].flush())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pagedserve.engine.engine_config import EngineConfig
@@ -124,3 +125,13 @@ def whisper_features(batch: int, seed: int = 0) -> torch.Tensor:
     ramp = torch.linspace(-1.0, 1.0, 300)
     items = [torch.sin(ramp * (i + 2) * 7.0).expand(80, 300) for i in range(batch)]
     return torch.stack(items) + 0.5 * torch.randn(batch, 80, 300, generator=gen)
+
+
+def whisper_audio(n: int, seed: int = 0) -> list[np.ndarray]:
+    """n windows of 3 s of 16 kHz audio (the tiny Whisper's window of tests/conftest.py): tones
+    of different pitches under noise."""
+    gen = np.random.default_rng(seed)
+    t = np.arange(48_000) / 16_000
+    return [(0.3 * np.sin(2 * np.pi * (200 + 70 * i) * t)
+             + 0.05 * gen.standard_normal(len(t))).astype(np.float32)
+            for i in range(n)]  # fmt: skip

@@ -142,13 +142,6 @@ FRONT_END_MAY_IMPORT = {
     "engine.models.whisper_config", "engine.core.process", "engine.core.beam_search",
 }  # fmt: skip
 IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}
-# Until Whisper runs through the core, its service builds an engine of its own.
-ROOM_EXCEPTIONS = {
-    "engine/frontend/whisper_service.py": {
-        "engine.core.whisper_engine", "engine.models.weights", "engine.models.whisper",
-        "engine.worker.kv_cache",
-    },
-}  # fmt: skip
 
 
 def _room(path_or_module: str) -> str | None:
@@ -181,7 +174,7 @@ def test_engine_rooms_import_down_their_table():
         for imp in ALL_IMPORTS["engine"]
         if imp.path != "engine/__init__.py" and imp.top == "engine"
         for target in _engine_targets(imp)
-        if not _may_import(imp.path, target) and target not in ROOM_EXCEPTIONS.get(imp.path, ())
+        if not _may_import(imp.path, target)
     ]
     assert bad == []
 

@@ -76,13 +76,16 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                enable_prefix_caching=config.enable_prefix_caching,
+                # (off for an encoder-decoder: its KV depends on the audio, not only the tokens)
+                enable_prefix_caching=config.enable_prefix_caching and not plan.encoder_blocks,
                 num_speculative_tokens=config.speculative_ngram,
                 ngram_min=config.speculative_ngram_min,
                 ngram_max=config.speculative_ngram_max,
                 kv_group_windows=plan.windows,
                 num_host_blocks=self.worker.num_host_blocks,
                 max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding or 0,
+                encoder_blocks=plan.encoder_blocks,
+                encoder_tokens=mc.whisper.max_source_positions if mc.is_encoder_decoder else 0,
             )
         )
         # Structured outputs: grammars compiling (their samples wait here, not in the
@@ -124,6 +127,7 @@ class EngineCore:
                 sample.params,
                 self.eos_token_ids,
                 sample.arrival_time,
+                sample.encoder_input,
             )
             self.scheduler.add_request(request, fork_parent=parent)
             parent = parent or request
@@ -385,9 +389,12 @@ class EngineCore:
     def describe(self) -> str:
         """Device, dtype and KV cache, as the server's start-up line gives them."""
         plan = self.worker.kv_plan
+        encoder = f", {plan.encoder_blocks} of a request's for cross-attention" * bool(
+            plan.encoder_blocks
+        )
         return (
             f"{self.worker.describe()}, {plan.num_blocks} KV blocks "
-            f"of {plan.block_size} tokens ({len(plan.groups)} layer groups), "
+            f"of {plan.block_size} tokens ({len(plan.groups)} layer groups{encoder}), "
             f"{plan.bytes_per_block} bytes/block, max concurrency "
             f"{plan.max_concurrency:.1f} at {plan.max_model_len} tokens"
         )

@@ -26,8 +26,8 @@ class LLMEngine(EngineCore):
 
     def __init__(self, config: EngineConfig, endpoint: TPEndpoint | None = None) -> None:
         super().__init__(config, endpoint)
-        self.inputs = InputProcessor(
-            self.tokenizer, self.max_model_len, self.model_config.vocab_size
+        self.inputs = InputProcessor.for_model(
+            self.tokenizer, self.max_model_len, self.model_config
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -201,7 +201,13 @@ class OutputProcessor:
             parent.samples.append(sample)
             self._samples[child_id] = sample
             samples.append(
-                CoreRequest(child_id, prompt_token_ids, child_params, parent.arrival_time)
+                CoreRequest(
+                    child_id,
+                    prompt_token_ids,
+                    child_params,
+                    parent.arrival_time,
+                    prompt.encoder_input,
+                )
             )
         self._parents[request_id] = parent
         return samples

@@ -70,10 +70,10 @@ def front_end_inputs(config: EngineConfig) -> InputProcessor:
     model's config (not its weights)."""
     source = resolve_model(config.model)
     model_config = source.config
-    return InputProcessor(
+    return InputProcessor.for_model(
         load_tokenizer(source, config.tokenizer),
         config.model_len(model_config.max_position_embeddings),
-        model_config.vocab_size,
+        model_config,
     )
 
 

@@ -26,3 +26,5 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_groups, num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    # An encoder-decoder's cross-attention reads (engine/models/whisper.py `cross_metadata`).
+    cross: AttentionMetadata | None = None

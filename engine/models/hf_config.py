@@ -28,8 +28,12 @@ def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
     Reads both the transformers 4 keys (`rope_theta`, `rope_scaling`, `torch_dtype`, no
     `layer_types`) and the transformers 5 ones (`rope_parameters`, per layer type for Gemma
     3; `dtype`; `layer_types`). A multimodal checkpoint of MULTIMODAL_TEXT_MODELS is read as
-    its language model.
+    its language model; a Whisper checkpoint as its decoder (`WhisperConfig.decoder_model_config`).
     """
+    if d.get("model_type") == "whisper":
+        from pagedserve.engine.models.whisper_config import WhisperConfig
+
+        return WhisperConfig.from_hf_dict(d).decoder_model_config()
     d = _text_model_of(d)
     arch = _architecture_of(d)
     defaults = _FAMILY_DEFAULTS[arch]

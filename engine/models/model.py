@@ -281,6 +281,8 @@ class CausalLM(nn.Module):
     (`config` becomes `shard.local_config`), the embedding and lm_head its `shard.vocab_rows`
     rows of the vocabulary; the other ranks must run the same calls at the same time."""
 
+    is_encoder_decoder = False  # (engine/models/whisper.py is one)
+
     def __init__(
         self,
         config: ModelConfig,

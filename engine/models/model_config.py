@@ -20,6 +20,8 @@ from pagedserve.scheduler.kv_groups import KVCacheGroup, group_layers
 if TYPE_CHECKING:
     import gguf
 
+    from pagedserve.engine.models.whisper_config import WhisperConfig
+
 # Family name -> the Hugging Face model class that implements it.
 ARCHITECTURE_CLASSES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -115,9 +117,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # An encoder-decoder (architecture "whisper"): its whole configuration. The fields above
+    # describe its decoder (WhisperConfig.decoder_model_config), which holds the paged KV.
+    whisper: WhisperConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURE_CLASSES:
+        if self.whisper is not None:
+            if self.architecture != "whisper":
+                raise ValueError(f"a Whisper config with architecture {self.architecture!r}")
+        elif self.architecture not in ARCHITECTURE_CLASSES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; "
                 f"supported: {', '.join(ARCHITECTURE_CLASSES)}"
@@ -192,7 +200,7 @@ class ModelConfig:
             )
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
-        if self.hidden_act not in HIDDEN_ACTIVATIONS:
+        if self.whisper is None and self.hidden_act not in HIDDEN_ACTIVATIONS:
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported; supported: "
                 f"{', '.join(HIDDEN_ACTIVATIONS)}"
@@ -224,6 +232,11 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """Whisper: requests carry audio the encoder turns into cross-attention KV."""
+        return self.whisper is not None
 
     @property
     def is_gemma(self) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 
 from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_config
 from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.whisper_config import WHISPER_SHAPES, WhisperConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -154,13 +155,18 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
     key = model.lower()
     if key in EMBEDDED_MODELS:
         return _gguf_source(key, embedded_model_path(key))
-    if key in BUILTIN_SHAPES:
+    if key in BUILTIN_SHAPES or key in WHISPER_SHAPES:
+        config = (
+            builtin_config(key)
+            if key in BUILTIN_SHAPES
+            else WhisperConfig(**WHISPER_SHAPES[key]).decoder_model_config()
+        )
         return ModelSource(
             name=key,
             kind="dummy",
             path=None,
             gguf_file=None,
-            config=builtin_config(key),
+            config=config,
             tokenizer_source=None,
         )
     raise ValueError(
@@ -168,7 +174,7 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
         f"({str(path.absolute())!r} does not exist), not a .gguf file or a config .json file, "
         "and not a known embedded "
         f"model name ({', '.join(EMBEDDED_MODELS)}) or built-in shape for dummy weights "
-        f"({', '.join(BUILTIN_SHAPES)})"
+        f"({', '.join([*BUILTIN_SHAPES, *WHISPER_SHAPES])})"
     )
 
 

@@ -3,14 +3,14 @@ keys and values computed once from the encoder's output, and the decoder, with t
 parameter names (its configuration: engine/models/whisper_config.py).
 
 This is the model's arithmetic, checked against transformers (tests/engine/test_whisper.py), and
-its paged form: `decode_paged` writes the decoder's self-attention K/V into paged blocks and reads
-them back with the backends' kernels, and reads the cross-attention K/V from blocks of their own,
-written once per request (`write_cross_kv`) from `cross_kv`; `cross_batch` lets the causal paged
-kernels read all encoder positions. `decode` attends over whole sequences held contiguously and
-`greedy` is the plain argmax loop over it: the reference the paged path equals.
-`engine/core/whisper_engine.py` batches requests over it (the two KV groups from one block pool,
-allocated at admission, freed with the request); `engine/frontend/whisper_service.py` serves that
-behind `/v1/audio/transcriptions`.
+its paged form, which the engine's model runner drives as it drives a decoder-only model: at a
+request's admission `encode_into_cache` encodes its audio and writes each decoder layer's
+cross-attention K/V into the request's encoder blocks (allocated once by the scheduler, from the
+same block pool and the same per-layer tensors as the self-attention blocks); then each step's
+`forward` writes the decoder's self-attention K/V into paged blocks and reads both back with the
+backends' kernels (`cross_metadata` lets the causal kernels read all encoder positions).
+`decode` attends over whole sequences held contiguously and `greedy` is the plain argmax loop
+over it: the reference the paged path equals.
 
 Whisper in brief: log-mel features [mel bins, 2 x positions] -> two convolutions (the second with
 stride 2) with GELU -> + learned positions -> pre-LayerNorm transformer layers (bidirectional) ->
@@ -22,17 +22,28 @@ has no bias in either attention; q/v/out projections do.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import kernels
 from pagedserve.engine.models import cpu_linear
+from pagedserve.engine.models.attention_metadata import AttentionMetadata
+from pagedserve.engine.models.weights import iter_safetensors_weights
 from pagedserve.engine.models.whisper_config import WhisperConfig
+from pagedserve.engine.models.whisper_features import log_mel
 from pagedserve.kernels.backend import KernelBackend
+
+if TYPE_CHECKING:
+    from pagedserve.engine.models.model_source import ModelSource
+
+logger = logging.getLogger("pagedserve")
 
 
 class _Linear(nn.Linear):
@@ -143,9 +154,12 @@ class WhisperModel(nn.Module):
     """Whisper's encoder and decoder, with transformers' parameter names (`model.encoder.*`,
     `model.decoder.*`; the logits reuse `model.decoder.embed_tokens`, which `proj_out` ties)."""
 
-    def __init__(self, config: WhisperConfig) -> None:
+    is_encoder_decoder = True
+
+    def __init__(self, config: WhisperConfig, attention_ops: KernelBackend = kernels.reference):
         super().__init__()
         self.config = config
+        self.ops = attention_ops  # the kernels' backend of the paged path
         self.model = _Model(config)
 
     # ---- encoder -------------------------------------------------------------------------------
@@ -193,63 +207,78 @@ class WhisperModel(nn.Module):
             x = layer(x, k, v)
         return cpu_linear.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
 
-    # ---- paged: self-attention K/V in blocks, cross-attention K/V in blocks of their own -------
+    # ---- paged: the engine's model runner drives these ------------------------------------
 
-    def write_cross_kv(
+    def encode_into_cache(
         self,
-        cross: list[tuple[torch.Tensor, torch.Tensor]],
-        caches: list[tuple[torch.Tensor, torch.Tensor]],
-        slots: torch.Tensor,
-        ops: KernelBackend,
+        audio: list[bytes],
+        block_ids: list[tuple[int, ...]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
     ) -> None:
-        """Write `cross_kv`'s keys and values ([B, heads, positions, head_dim] per layer) into the
-        cross-attention caches, request b's position p at slots[b, p]: once per request."""
-        for (k, v), (k_cache, v_cache) in zip(cross, caches, strict=True):
+        """Encode requests' audio (16 kHz float32 samples, at most `config.window_samples` each)
+        and write each decoder layer's cross-attention K/V into their blocks, request b's encoder
+        position p at block_ids[b][p // block_size], offset p % block_size: once per request,
+        at its admission; its decoding steps only read them."""
+        c = self.config
+        samples = [np.frombuffer(a, dtype=np.float32) for a in audio]
+        weight = self.model.decoder.embed_tokens.weight
+        features = log_mel(samples, c.num_mel_bins, c.num_frames).to(weight.device, weight.dtype)
+        positions = torch.arange(c.max_source_positions)
+        tables = torch.tensor(block_ids, dtype=torch.int64)
+        slots = tables[:, positions // block_size] * block_size + positions % block_size
+        slots = slots.reshape(-1).to(weight.device)
+        for (k, v), (k_cache, v_cache) in zip(
+            self.cross_kv(self.encode(features)), kv_caches, strict=True
+        ):
             b, h, p, d = k.shape
-            ops.reshape_and_cache(
+            self.ops.reshape_and_cache(
                 k.transpose(1, 2).reshape(b * p, h, d),
                 v.transpose(1, 2).reshape(b * p, h, d),
                 k_cache,
                 v_cache,
-                slots.reshape(-1),
+                slots,
             )
 
-    def decode_paged(
+    def forward(
         self,
-        tokens: torch.Tensor,
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
-        self_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        self_batch: PagedBatch,
-        cross_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        cross: PagedBatch,
-        ops: KernelBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Logits [num_tokens, vocab] (float32) of a step's decoder tokens (flattened over its
-        requests, at `positions`), their self-attention K/V written to `self_batch`'s slots and
-        read back through its block tables, the encoder states read through `cross` (see
-        `cross_batch`), with the backend `ops` (kernels.reference, the triton or cpu ops)."""
-        c, dec = self.config, self.model.decoder
-        n, heads, hd = tokens.shape[0], c.decoder_attention_heads, c.head_dim
+        """The final hidden states [num_tokens, d] of a step's decoder tokens (flattened over its
+        requests, at `positions`): self-attention K/V written to `meta`'s slots and read back
+        through its block tables, the encoder's K/V read from the same caches through
+        `meta.cross` (`cross_metadata`), with the backend `self.ops`."""
+        c, dec, ops = self.config, self.model.decoder, self.ops
+        n, heads, hd = input_ids.shape[0], c.decoder_attention_heads, c.head_dim
         scale = 1.0 / math.sqrt(hd)
-        x = dec.embed_tokens(tokens)
+        cross = meta.cross
+        x = dec.embed_tokens(input_ids)
         if c.scale_embedding:
             x = x * math.sqrt(c.d_model)
         x = x + dec.embed_positions(positions)
-        layers = zip(dec.layers, self_caches, cross_caches, strict=True)
-        for layer, (k_cache, v_cache), (ck_cache, cv_cache) in layers:
+        for layer, (k_cache, v_cache) in zip(dec.layers, kv_caches, strict=True):
             a = layer.self_attn
             h = layer.self_attn_layer_norm(x)
             q = a.q_proj(h).view(n, heads, hd)
             k, v = a.k_proj(h).view(n, heads, hd), a.v_proj(h).view(n, heads, hd)
-            ops.reshape_and_cache(k, v, k_cache, v_cache, self_batch.slot_mapping)
-            out = ops.paged_attention(q, k_cache, v_cache, *self_batch[:3], scale)
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping[0])
+            out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables[0], meta.seq_lens,
+                                      meta.query_start_loc, scale)  # fmt: skip
             x = x + a.out_proj(out.reshape(n, c.d_model))
             a = layer.encoder_attn
             q = a.q_proj(layer.encoder_attn_layer_norm(x)).view(n, heads, hd)
-            out = ops.paged_attention(q, ck_cache, cv_cache, *cross[:3], scale)
+            out = ops.paged_attention(q, k_cache, v_cache, cross.block_tables[0], cross.seq_lens,
+                                      cross.query_start_loc, scale)  # fmt: skip
             x = x + a.out_proj(out.reshape(n, c.d_model))
             x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
-        return cpu_linear.linear(dec.layer_norm(x), dec.embed_tokens.weight).float()
+        return dec.layer_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits through the tied embedding."""
+        return cpu_linear.linear(hidden, self.model.decoder.embed_tokens.weight).float()
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -291,31 +320,45 @@ class WhisperModel(nn.Module):
         return True
 
 
-class PagedBatch(NamedTuple):
-    """One attention's view of a step's tokens over paged K/V (the arguments of
-    `paged_attention` and the slots `reshape_and_cache` writes), as AttentionMetadata carries
-    them for one KV group."""
-
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    slot_mapping: torch.Tensor  # [num_tokens] int64 (unused by cross-attention reads)
-
-
-def cross_batch(tables: list[list[int]], positions: int) -> PagedBatch:
+def cross_metadata(tables: np.ndarray, positions: int) -> AttentionMetadata:
     """The cross-attention view of a step whose decoder token i belongs to a request with cross
-    blocks `tables[i]`: each token is its own "sequence" of one new token over all `positions`
-    encoder keys. The paged kernels are causal, and the last query of a sequence sees every key,
-    so this reads the encoder states unmasked with the same kernels, for prompt chunks too."""
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    blocks `tables[i]` ([num_tokens, blocks] int32, host): each token is its own "sequence" of
+    one new token over all `positions` encoder keys. The paged kernels are causal, and the last
+    query of a sequence sees every key, so this reads the encoder states unmasked with the same
+    kernels, for prompt chunks too. (Host tensors: the runner sends them to the device.)"""
     n = len(tables)
-    return PagedBatch(
-        block_tables,
-        torch.full((n,), positions, dtype=torch.int32),
-        torch.arange(n + 1, dtype=torch.int32),
-        torch.full((n,), -1, dtype=torch.int64),
+    return AttentionMetadata(
+        slot_mapping=torch.full((1, n), -1, dtype=torch.int64),  # (cross K/V is only read)
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32))[None],
+        seq_lens=torch.full((n,), positions, dtype=torch.int32),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
     )
+
+
+def load_whisper_model(
+    source: ModelSource,
+    load_format: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_ops: KernelBackend,
+) -> WhisperModel:
+    """The model of a Whisper source on its device and dtype, its matmul weights packed: the
+    folder's safetensors, or random weights (the caller seeds them) for a folder without any, a
+    config file, a built-in shape or --load-format dummy."""
+    config = source.config.whisper
+    with device:  # random weights drawn where they run (1.5B of them for whisper-large-v3)
+        model = WhisperModel(config, attention_ops).eval()
+    folder = source.path if source.kind == "hf_dir" else None
+    if load_format == "dummy" or folder is None or not any(folder.glob("*.safetensors")):
+        logger.warning("Whisper model %r: random weights (no safetensors, or --load-format "
+                       "dummy)", source.name)  # fmt: skip
+    elif load_format in ("auto", "safetensors"):
+        model.load_weights(iter_safetensors_weights(folder))
+    else:
+        raise ValueError(f"--load-format {load_format} does not read Whisper folders")
+    model.to(device, dtype)
+    model.pack_weights()
+    return model
 
 
 @torch.inference_mode()

@@ -46,6 +46,8 @@ class KVCachePlan:
     # that many.
     max_chunk: int
     dtype: torch.dtype | None = None  # the cache's element type, for describe()
+    # An encoder-decoder's cross-attention blocks per request (scheduler/config.py).
+    encoder_blocks: int = 0
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -58,8 +60,11 @@ class KVCachePlan:
 
     @property
     def blocks_per_seq(self) -> int:
-        """Blocks one sequence of max_model_len tokens holds at most, across groups."""
-        return blocks_per_request(self.windows, self.max_model_len, self.block_size, self.max_chunk)
+        """Blocks one sequence of max_model_len tokens holds at most, across groups (and its
+        encoder blocks)."""
+        return self.encoder_blocks + blocks_per_request(
+            self.windows, self.max_model_len, self.block_size, self.max_chunk
+        )
 
     @property
     def max_concurrency(self) -> float:
@@ -74,6 +79,8 @@ class KVCachePlan:
                 for g in self.groups
             )
             layout = f" in {len(self.groups)} layer groups ({kinds})"
+        if self.encoder_blocks:
+            layout = f" ({self.encoder_blocks} of a request's for its encoder's cross-attention)"
         dtype = "" if self.dtype is None else f" ({str(self.dtype).removeprefix('torch.')})"
         return (
             f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens{layout}, "
@@ -116,19 +123,28 @@ def plan_kv_cache(
     memory_bytes: int | None = None,
     num_blocks: int | None = None,
     max_chunk: int | None = None,
+    encoder_blocks: int = 0,
 ) -> KVCachePlan:
     """Blocks for a memory budget (or an explicit block count). Raises ValueError when not even one
     sequence of max_model_len tokens would fit, saying how much memory that needs.
 
     `max_chunk`: the most tokens one step computes for a request (the step's token budget;
-    max_model_len when None), which the sliding groups hold next to their window."""
+    max_model_len when None), which the sliding groups hold next to their window.
+    `encoder_blocks`: an encoder-decoder's cross-attention blocks per request."""
     groups = config.kv_cache_groups()
     per_block = bytes_per_block(config, groups, dtype, block_size)
     if num_blocks is None:
         budget = default_cpu_kv_memory() if memory_bytes is None else memory_bytes
         num_blocks = budget // per_block
     plan = KVCachePlan(
-        num_blocks, block_size, per_block, max_model_len, groups, max_chunk or max_model_len, dtype
+        num_blocks,
+        block_size,
+        per_block,
+        max_model_len,
+        groups,
+        max_chunk or max_model_len,
+        dtype,
+        encoder_blocks,
     )
     # The scheduler relies on this: a request of max_model_len tokens must fit on its own, or it
     # could preempt everyone, itself included, and never finish.

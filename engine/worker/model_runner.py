@@ -6,6 +6,8 @@ does) and never mutates requests (update_from_output does).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +17,7 @@ from pagedserve import kernels
 from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.model import CausalLM, KVCache
 from pagedserve.engine.models.parallel import TPGroup
+from pagedserve.engine.models.whisper import cross_metadata
 from pagedserve.engine.structured_output import ALL_ALLOWED, StructuredOutputManager, bitmask_words
 from pagedserve.engine.worker.cuda_graph import DecodeGraphs
 from pagedserve.engine.worker.input_batch import Batch, InputBatch
@@ -186,6 +189,7 @@ class ModelRunner:
         windows: tuple[int | None, ...] = (None,),
         num_host_blocks: int = 0,
         tp: TPGroup | None = None,
+        suppress: tuple[Sequence[int], Sequence[int]] = ((), ()),
     ) -> None:
         self.model = model
         # Tensor parallel: every rank runs the same steps; rank 0 (the driver) samples and
@@ -219,6 +223,11 @@ class ModelRunner:
         # the logits of the constrained rows with their matchers' allowed tokens. The core
         # steps synchronously while any is live, so every matcher has seen its last token.
         self.structured: StructuredOutputManager | None = None
+        # An encoder-decoder (Whisper): each running request's cross-attention blocks, and the
+        # allowed-token bitmasks of its generation config's suppressed tokens (a request's first
+        # token, then the others), None when it suppresses nothing.
+        self.encoder_tables: dict[str, tuple[int, ...]] = {}
+        self._suppress_masks = suppression_masks(*suppress, model.config.vocab_size)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step to completion."""
@@ -229,6 +238,8 @@ class ModelRunner:
         """Apply the scheduler's increments, prepare the step and start it."""
         state = self.input_batch
         state.apply(out)
+        if self.model.is_encoder_decoder:
+            self._encode(out)
         # Swap-outs first: this step may write into the device blocks they leave.
         if out.swap_out:
             self._swap(out.swap_out, self._all_caches, self.host_caches)
@@ -250,7 +261,9 @@ class ModelRunner:
         batch = state.prepare(out, rows, self.block_size)
         sampling_rows = self._sampling_rows(batch)
         plan = (
-            self.sampler.plan(sampling_rows, self.device, self._allowed_tokens(batch, out))
+            self.sampler.plan(
+                sampling_rows, self.device, self._allowed_tokens(batch, out, sampling_rows)
+            )
             if sampling_rows and self.samples
             else None
         )
@@ -261,6 +274,8 @@ class ModelRunner:
             for _ in range(len(targets))
         ]
         inputs = to_model_inputs(batch, self.device)
+        if self.encoder_tables:
+            inputs = self._with_cross_attention(inputs, batch)
         prompt_target_ids = (
             _send(np.concatenate([t for _, t in prompt_targets]), self.device)
             if prompt_targets
@@ -406,12 +421,48 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
+    def _encode(self, out: SchedulerOutput) -> None:
+        """Keep the running requests' cross-attention tables, and run the encoder for those
+        the scheduler gave new encoder blocks, writing their cross-attention K/V."""
+        for request_id in (*out.finished_request_ids, *out.preempted_request_ids):
+            self.encoder_tables.pop(request_id, None)
+        encode = []
+        for new in out.new_requests:
+            self.encoder_tables[new.request_id] = new.encoder_block_ids
+            if new.encoder_input is not None:
+                encode.append(new)
+        if encode:
+            self.model.encode_into_cache(
+                [new.encoder_input for new in encode],
+                [new.encoder_block_ids for new in encode],
+                self.kv_caches,
+                self.block_size,
+            )
+
+    def _with_cross_attention(self, inputs: ModelInputs, batch: Batch) -> ModelInputs:
+        """The step's inputs with its cross-attention view: each token reads its request's
+        encoder blocks (engine/models/whisper.py `cross_metadata`)."""
+        tables = np.array([self.encoder_tables[rid] for rid in batch.request_ids], np.int32)
+        per_token = np.repeat(tables, np.diff(batch.query_start_loc), axis=0)
+        cross = cross_metadata(per_token, self.model.config.max_source_positions)
+        on_device = AttentionMetadata(
+            to_device(cross.slot_mapping, torch.int64, self.device),
+            to_device(cross.block_tables, torch.int32, self.device),
+            to_device(cross.seq_lens, torch.int32, self.device),
+            to_device(cross.query_start_loc, torch.int32, self.device),
+        )
+        return dataclasses.replace(inputs, meta=dataclasses.replace(inputs.meta, cross=on_device))
+
     def _allowed_tokens(
-        self, batch: Batch, out: SchedulerOutput
+        self, batch: Batch, out: SchedulerOutput, sampling_rows: list[SamplingRow]
     ) -> tuple[list[int], np.ndarray] | None:
-        """(sampling rows under a grammar, the allowed tokens' bitmasks of all sampling rows),
-        in the order of `_sampling_rows` (a sequence with d drafts has d + 1 rows); None when
-        no row is constrained."""
+        """(sampling rows under a grammar or a suppression, the allowed tokens' bitmasks of all
+        sampling rows), in the order of `_sampling_rows` (a sequence with d drafts has d + 1
+        rows); None when no row is constrained."""
+        if self._suppress_masks is not None:
+            first, later = self._suppress_masks
+            is_first = np.array([row.num_output_tokens == 0 for row in sampling_rows])
+            return list(range(len(sampling_rows))), np.where(is_first[:, None], first, later)
         structured = self.structured
         if structured is None or not structured.matchers:
             return None
@@ -466,6 +517,23 @@ class ModelRunner:
                 for j in range(d + 1)
             ]
         return sampling
+
+
+def suppression_masks(
+    never: Sequence[int], never_first: Sequence[int], vocab_size: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Allowed-token bitmasks ([words] int32 each) of a first token (neither `never` nor
+    `never_first`) and of the later ones (not `never`); None when both are empty."""
+    if not never and not never_first:
+        return None
+    words = bitmask_words(vocab_size)
+
+    def mask(banned: Sequence[int]) -> np.ndarray:  # bit i % 32 of word i // 32: token i
+        bits = np.ones(words * 32, dtype=bool)
+        bits[list(banned)] = False
+        return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+
+    return mask([*never, *never_first]), mask(never)
 
 
 def profile_step(

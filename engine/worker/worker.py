@@ -26,6 +26,8 @@ from pagedserve.engine.models.model_source import ModelSource
 from pagedserve.engine.models.parallel import TPGroup, describe_shards, plan_shards
 from pagedserve.engine.models.quantized_linear import describe, keep_quantized
 from pagedserve.engine.models.weights import load_weights
+from pagedserve.engine.models.whisper import WhisperModel, load_whisper_model
+from pagedserve.engine.models.whisper_config import WhisperDecoding
 from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 from pagedserve.engine.worker.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from pagedserve.engine.worker.kv_cache import (
@@ -68,6 +70,8 @@ class Worker:
             self.shard = plan_shards(mc, size)[0 if endpoint is None else endpoint.rank]
             self.kv_config = self.shard.local_config(mc)
         self.device = config.torch_device()
+        if mc.is_encoder_decoder:
+            check_encoder_decoder_options(config)
         try:
             if distributed:
                 self.tp = self._join_ranks(endpoint)
@@ -138,7 +142,11 @@ class Worker:
 
         kv_memory = config.kv_cache_memory
         if self.device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
-            kv_memory = self._profile_kv_cache_budget()
+            if mc.is_encoder_decoder:  # (its profile step would need encoder inputs)
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_memory = int(free * config.gpu_memory_utilization)
+            else:
+                kv_memory = self._profile_kv_cache_budget()
         self.kv_plan: KVCachePlan = plan_kv_cache(
             self.kv_config,
             self.kv_cache_dtype,
@@ -147,6 +155,11 @@ class Worker:
             memory_bytes=kv_memory,
             num_blocks=config.num_kv_blocks,
             max_chunk=config.step_token_budget,
+            encoder_blocks=(
+                cdiv(mc.whisper.max_source_positions, config.block_size)
+                if mc.is_encoder_decoder
+                else 0
+            ),
         )
         if self.tp is not None:  # one block table for all ranks: the fewest blocks any has room for
             num_blocks = self.tp.min_int(self.kv_plan.num_blocks)
@@ -178,6 +191,7 @@ class Worker:
             windows=self.kv_plan.windows,
             num_host_blocks=self.num_host_blocks,
             tp=self.tp,
+            suppress=self._suppressed_tokens(),
         )
         # Off with speculative decoding: a step's drafts come from the tokens the previous
         # step accepted, so it cannot be scheduled before those are back.
@@ -189,7 +203,12 @@ class Worker:
         if config.calculate_kv_scales:  # now: start-up's own forward passes are not data
             self.model.calibrate_kv_scales(self.kv_cache_dtype)
 
-    def _build_model(self) -> CausalLM:
+    def _build_model(self) -> CausalLM | WhisperModel:
+        if self.model_config.is_encoder_decoder:
+            torch.manual_seed(self.config.seed)  # (random weights: the same for a seed)
+            return load_whisper_model(
+                self.source, self.config.load_format, self.device, self.dtype, self.attention_ops
+            )
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -282,10 +301,25 @@ class Worker:
         )
         return budget
 
+    def _suppressed_tokens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(tokens never sampled, tokens never sampled first): Whisper's generation config, as
+        transformers' `generate` applies it; none for other models. Ids past the vocabulary are
+        dropped (transformers' default config names GPT-2's 220 and 50256)."""
+        mc = self.model_config
+        if not mc.is_encoder_decoder:
+            return (), ()
+        decoding = WhisperDecoding.of(str(self.source.path or self.source.name))
+        kept = lambda ids: tuple(sorted({i for i in ids if 0 <= i < mc.vocab_size}))  # noqa: E731
+        return kept(decoding.suppress_tokens), kept(decoding.begin_suppress_tokens)
+
     def _capture_decode_graphs(self, kv_caches: list) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps, unless on CPU, --enforce-eager, or an attention backend
-        that synchronises with the host (the torch reference cannot be captured)."""
+        """CUDA graphs for decode steps, unless on CPU, --enforce-eager, an attention backend
+        that synchronises with the host (the torch reference cannot be captured), or an
+        encoder-decoder (its steps read cross-attention tables the graphs do not hold)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.model_config.is_encoder_decoder:
+            logger.info("CUDA graphs off: Whisper's decoder steps run eagerly")
             return None
         if self.attention_backend != "triton":
             logger.info(
@@ -375,6 +409,20 @@ class Worker:
         workers, self._workers = self._workers, None
         if workers is not None:
             workers.stop(timeout=10.0 if told else 0.0)
+
+
+def check_encoder_decoder_options(config: EngineConfig) -> None:
+    """ValueError, naming the option to drop, for what an encoder-decoder model (Whisper) does
+    not do here."""
+    refused = {
+        "--tensor-parallel-size > 1": config.tensor_parallel_size > 1,
+        "--speculative-ngram": bool(config.speculative_ngram),
+        "--quantization gguf": config.quantization == "gguf",
+        "an fp8 --kv-cache-dtype": config.kv_cache_dtype != "auto",
+    }
+    named = [option for option, given in refused.items() if given]
+    if named:
+        raise ValueError(f"a Whisper model is served without {', '.join(named)}: drop them")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

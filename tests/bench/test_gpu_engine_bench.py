@@ -415,7 +415,7 @@ def test_kernel_summary_of_cuda_events():
 
     from torch.autograd import DeviceType
 
-    from pagedserve.bench.gpu_engine import _kernel_summary
+    from pagedserve.bench.gpu_engine.decode import _kernel_summary
 
     def event(name, start, end, device=DeviceType.CUDA, activity="kernel"):
         span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)

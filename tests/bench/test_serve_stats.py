@@ -14,20 +14,20 @@ from pagedserve.bench import serve as bench_serve
 from pagedserve.bench.serve import (
     TOKEN_ID_HIGH,
     TOKEN_ID_LOW,
-    RequestRecord,
-    SSEDecoder,
-    StreamRecorder,
     arrival_times,
     build_request,
+    poisson_gaps,
+    random_token_ids,
+    read_prompts_file,
+)
+from pagedserve.bench.serve_report import (
     format_report,
     output_tokens_over_time,
     per_request_lists,
     plot_results,
-    poisson_gaps,
-    random_token_ids,
-    read_prompts_file,
     summarize,
 )
+from pagedserve.bench.serve_stream import RequestRecord, SSEDecoder, StreamRecorder
 
 
 def _ok(start, ttft, itls, e2el, prompt_tokens, completion_tokens) -> RequestRecord:

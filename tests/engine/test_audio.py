@@ -1,7 +1,7 @@
 """Audio in for Whisper (engine/frontend/audio.py): files written by soundfile in each format a
 client may send decode to the samples written (mixed to mono, resampled to 16 kHz), bad bytes get an
-error naming the formats, long audio splits into 30-second windows, and the features are
-transformers' WhisperFeatureExtractor's."""
+error naming the formats, long audio splits into 30-second windows, and the features
+(engine/models/whisper_features.py) are transformers' WhisperFeatureExtractor's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import soundfile
 import torch
 
-from pagedserve.engine.frontend.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
+from pagedserve.engine.frontend.audio import SAMPLE_RATE, decode_audio, duration, windows
+from pagedserve.engine.models.whisper_features import log_mel
 
 
 def _tone(seconds: float, rate: int, hz: float = 440.0, channels: int = 1) -> np.ndarray:

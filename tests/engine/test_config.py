@@ -16,6 +16,7 @@ from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_conf
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 from pagedserve.engine.models.weights import load_weights
+from pagedserve.engine.models.whisper_config import WHISPER_SHAPES
 from pagedserve.kernels import cpu_features
 from tests.helpers import tiny_config
 
@@ -573,7 +574,7 @@ def test_unknown_model_says_what_was_tried(tmp_path: Path):
         "not a local directory with config.json",
         "not a .gguf file",
         "not a known embedded model name (smollm2-135m-instruct)",
-        f"built-in shape for dummy weights ({', '.join(BUILTIN_SHAPES)})",
+        f"built-in shape for dummy weights ({', '.join([*BUILTIN_SHAPES, *WHISPER_SHAPES])})",
     ):
         assert tried in message
 

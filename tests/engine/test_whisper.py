@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.models.whisper import PagedBatch, WhisperModel, cross_batch, greedy
+from pagedserve.engine.models.attention_metadata import AttentionMetadata
+from pagedserve.engine.models.whisper import WhisperModel, cross_metadata, greedy
 from pagedserve.engine.models.whisper_config import WhisperConfig, whisper_config_of
+from pagedserve.engine.models.whisper_features import log_mel
 from pagedserve.server.cli import main as cli_main
-from tests.helpers import whisper_features
+from tests.helpers import whisper_audio, whisper_features
 
 
 def test_config_reads_the_checkpoints_fields(tiny_whisper):
@@ -130,40 +133,32 @@ def test_kv_plan_splits_self_and_cross_attention(capsys):
     assert "per request of 100 tokens: 8192000 bytes (7.8 MiB), 7 blocks of 16" in out
 
 
-# ---- the paged decoder: self-attention in blocks, cross-attention in a group of its own --------
+# ---- the paged path the runner drives: self- and cross-attention blocks from one pool ----------
 
 BLOCK = 16
 
 
-def _paged_greedy(model, features, prompts, max_new, ops) -> list[list[int]]:
-    """Greedy decoding through `decode_paged`, with the block bookkeeping a scheduler does: each
-    request's cross-attention K/V written once into its own blocks (ceil(150 / 16) = 10, in
-    caches apart from the self-attention ones), its self-attention blocks taken as it grows; a
-    first step with every prompt, then one token per unfinished request per step."""
+def _paged_greedy(model, audio, prompts, max_new, ops) -> list[list[int]]:
+    """Greedy decoding through `encode_into_cache` and `forward`, with the block bookkeeping a
+    scheduler does: each request's cross-attention K/V written once into blocks of its own
+    (ceil(150 / 16) = 10), its self-attention blocks from the same pool (and the same per-layer
+    tensors); a first step with every prompt, then one token per unfinished request per step."""
     c = model.config
+    model.ops = ops
     heads, hd, layers = c.decoder_attention_heads, c.head_dim, c.decoder_layers
     cross_blocks = -(-c.max_source_positions // BLOCK)
     self_blocks = -(-c.max_target_positions // BLOCK)
-
-    def caches(blocks: int):
-        shape = (blocks, BLOCK, heads, hd)
-        # Unwritten slots hold a finite sentinel: read by mistake, it would change the tokens
-        # (the reference's masked reads multiply them by 0, which NaN would not survive).
-        return [(torch.full(shape, 7.5), torch.full(shape, 7.5))
-                for _ in range(layers)]  # fmt: skip
-
-    # Requests take blocks from the end of each pool, so tables are not just 0, 1, 2 ...
     n = len(prompts)
-    cross_tables = [[n * cross_blocks - 1 - (r + n * i) for i in range(cross_blocks)]
-                    for r in range(n)]  # fmt: skip
-    self_tables = [[n * self_blocks - 1 - (r + n * i) for i in range(self_blocks)]
-                   for r in range(n)]  # fmt: skip
-    cross_caches, self_caches = caches(n * cross_blocks), caches(n * self_blocks)
-    positions = torch.arange(c.max_source_positions)
-    cross_slots = torch.stack(
-        [torch.tensor(t)[positions // BLOCK] * BLOCK + positions % BLOCK for t in cross_tables]
-    )
-    model.write_cross_kv(model.cross_kv(model.encode(features)), cross_caches, cross_slots, ops)
+    shape = (n * (cross_blocks + self_blocks), BLOCK, heads, hd)
+    # Unwritten slots hold a finite sentinel: read by mistake, it would change the tokens (the
+    # reference's masked reads multiply them by 0, which NaN would not survive).
+    caches = [(torch.full(shape, 7.5), torch.full(shape, 7.5)) for _ in range(layers)]
+    # Requests take blocks from the end of the pool, interleaved, so tables are not 0, 1, 2 ...
+    free = list(range(shape[0] - 1, -1, -1))
+    cross_tables = [free[r::n][:cross_blocks] for r in range(n)]
+    self_tables = [free[r::n][cross_blocks:] for r in range(n)]
+    model.encode_into_cache([a.tobytes() for a in audio], [tuple(t) for t in cross_tables], caches,
+                            BLOCK)  # fmt: skip
 
     seqs = [list(p) for p in prompts]
     new = [list(p) for p in prompts]  # tokens each request feeds this step
@@ -182,15 +177,16 @@ def _paged_greedy(model, features, prompts, max_new, ops) -> list[list[int]]:
                 slots.append(self_tables[r][p // BLOCK] * BLOCK + p % BLOCK)
                 owners.append(r)
             starts.append(starts[-1] + len(new[r]))
-        self_batch = PagedBatch(
-            torch.tensor([self_tables[r] for r in live], dtype=torch.int32),
-            torch.tensor([len(seqs[r]) for r in live], dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-            torch.tensor(slots),
-        )
-        cross = cross_batch([cross_tables[r] for r in owners], c.max_source_positions)
-        logits = model.decode_paged(torch.tensor(tokens), torch.tensor(token_pos), self_caches,
-                                    self_batch, cross_caches, cross, ops)  # fmt: skip
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([slots]),
+            block_tables=torch.tensor([[self_tables[r] for r in live]], dtype=torch.int32),
+            seq_lens=torch.tensor([len(seqs[r]) for r in live], dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            cross=cross_metadata(np.array([cross_tables[r] for r in owners]),
+                                 c.max_source_positions),
+        )  # fmt: skip
+        hidden = model(torch.tensor(tokens), torch.tensor(token_pos), caches, meta)
+        logits = model.compute_logits(hidden)
         for i, r in enumerate(live):
             token = int(logits[starts[i + 1] - 1].argmax())
             outputs[r].append(token)
@@ -208,15 +204,18 @@ def test_paged_decoding_equals_the_reference_on_every_backend(tiny_whisper, back
     if backend == "cpu" and not cpu_ops.available():
         pytest.skip("no C++ compiler here: the cpu backend is the reference")
     _, _, ours = tiny_whisper
-    features = whisper_features(3, seed=2)
+    audio = whisper_audio(3, seed=2)
     prompts = [[3], [3, 10], [3, 10, 11, 12, 13]]
-    expected = greedy(ours, features, prompts, 12)
-    got = _paged_greedy(ours, features, prompts, 12, kernels.get_backend(backend))
+    expected = greedy(ours, log_mel(audio, 80, 300), prompts, 12)
+    try:
+        got = _paged_greedy(ours, audio, prompts, 12, kernels.get_backend(backend))
+    finally:
+        ours.ops = kernels.reference
     assert got == expected
 
 
-def test_cross_batch_gives_each_token_every_encoder_position():
-    batch = cross_batch([[5, 6], [7], [5, 6]], 20)
-    assert batch.block_tables.tolist() == [[5, 6], [7, 0], [5, 6]]
-    assert batch.seq_lens.tolist() == [20, 20, 20]
-    assert batch.query_start_loc.tolist() == [0, 1, 2, 3]
+def test_cross_metadata_gives_each_token_every_encoder_position():
+    meta = cross_metadata(np.array([[5, 6], [7, 0], [5, 6]]), 20)
+    assert meta.block_tables.tolist() == [[[5, 6], [7, 0], [5, 6]]]
+    assert meta.seq_lens.tolist() == [20, 20, 20]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3]

@@ -25,7 +25,7 @@ from tests.server.util import PAGEDSERVE
 NUM_REQUESTS = 200
 INVALID_FRACTION = 0.1
 DISCONNECT_FRACTION = 0.2
-# The invalid kinds bench/soak.py rotates over, with the status each must get.
+# The invalid kinds bench/soak_requests.py rotates over, with the status each must get.
 INVALID_KINDS = {
     "negative_token_id": 400,
     "token_id_beyond_vocab": 400,

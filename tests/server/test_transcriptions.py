@@ -3,13 +3,15 @@ Whisper of tests/conftest.py (saved with transformers, no tokenizer: a synthetic
 official openai client. What is checked is the request path, the form, audio decoding and the
 response formats: every window's tokens equal the reference's greedy decoding of the same
 features (engine/models/whisper.py `greedy`), in every format, streamed or not, alone or with
-others; bad input gets OpenAI-shaped errors on a connection that stays usable; blocks are all free
-after."""
+others, through every engine client (the core process by default, in-process, two data-parallel
+cores) and through preemption; bad input gets OpenAI-shaped errors on a connection that stays
+usable; blocks are all free after."""
 
 from __future__ import annotations
 
 import io
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,10 +20,11 @@ import openai
 import pytest
 import soundfile
 
-from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.audio import SAMPLE_RATE, decode_audio, duration, log_mel, windows
-from pagedserve.engine.frontend.whisper_service import load_whisper
+from pagedserve.engine.frontend.audio import SAMPLE_RATE, decode_audio, duration, windows
+from pagedserve.engine.models.model_source import resolve_model
+from pagedserve.engine.models.tokenizer import load_tokenizer
 from pagedserve.engine.models.whisper import greedy
+from pagedserve.engine.models.whisper_features import log_mel
 from pagedserve.server.transcription_formats import format_transcription, full_text, window_segments
 from tests.server.util import client, metric, run_server, sse_events
 
@@ -39,12 +42,12 @@ def _wav(seconds: float, hz: float) -> bytes:
 
 @pytest.fixture(scope="module")
 def whisper(tiny_whisper, tmp_path_factory):
-    """(the running server, its model name, the model and tokenizer as the server loads them)."""
-    folder, _, _ = tiny_whisper
-    model, tokenizer, _ = load_whisper(EngineConfig(model=str(folder), dtype="float32"))
+    """(the running server, the model and tokenizer as the server loads them)."""
+    folder, _, model = tiny_whisper
+    tokenizer = load_tokenizer(resolve_model(str(folder)))
     log = tmp_path_factory.mktemp("whisper-server") / "server.log"
     with run_server(log, "--model", str(folder), "--dtype", "float32", "--served-model-name",
-                    "tiny-whisper") as server:  # fmt: skip
+                    "tiny-whisper", "--num-kv-blocks", "256") as server:  # fmt: skip
         yield server, model, tokenizer
 
 
@@ -132,13 +135,7 @@ def test_concurrent_transcriptions_each_get_their_own(whisper):
     server = whisper[0]
     wavs = [_wav(1.0 + i % 4 * 2.5, 200.0 + 90 * i) for i in range(8)]
     expected = [full_text(_reference(whisper, wav)[1]) for wav in wavs]
-    api = client(server)
-
-    def transcribe(wav):
-        return api.audio.transcriptions.create(file=("a.wav", wav), model="tiny-whisper").text
-
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(transcribe, wavs))
+    got = _transcribe_together(server, wavs)
     assert got == expected
     assert len(set(got)) == 8
     assert metric(server, "pagedserve_kv_blocks_used") == 0
@@ -188,6 +185,26 @@ def test_bad_requests_get_openai_errors_and_the_connection_stays_usable(whisper)
     assert metric(server, "pagedserve_kv_blocks_used") == 0
 
 
+def test_a_stream_left_early_aborts_its_windows_and_frees_their_blocks(whisper):
+    server = whisper[0]
+    before = metric(server, "pagedserve_e2e_request_latency_seconds_count")
+    with httpx.stream("POST", f"{server.v1}/audio/transcriptions", timeout=60,
+                      files={"file": ("a.wav", _wav(9.0, 250.0))},
+                      data={"stream": "true"}) as r:  # fmt: skip
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the first delta: the client goes away with 3 windows running
+    deadline = time.monotonic() + 30
+    while _over_engines(server, "pagedserve_num_requests_running") or metric(
+        server, "pagedserve_kv_blocks_used"
+    ):
+        assert time.monotonic() < deadline, "the windows still run after the client left"
+        time.sleep(0.05)
+    # No window finished on its own: they were aborted.
+    assert metric(server, "pagedserve_e2e_request_latency_seconds_count") == before
+
+
 def test_metrics_count_audio_and_tokens(whisper):
     server = whisper[0]
     wav = _wav(4.5, 300.0)
@@ -198,8 +215,50 @@ def test_metrics_count_audio_and_tokens(whisper):
     assert metric(server, "pagedserve_audio_seconds_total") - before_audio == 4.5
     generated = sum(len(row) + (len(row) < POSITIONS - 1) for row in tokens)  # + end of text
     assert metric(server, "pagedserve_generation_tokens_total") - before_tokens == generated
-    assert metric(server, "pagedserve_kv_blocks_total") == 256 * (10 + 4)
+    assert metric(server, "pagedserve_kv_blocks_total") == 256
     assert math.isclose(metric(server, "pagedserve_kv_cache_usage"), 0.0)
+
+
+@pytest.mark.parametrize(
+    "mode", [["--no-core-process"], ["--data-parallel-size", "2"]], ids=["in-process", "dp2"]
+)
+def test_every_engine_client_serves_transcriptions_through_preemption(
+    whisper, tiny_whisper, tmp_path, mode
+):
+    """In the server's process and on two data-parallel cores, with a pool of 24 blocks per core
+    (a window holds 10 for its encoder and up to 4 of its own): concurrent transcriptions of 3
+    windows each preempt one another, recompute (encoder included), and still get the
+    reference's text."""
+    wavs = [_wav(7.0, 200.0 + 90 * i) for i in range(4)]
+    expected = [full_text(_reference(whisper, wav)[1]) for wav in wavs]
+    with run_server(tmp_path / "server.log", "--model", str(tiny_whisper[0]), "--dtype", "float32",
+                    "--served-model-name", "tiny-whisper", "--num-kv-blocks", "24",
+                    *mode) as server:  # fmt: skip
+        assert _transcribe_together(server, wavs) == expected
+        assert _over_engines(server, "pagedserve_num_preemptions_total") > 0
+        assert _over_engines(server, "pagedserve_kv_blocks_used") == 0
+        kv = httpx.get(f"{server.v1}/kv", timeout=10).json()
+        assert kv["totals"]["used_blocks"] == 0 and kv["num_blocks"] == 24
+
+
+def _transcribe_together(server, wavs: list[bytes]) -> list[str]:
+    """The text of each wav, all sent at once."""
+    api = client(server)
+
+    def transcribe(wav):
+        return api.audio.transcriptions.create(file=("a.wav", wav), model="tiny-whisper").text
+
+    with ThreadPoolExecutor(len(wavs)) as pool:
+        return list(pool.map(transcribe, wavs))
+
+
+def _over_engines(server, name: str) -> float:
+    """A family's value summed over its samples: one, or one per data-parallel engine."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith((f"{name} ", f"{name}{{"))]  # fmt: skip
+    assert values, f"{name} not in /metrics"
+    return sum(values)
 
 
 def test_a_decoder_only_model_says_it_does_not_transcribe(server):
