@@ -72,7 +72,7 @@ def run_pagedserve(
         "num_output_tokens": result["num_output_tokens"],
         "elapsed_s": result["elapsed_s"],
         "num_preemptions": result["num_preemptions"],
-        "kv_cache_blocks": llm.engine.worker.kv_plan.num_blocks,
+        "kv_cache_blocks": llm.engine.core.worker.kv_plan.num_blocks,
     }
 
 

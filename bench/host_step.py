@@ -94,10 +94,10 @@ def measure(
         pass
     hidden = TINY_CONFIG["hidden_size"]
 
-    engine.worker.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
+    engine.core.worker.model.forward = lambda input_ids, *_: torch.zeros(input_ids.shape[0], hidden)
     undo = None
     if device_ms is not None:
-        undo = simulate_device(engine.worker.runner, device_ms / 1e3)
+        undo = simulate_device(engine.core.worker.runner, device_ms / 1e3)
 
     parts: collections.Counter[str] = collections.Counter()
 
@@ -113,31 +113,31 @@ def measure(
 
         setattr(owner, name, wrapper)
 
-    timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.scheduler, "update_from_output", "update_from_output")
-    timed(engine.worker.runner, "launch", "launch")
-    timed(engine.worker.runner.input_batch, "prepare", "launch.prepare")
-    timed(engine.worker.runner, "_finish", "finish")
-    timed(engine.worker.runner.sampler, "sample", "launch.sampler")
-    timed(engine.worker.model, "compute_logits", "launch.lm_head")
+    timed(engine.core.scheduler, "schedule", "schedule")
+    timed(engine.core.scheduler, "update_from_output", "update_from_output")
+    timed(engine.core.worker.runner, "launch", "launch")
+    timed(engine.core.worker.runner.input_batch, "prepare", "launch.prepare")
+    timed(engine.core.worker.runner, "_finish", "finish")
+    timed(engine.core.worker.runner.sampler, "sample", "launch.sampler")
+    timed(engine.core.worker.model, "compute_logits", "launch.lm_head")
     # The split at the process boundary: what the core process would run per step (step_samples,
     # plus encoding its outputs for the socket) and what the API server would (process).
     timed(engine, "step_samples", "core.step_samples")
     timed(engine.output_processor, "process", "front_end.process")
-    inner_step_samples = engine.step_samples
+    inner_step_samples = engine.core.step_samples
     last_samples = []
 
     def step_samples_kept():
         last_samples[:] = inner_step_samples()
         return last_samples[:]
 
-    engine.step_samples = step_samples_kept
+    engine.core.step_samples = step_samples_kept
     step = engine.step
     if core_loop:  # what the core process's loop runs: no front end, outputs encoded to send
         encoder = msgspec.msgpack.Encoder()
 
         def step():
-            encoder.encode(CoreOutputs(engine.step_samples(), engine.stats()))
+            encoder.encode(CoreOutputs(engine.core.step_samples(), engine.stats()))
 
     for _ in range(5):
         step()
@@ -152,7 +152,7 @@ def measure(
         "batch_size": batch_size,
         "context": context,
         "steps": steps,
-        "async_scheduling": engine.worker.async_scheduling,
+        "async_scheduling": engine.core.worker.async_scheduling,
         "device_ms": device_ms,
         "loop": "core" if core_loop else "engine",
         "step_ms": round(step_ms, 3),

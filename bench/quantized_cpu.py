@@ -131,7 +131,7 @@ def step_part(args: argparse.Namespace) -> list[dict]:
     results = []
     for quantization in ("gguf", "none"):
         llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype="bfloat16")
-        lm_head = llm.engine.worker.model.matmul_weights()[-1]
+        lm_head = llm.engine.core.worker.model.matmul_weights()[-1]
         spent = dict.fromkeys(("matmuls", "lm_head", "attention"), 0.0)
         linear_fn, attention_fn = engine_model.linear, cpu_ops.paged_attention
 

@@ -21,7 +21,7 @@ from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> dict:
-    scheduler = engine.scheduler
+    scheduler = engine.core.scheduler
     kv = scheduler.kv_cache_manager
     computed, peak = 0, 0
     schedule = scheduler.schedule

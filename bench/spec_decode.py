@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         convs = conversations(batch_size)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         outputs: dict[str, list[list[int]]] = {}
-        spec_stats = engines["speculative"].engine.scheduler
+        spec_stats = engines["speculative"].engine.core.scheduler
         drafted, accepted = spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens
         for _ in range(args.repeats):
             for name, llm in engines.items():

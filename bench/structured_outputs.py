@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model, device="cpu", dtype=args.dtype, num_kv_blocks=2048,
         max_num_seqs=args.batch_size,
     )  # fmt: skip
-    structured = llm.engine.structured
+    structured = llm.engine.core.structured
     spec = StructuredOutputs(json=PERSON_SCHEMA)
     start = time.perf_counter()
     structured._get_compiler()  # the vocabulary's tokenizer info, once per engine

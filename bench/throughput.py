@@ -169,11 +169,11 @@ def measure(
     # prompts: the timed run must not find them in the prefix cache. On CUDA a batch of 1, 16
     # and 17 too: Triton compiles a kernel again for integer arguments equal to 1 or divisible
     # by 16, and that compile must not land in the timed run.
-    warm_sizes = [2] if llm.engine.worker.device.type == "cpu" else [1, 16, 17]
+    warm_sizes = [2] if llm.engine.core.worker.device.type == "cpu" else [1, 16, 17]
     for size in warm_sizes:
         warm = [p[::-1] for p in prompts[:size]]
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
-    preemptions_before = llm.engine.scheduler.num_preemptions
+    preemptions_before = llm.engine.core.scheduler.num_preemptions
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -187,7 +187,7 @@ def measure(
         "num_input_tokens": num_in,
         "num_output_tokens": num_out,
         "expected_output_tokens": sum(output_lens),
-        "num_preemptions": llm.engine.scheduler.num_preemptions - preemptions_before,
+        "num_preemptions": llm.engine.core.scheduler.num_preemptions - preemptions_before,
     }
 
 
@@ -198,17 +198,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM.from_config(config)
     engine = llm.engine
     prompts, output_lens = build_workload(
-        args, engine.model_config.vocab_size, set(engine.eos_token_ids)
+        args, engine.core.model_config.vocab_size, set(engine.core.eos_token_ids)
     )
     ranged = args.input_len_range is not None or args.output_len_range is not None
     result = {
         "model": config.model,
-        "dtype": str(engine.worker.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(engine.worker.kv_cache_dtype).removeprefix("torch."),
-        "kv_blocks": engine.worker.kv_plan.num_blocks,
+        "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.core.worker.kv_cache_dtype).removeprefix("torch."),
+        "kv_blocks": engine.core.worker.kv_plan.num_blocks,
         "max_model_len": engine.max_model_len,
-        "max_concurrency": round(engine.worker.kv_plan.max_concurrency, 2),
-        "device": str(engine.worker.device),
+        "max_concurrency": round(engine.core.worker.kv_plan.max_concurrency, 2),
+        "device": str(engine.core.worker.device),
         "num_prompts": args.num_prompts,
         "input_len": None if args.input_len_range else args.input_len,
         "output_len": None if args.output_len_range else args.output_len,

@@ -48,13 +48,13 @@ def timed_parts(engine) -> Iterator[tuple[dict[str, float], list[str]]]:
     compute_logits, sample) and update_from_output. Parts this engine version does not have are
     reported as missing. Host wall time: the first part that waits for the GPU (reading sampled
     ids) absorbs it."""
-    runner = engine.worker.runner
+    runner = engine.core.worker.runner
     # "execute" is the launch of a step (prepare, forward, logits, sample: kernels queued); the
     # wait for its sampled ids (StepHandle.result) falls in step_other_ms.
     targets = [
-        ("schedule", engine.scheduler, "schedule"),
+        ("schedule", engine.core.scheduler, "schedule"),
         ("execute", runner, "launch"),
-        ("update", engine.scheduler, "update_from_output"),
+        ("update", engine.core.scheduler, "update_from_output"),
         ("execute.prepare_inputs", runner.input_batch, "prepare"),
         ("execute.forward", runner, "_forward"),
         ("execute.compute_logits", runner.model, "compute_logits"),
@@ -156,7 +156,7 @@ class _DecodeBatch:
         params = SamplingParams(
             temperature=0, max_tokens=est_prefill + num_steps + 16, ignore_eos=True
         )
-        vocab = engine.model_config.vocab_size
+        vocab = engine.core.model_config.vocab_size
         prompts = harness.random_ids(batch_size, self.prompt_len, vocab, seed=batch_size)
         self.ids = [f"decode-{batch_size}-{i}" for i in range(batch_size)]
         for rid, prompt in zip(self.ids, prompts, strict=True):
@@ -188,8 +188,8 @@ def _time_decode(
     the memory roofline, then split split_steps of them by part."""
 
     engine = llm.engine
-    config = engine.model_config
-    device = str(engine.worker.device)
+    config = engine.core.model_config
+    device = str(engine.core.worker.device)
     num_steps = 3 + sizes.decode_steps + sizes.split_steps
     with _DecodeBatch(engine, batch_size, sizes, num_steps) as batch:
         for _ in range(3):
@@ -209,7 +209,7 @@ def _time_decode(
             + (sizes.decode_steps - 1) / 2
         )
         median = statistics.median(times)
-        dtype_bytes = engine.worker.dtype.itemsize
+        dtype_bytes = engine.core.worker.dtype.itemsize
         # Every weight is read once per step; an untied embedding only for the step's rows.
         untied_embedding = 0 if config.tie_word_embeddings else config.vocab_size
         weight_bytes = (config.num_params() - untied_embedding * config.hidden_size) * dtype_bytes
@@ -298,7 +298,7 @@ def _profile_decode(
     """torch.profiler over profile_steps pure decode steps: GPU time against wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = str(llm.engine.worker.device)
+    device = str(llm.engine.core.worker.device)
     with _DecodeBatch(llm.engine, batch_size, sizes, 2 + sizes.profile_steps) as batch:
         for _ in range(2):
             batch.step()

@@ -298,7 +298,7 @@ def reuse_dummy_weights() -> Iterator[dict[str, int]]:
 
 def engine_info(llm) -> dict[str, Any]:
     """What the engine actually runs with (so a record says whether graphs were on)."""
-    worker = llm.engine.worker
+    worker = llm.engine.core.worker
     graphs = worker.runner.graphs
     return {
         "attention_backend": worker.attention_backend,
@@ -330,7 +330,7 @@ def offline_tok_s(llm, sizes: Sizes) -> float:
     from pagedserve.engine import SamplingParams
 
     num, max_tokens = sizes.offline_prompts, sizes.offline_output_len
-    ids = random_ids(num, sizes.offline_input_len, llm.engine.model_config.vocab_size, 11)
+    ids = random_ids(num, sizes.offline_input_len, llm.engine.core.model_config.vocab_size, 11)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(ids[:8], params.clone(max_tokens=4))
     sync(sizes.device)

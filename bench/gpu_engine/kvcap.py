@@ -35,10 +35,10 @@ def step_kvcap(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.S
             max_num_seqs=len(prompts), max_model_len=max_model_len, **kwargs,
         )  # fmt: skip
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-        s = llm.engine.scheduler
+        s = llm.engine.core.scheduler
         info = {
             **harness.engine_info(llm),
-            "num_kv_blocks": llm.engine.worker.kv_plan.num_blocks,
+            "num_kv_blocks": llm.engine.core.worker.kv_plan.num_blocks,
             "preemptions": s.num_preemptions,
             "swap_outs": s.num_swap_outs,
             "swap_ins": s.num_swap_ins,

@@ -27,7 +27,7 @@ def _generate_ids(
     llm, prompts: list[list[int]], params, batch_size: int
 ) -> tuple[list[list[int]], float]:
     """Every prompt's token ids, batch_size prompts per generate call, and the wall time."""
-    device = str(llm.engine.worker.device)
+    device = str(llm.engine.core.worker.device)
     tokens: list[list[int]] = []
     harness.sync(device)
     start = time.perf_counter()
@@ -150,7 +150,7 @@ def step_spec(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Si
         shared_base = {"model": args.model, "dtype": sizes.dtype, "kind": "shared_blocks"}
         with rec.part(**shared_base):
             llm = engine_with(0)
-            kv = llm.engine.scheduler.kv_cache_manager
+            kv = llm.engine.core.scheduler.kv_cache_manager
             (prompt,) = harness.random_ids(1, shared_prompt_len, vocab, seed=11)
             group_params = SamplingParams(
                 n=shared_samples, temperature=1.0, seed=11, max_tokens=shared_max_tokens

@@ -65,7 +65,10 @@ def step_structured(args: argparse.Namespace, rec: harness.Recorder, sizes: harn
             num_kv_blocks=harness.kv_blocks_for([max_model_len] * len(prompts), max_model_len),
         )  # fmt: skip
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
-        info = {**harness.engine_info(llm), "live_matchers": len(llm.engine.structured.matchers)}
+        info = {
+            **harness.engine_info(llm),
+            "live_matchers": len(llm.engine.core.structured.matchers),
+        }
         del llm
         harness.free_memory()
         return tokens, info
@@ -96,7 +99,7 @@ def step_structured(args: argparse.Namespace, rec: harness.Recorder, sizes: harn
             max_num_seqs=num, max_model_len=model_len,
             num_kv_blocks=harness.kv_blocks_for([input_len + max_tokens] * num, model_len),
         )  # fmt: skip
-        ids = harness.random_ids(num, input_len, llm.engine.model_config.vocab_size, 11)
+        ids = harness.random_ids(num, input_len, llm.engine.core.model_config.vocab_size, 11)
         warm = SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
         llm.generate(ids[:8], warm)  # compiles (grammar, Triton) out of the timed runs
         harness.sync(sizes.device)

@@ -71,10 +71,10 @@ def step_whisper(args: argparse.Namespace, rec: harness.Recorder, sizes: harness
             outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
         rec.write({
             "model": "whisper-tiny", "check": "fp32_greedy",
-            "engine": engine.worker.attention_backend,
+            "engine": engine.core.worker.attention_backend,
             **compare_tokens(expected, [list(outputs[f"r{i}"]) for i in range(len(audio))]),
             "num_tokens": max_new,
-            "blocks_free_after": engine.scheduler.kv_cache_manager.num_used_blocks == 0,
+            "blocks_free_after": engine.core.scheduler.kv_cache_manager.num_used_blocks == 0,
         })  # fmt: skip
         del engine
         harness.free_memory()

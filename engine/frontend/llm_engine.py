@@ -1,10 +1,10 @@
 """LLMEngine: add requests, step, collect outputs, with the engine core in the caller's process.
 
-It is an EngineCore (model, scheduler, runner) with the front end's two halves on top: the
-InputProcessor checks prompts, the OutputProcessor fans requests out into samples and turns
-what each core step produced into RequestOutputs (text, stop strings, logprobs). The offline LLM
-API and the server's in-process mode run it; engine/frontend/process_client.py splits the same
-pieces across two processes.
+It holds an EngineCore (scheduler, worker, model) and puts the front end's two halves around
+it: the InputProcessor checks prompts, the OutputProcessor fans requests out into samples and
+turns what each core step produced into RequestOutputs (text, stop strings, logprobs). The
+offline LLM API and the server's in-process mode run it; engine/frontend/process_client.py puts
+the same pieces in two processes.
 """
 
 from __future__ import annotations
@@ -17,17 +17,21 @@ from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.frontend.outputs import RequestOutput
+from pagedserve.engine.messages import EngineStats
 from pagedserve.engine.tp_endpoint import TPEndpoint
 from pagedserve.scheduler import SamplingParams
 
 
-class LLMEngine(EngineCore):
-    """The synchronous engine: an EngineCore plus input checks and output processing."""
+class LLMEngine:
+    """The synchronous engine: input checks and output processing around an EngineCore
+    (`core`) in this process."""
 
     def __init__(self, config: EngineConfig, endpoint: TPEndpoint | None = None) -> None:
-        super().__init__(config, endpoint)
+        self.core = EngineCore(config, endpoint)
+        self.tokenizer = self.core.tokenizer
+        self.max_model_len = self.core.max_model_len
         self.inputs = InputProcessor.for_model(
-            self.tokenizer, self.max_model_len, self.model_config
+            self.tokenizer, self.max_model_len, self.core.model_config
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -63,13 +67,13 @@ class LLMEngine(EngineCore):
     def enqueue(self, request: NewRequest) -> None:
         """Queue a request whose inputs `process_inputs` accepted (AsyncEngine checks them on the
         caller's thread, then queues them here on the engine's)."""
-        self.add_samples(self.output_processor.add(request))
+        self.core.add_samples(self.output_processor.add(request))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort every sample of a request in whatever state it is; its blocks are freed now.
         Returns its last output (None for an unknown id)."""
         output, sample_ids = self.output_processor.abort(request_id)
-        self.abort_samples(sample_ids)
+        self.core.abort_samples(sample_ids)
         return output
 
     def rewind(self, request_id: str, num_tokens: int) -> list[RequestOutput]:
@@ -78,7 +82,9 @@ class LLMEngine(EngineCore):
         on from there without computing the kept prefix again (`Scheduler.rewind`). Returns the
         request's output in its output kind (none for "final"). Raises ValueError, changing
         nothing, for an unknown or finished request or a sample with fewer tokens."""
-        samples = self.rewind_samples(self.output_processor.live_sample_ids(request_id), num_tokens)
+        samples = self.core.rewind_samples(
+            self.output_processor.live_sample_ids(request_id), num_tokens
+        )
         outputs, _ = self.output_processor.process(samples)
         return outputs
 
@@ -97,6 +103,20 @@ class LLMEngine(EngineCore):
 
         With asynchronous scheduling a step() launches step N + 1 and then returns the outputs
         of step N, whose device work ran (and whose ids came back) meanwhile."""
-        outputs, stopped = self.output_processor.process(self.step_samples())
-        self.abort_samples(stopped, stopped=True)
+        outputs, stopped = self.output_processor.process(self.core.step_samples())
+        self.core.abort_samples(stopped, stopped=True)
         return outputs
+
+    # ---- the core's, for the server and the offline API ----------------------------------------
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def kv_map(self) -> bytes:
+        return self.core.kv_map()
+
+    def describe(self) -> str:
+        return self.core.describe()
+
+    def close(self) -> None:
+        self.core.close()

@@ -92,8 +92,8 @@ def run(tiny_llama_dir, arrivals: list[Arrival], async_scheduling: bool):
                 finals[output.request_id] = output
         step += 1
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
-    assert engine.worker.runner.input_batch.num_reqs <= engine.config.max_num_seqs
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.worker.runner.input_batch.num_reqs <= engine.core.config.max_num_seqs
     return finals, aborted, engine
 
 
@@ -126,11 +126,13 @@ def test_async_scheduling_gives_the_same_outputs(tiny_llama_dir, seed):
     arrivals = random_workload(seed)
     sync_finals, sync_aborted, sync_engine = run(tiny_llama_dir, arrivals, False)
     async_finals, async_aborted, async_engine = run(tiny_llama_dir, arrivals, True)
-    assert not sync_engine.worker.async_scheduling and async_engine.worker.async_scheduling
+    assert (
+        not sync_engine.core.worker.async_scheduling and async_engine.core.worker.async_scheduling
+    )
     # The run exercised what it is meant to: preemption, prefix hits, aborts, stop strings.
     for engine in (sync_engine, async_engine):
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens > 0
+        assert engine.core.scheduler.num_preemptions > 0
+        assert engine.core.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens > 0
     assert sync_aborted and sync_aborted == async_aborted
     stopped_by_string = [
         rid

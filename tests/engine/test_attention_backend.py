@@ -31,7 +31,7 @@ def _generate(path, backend: str, prompts, **kwargs) -> tuple[LLM, list[list[int
     llm = LLM(
         str(path), device="cpu", dtype="float32", block_size=4, attention_backend=backend, **kwargs
     )
-    assert llm.engine.worker.attention_backend == backend
+    assert llm.engine.core.worker.attention_backend == backend
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
@@ -72,7 +72,7 @@ def test_triton_backend_greedy_equals_torch_backend_and_transformers(
     # Per step: one norm (the first layer's input), then two fused norms per layer (the second
     # layer's input norm, both post-attention norms and the final norm).
     assert launches["fused_add_rms_norm"] == 2 * 2 * launches["rms_norm"], launches
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_sliding_window_model_matches_transformers_on_both_backends(tiny_mistral
     assert [hf_greedy(hf, p, 12) for p in prompts] != expected
     options = dict(num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
     llm, with_torch = _generate(tiny_mistral_dir, "torch", prompts, **options)
-    assert llm.engine.model_config.sliding_window == 8
+    assert llm.engine.core.model_config.sliding_window == 8
     _, with_triton = _generate(tiny_mistral_dir, "triton", prompts, **options)
     assert with_torch == expected
     assert with_triton == expected
@@ -120,7 +120,7 @@ def test_triton_backend_after_a_prefix_cache_hit(tiny_llama_dir):
     second = llm.generate([b], params)[0].outputs[0].token_ids
     assert first + [second] == expected
     # b's first 20 tokens (5 blocks) came from the cache: its prefill was an extend.
-    assert llm.engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens == 20
+    assert llm.engine.core.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens == 20
 
 
 def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
@@ -130,16 +130,18 @@ def test_backend_option_and_environment(tiny_llama_dir, monkeypatch):
 
     monkeypatch.delenv(kernels.BACKEND_ENV, raising=False)
     default = engine()
-    assert default.worker.attention_backend == "cpu"  # CPU default: the compiled kernel
-    assert default.worker.model.layers[0].self_attn.ops is kernels.get_backend("cpu")
-    torch_layer = engine(attention_backend="torch").worker.model.layers[0]
+    assert default.core.worker.attention_backend == "cpu"  # CPU default: the compiled kernel
+    assert default.core.worker.model.layers[0].self_attn.ops is kernels.get_backend("cpu")
+    torch_layer = engine(attention_backend="torch").core.worker.model.layers[0]
     assert torch_layer.self_attn.ops is kernels.reference
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     from_env = engine()
-    assert from_env.worker.attention_backend == "triton"
-    layer = from_env.worker.model.layers[1]
+    assert from_env.core.worker.attention_backend == "triton"
+    layer = from_env.core.worker.model.layers[1]
     assert layer.self_attn.ops is layer.mlp.ops is layer.input_layernorm.ops is triton_ops
-    assert engine(attention_backend="torch").worker.attention_backend == "torch"  # option beats env
+    assert (
+        engine(attention_backend="torch").core.worker.attention_backend == "torch"
+    )  # option beats env
     monkeypatch.setenv(kernels.BACKEND_ENV, "flash")
     with pytest.raises(ValueError, match="PAGEDSERVE_ATTENTION_BACKEND='flash' is not an"):
         engine()

@@ -46,7 +46,7 @@ def test_equals_transformers_when_no_beam_meets_eos(tiny_llama_dir, hf_model, le
     for s in out.sequences:
         assert s.finish_reason == "length" and len(s.token_ids) == MAX_TOKENS
         assert s.score == pytest.approx(s.cumulative_logprob / MAX_TOKENS**length_penalty)
-    kv = llm.engine.scheduler.kv_cache_manager
+    kv = llm.engine.core.scheduler.kv_cache_manager
     assert kv.num_used_blocks == 0
     assert kv.num_block_copies > 0  # beams continued a shared partial block
 
@@ -77,11 +77,11 @@ def test_equals_transformers_never_stopping_early_when_beams_meet_eos(
         for s in out.sequences:
             length = len(s.token_ids)
             assert s.score == pytest.approx(s.cumulative_logprob / length**length_penalty)
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def _beams(engine: LLMEngine):
-    return [r for r in engine.scheduler.running if r.request_id.startswith("beam-")]
+    return [r for r in engine.core.scheduler.running if r.request_id.startswith("beam-")]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -89,7 +89,7 @@ def test_beams_share_blocks_each_round_and_free_them(tiny_llama_dir, async_sched
     engine = LLMEngine(
         EngineConfig(model=str(tiny_llama_dir), async_scheduling=async_scheduling, **ENGINE)
     )
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     params = BeamSearchParams(WIDTH, 30, ignore_eos=True).sampling_params()
     engine.add_request("search", PROMPT, params)
     seen_shared = False
@@ -104,7 +104,7 @@ def test_beams_share_blocks_each_round_and_free_them(tiny_llama_dir, async_sched
     # An abort mid-search frees every beam's blocks.
     aborted = engine.abort("search")
     assert aborted.finished and [c.finish_reason for c in aborted.outputs] == ["abort"] * WIDTH
-    while engine.has_unfinished_requests() or engine.scheduler.has_unfinished_requests():
+    while engine.has_unfinished_requests() or engine.core.scheduler.has_unfinished_requests():
         engine.step()
     assert kv.num_used_blocks == 0 and _beams(engine) == []
 
@@ -150,7 +150,7 @@ def test_searches_in_a_pool_too_small_for_them_give_the_same_beams(tiny_llama_di
     got = [[c.token_ids for c in out.outputs] for out in tight.generate(prompts, params)]
     assert got == want
     assert all(len(tokens) == 12 for beams in got for tokens in beams)
-    scheduler = tight.engine.scheduler
+    scheduler = tight.engine.core.scheduler
     assert scheduler.num_preemptions > 0
     assert (scheduler.num_swap_outs > 0) == (mode == "swap")
     assert scheduler.kv_cache_manager.num_used_blocks == 0

@@ -80,7 +80,7 @@ def test_bf16_packing_follows_the_cpu_level(monkeypatch):
 def test_bf16_engine_packs_and_generates_like_unpacked(tiny_llama_dir):
     # Packed where oneDNN has bf16 kernels; elsewhere plain, and both paths give the same tokens.
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", num_kv_blocks=64)
-    model = llm.engine.worker.model
+    model = llm.engine.core.worker.model
     assert all(is_packed(layer.mlp.down_proj) is PACKS_BF16 for layer in model.layers)
     assert is_packed(model.lm_head) is PACKS_BF16
     prompts = [[5, 9, 13, 2 + i] for i in range(4)]
@@ -94,7 +94,7 @@ def test_bf16_engine_packs_and_generates_like_unpacked(tiny_llama_dir):
     plain_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert packed_out == plain_out
     fp32 = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
-    assert is_packed(fp32.engine.worker.model.layers[0].mlp.down_proj)
+    assert is_packed(fp32.engine.core.worker.model.layers[0].mlp.down_proj)
 
 
 def _mlp(layer):

@@ -37,11 +37,11 @@ def _with_buffers(llm: LLM, max_batch_size: int) -> tuple[DecodeGraphs, list[int
     """Route the engine's decode steps through DecodeGraphs(capture=False); record batch sizes."""
     engine = llm.engine
     graphs = DecodeGraphs(
-        engine.worker.model,
-        engine.worker.runner.kv_caches,
+        engine.core.worker.model,
+        engine.core.worker.runner.kv_caches,
         max_batch_size,
-        cdiv(engine.max_model_len, engine.config.block_size),
-        engine.worker.device,
+        cdiv(engine.max_model_len, engine.core.config.block_size),
+        engine.core.worker.device,
         capture=False,
     )
     sizes: list[int] = []
@@ -52,7 +52,7 @@ def _with_buffers(llm: LLM, max_batch_size: int) -> tuple[DecodeGraphs, list[int
         return real_run(input_ids, positions, meta)
 
     graphs.run = run
-    engine.worker.runner.graphs = graphs
+    engine.core.worker.runner.graphs = graphs
     return graphs, sizes
 
 
@@ -112,14 +112,18 @@ def test_decode_graphs_refuse_capture_without_cuda(tiny_llama_dir):
     engine = llm.engine
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
         DecodeGraphs(
-            engine.worker.model, engine.worker.runner.kv_caches, 8, 16, engine.worker.device
+            engine.core.worker.model,
+            engine.core.worker.runner.kv_caches,
+            8,
+            16,
+            engine.core.worker.device,
         )
     graphs = DecodeGraphs(
-        engine.worker.model,
-        engine.worker.runner.kv_caches,
+        engine.core.worker.model,
+        engine.core.worker.runner.kv_caches,
         8,
         16,
-        engine.worker.device,
+        engine.core.worker.device,
         capture=False,
     )
     assert graphs.can_run(num_tokens=8, num_seqs=8, block_table_width=16)
@@ -151,18 +155,18 @@ def test_profile_step_is_the_largest_step():
 def test_profile_step_runs_and_samples_every_sequence(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=64)
     engine = llm.engine
-    step = profile_step(48, 6, 16, engine.max_model_len, engine.model_config.vocab_size)
+    step = profile_step(48, 6, 16, engine.max_model_len, engine.core.model_config.vocab_size)
     runner = ModelRunner(
-        engine.worker.model,
-        engine.worker.runner.kv_caches,
+        engine.core.worker.model,
+        engine.core.worker.runner.kv_caches,
         16,
-        engine.worker.device,
+        engine.core.worker.device,
         6,
         engine.max_model_len,
     )
     out = runner.execute(step)
     assert sorted(out.sampled_token_ids) == sorted(f"profile-{i}" for i in range(6))
-    assert all(0 <= t < engine.model_config.vocab_size for t in out.sampled_token_ids.values())
+    assert all(0 <= t < engine.core.model_config.vocab_size for t in out.sampled_token_ids.values())
 
 
 def test_gpu_kv_cache_budget():
@@ -174,4 +178,4 @@ def test_gpu_kv_cache_budget():
 
 def test_engine_on_cpu_has_no_graphs(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_kv_blocks=32)
-    assert llm.engine.worker.runner.graphs is None
+    assert llm.engine.core.worker.runner.graphs is None

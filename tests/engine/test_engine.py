@@ -27,7 +27,7 @@ def _run(engine: LLMEngine) -> dict:
 
 
 def test_abort_frees_blocks_in_every_state(engine):
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine.add_request("a", list(range(3, 13)), params)  # 10 tokens: 3 blocks once admitted
     engine.add_request("b", list(range(20, 26)), params)
@@ -66,7 +66,7 @@ def test_shared_samples_equal_separate_requests(tiny_llama_dir, backend):
     call). Each sample equals a request of its own with its seed, which computes the prompt
     alone: tokens exactly, logprobs to float rounding."""
     engine = _engine(tiny_llama_dir, attention_backend=backend)
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     prompt = list(range(30, 40))  # the samples share 9 tokens: 2 whole blocks and 1 of 4
     params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=6, logprobs=1)
     engine.add_request("group", prompt, params)
@@ -130,7 +130,7 @@ def test_bad_requests_are_refused_and_nothing_is_queued(engine):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", [5], SamplingParams())
     assert engine.num_unfinished_requests == 1
-    assert engine.scheduler.num_waiting == 1
+    assert engine.core.scheduler.num_waiting == 1
 
 
 @pytest.mark.parametrize(
@@ -223,7 +223,7 @@ def test_rewind_continues_like_a_fresh_request_with_the_kept_tokens(
     tiny_llama_dir, async_scheduling
 ):
     engine = _engine(tiny_llama_dir, async_scheduling=async_scheduling)
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     prompt = list(range(40, 47))
     params = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True, logprobs=0)
     engine.add_request("r", prompt, params)
@@ -244,10 +244,10 @@ def test_rewind_continues_like_a_fresh_request_with_the_kept_tokens(
     assert sample.cumulative_logprob == pytest.approx(out.outputs[0].cumulative_logprob - dropped)
     # 19 tokens left, 18 of them kept in the cache (the 19th is computed again): 5 blocks.
     assert kv.num_used_blocks == 5
-    steps_before = engine.num_steps
+    steps_before = engine.core.num_steps
     done = _run(engine)["r"].outputs[0]
     # One step per token (the kept 18 were not computed again); greedy: the same tokens again.
-    assert engine.num_steps - steps_before == 16 + async_scheduling
+    assert engine.core.num_steps - steps_before == 16 + async_scheduling
     assert done.token_ids == first + _continue(engine, prompt + first, 8)
     # A fresh request of the kept tokens continues the same way.
     assert done.token_ids[12:] == _continue(engine, prompt + first[:12], 16)
@@ -286,4 +286,4 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(engin
         [c.cumulative_logprob for c in every[:2]]
     )
     assert all(c.logprobs is None for c in best)  # computed for the ranking, not asked for
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0

@@ -38,7 +38,7 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
     return finished
 
 
@@ -76,7 +76,7 @@ def test_nan_logits_fail_their_request_alone(nan_llama_dir, reference, backend, 
     assert _tokens(out, GOOD_PROMPTS) == reference
     assert all(out[rid].error is None for rid in GOOD_PROMPTS)
     # The failed request's blocks were cleared: no NaN is left for their next owner...
-    for k_cache, v_cache in engine.worker.runner.kv_caches:
+    for k_cache, v_cache in engine.core.worker.runner.kv_caches:
         assert torch.isfinite(k_cache).all() and torch.isfinite(v_cache).all()
     # ...and left the prefix cache: the same prompt fails again rather than reading zeros.
     again = _run(engine, {"bad-again": (BAD_PROMPT, GREEDY), "a": (GOOD_PROMPTS["a"], GREEDY)})
@@ -119,7 +119,7 @@ def test_running_out_of_memory_in_a_large_prefill_fails_that_request_alone(
     tiny_llama_dir, reference, monkeypatch, async_scheduling
 ):
     engine = _engine(tiny_llama_dir, async_scheduling=async_scheduling)
-    runner = engine.worker.runner
+    runner = engine.core.worker.runner
     forward = runner._forward
     step_sizes = []
 
@@ -135,7 +135,7 @@ def test_running_out_of_memory_in_a_large_prefill_fails_that_request_alone(
     for _ in range(3):  # a and b are decoding when the large prompt arrives
         engine.step()
     engine.add_request("large", list(range(100, 150)), GREEDY)
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.core.scheduler.num_preemptions
     out = _run(engine, {})
     (failed,) = out["large"].outputs
     assert failed.finish_reason == "error" and failed.token_ids == []
@@ -143,7 +143,7 @@ def test_running_out_of_memory_in_a_large_prefill_fails_that_request_alone(
     # The failed step held all 50 prompt tokens and one decode token each of a and b.
     assert 52 in step_sizes
     # a and b were preempted out of that step and recomputed, to the same tokens.
-    assert engine.scheduler.num_preemptions == preemptions + 2
+    assert engine.core.scheduler.num_preemptions == preemptions + 2
     assert _tokens(out, GOOD_PROMPTS) == reference
 
 

@@ -79,7 +79,7 @@ def test_greedy_from_the_gguf_file_equals_transformers(name, converted):
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     llm = _llm(path)
     assert _greedy(llm, prompts, 8) == expected
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -159,7 +159,7 @@ def test_a_gemma_file_with_its_vocabulary_chats_and_stops_at_end_of_turn(convert
         tmp_path / "gemma3-chat.gguf", config, hf.state_dict(), vocabulary=vocabulary
     )
     llm = _llm(path)
-    assert llm.engine.eos_token_ids == (1, 5)  # <eos>, <end_of_turn>
+    assert llm.engine.core.eos_token_ids == (1, 5)  # <eos>, <end_of_turn>
     out = llm.chat(
         [{"role": "user", "content": "hello world"}],
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

@@ -43,7 +43,7 @@ def _swap_llm(path, num_host_blocks: int, **kwargs) -> LLM:
     """Swap mode with a device pool of 24 blocks (4x too small) and a host pool of
     `num_host_blocks` blocks."""
     probe = _llm(path, num_kv_blocks=24)
-    swap_space = num_host_blocks * probe.engine.worker.kv_plan.bytes_per_block
+    swap_space = num_host_blocks * probe.engine.core.worker.kv_plan.bytes_per_block
     return _llm(path, num_kv_blocks=24, preemption_mode="swap", swap_space=swap_space, **kwargs)
 
 
@@ -52,14 +52,14 @@ def test_swap_and_recompute_give_the_unconstrained_tokens(tiny_llama_dir, expect
     recompute = _llm(tiny_llama_dir, num_kv_blocks=24, enable_prefix_caching=prefix_caching)
     got = [o.outputs[0].token_ids for o in recompute.generate(_prompts(), PARAMS)]
     assert got == expected
-    scheduler = recompute.engine.scheduler
+    scheduler = recompute.engine.core.scheduler
     assert scheduler.num_preemptions > 0
     assert (scheduler.num_swap_outs, scheduler.num_swap_ins) == (0, 0)
 
     swap = _swap_llm(tiny_llama_dir, 256, enable_prefix_caching=prefix_caching)
     got = [o.outputs[0].token_ids for o in swap.generate(_prompts(), PARAMS)]
     assert got == expected
-    scheduler = swap.engine.scheduler
+    scheduler = swap.engine.core.scheduler
     kv = scheduler.kv_cache_manager
     # A host pool of 256 blocks takes every victim: each preemption swapped out, each swapped
     # request came back the same way, block for block.
@@ -75,7 +75,7 @@ def test_a_full_host_pool_falls_back_to_recompute(tiny_llama_dir, expected):
     swap = _swap_llm(tiny_llama_dir, 8)
     got = [o.outputs[0].token_ids for o in swap.generate(_prompts(), PARAMS)]
     assert got == expected
-    scheduler = swap.engine.scheduler
+    scheduler = swap.engine.core.scheduler
     assert 0 < scheduler.num_swap_outs < scheduler.num_preemptions
     assert scheduler.num_swap_ins == scheduler.num_swap_outs
     assert scheduler.kv_cache_manager.num_swapped_blocks == 0
@@ -149,7 +149,7 @@ def test_kv_map_shows_shared_forked_and_cached_blocks(tiny_llama_dir):
     assert m["totals"]["cached_free_blocks"] == m["totals"]["cached_blocks"] == 8
     assert m["totals"]["used_blocks"] == m["totals"]["fragmentation_tokens"] == 0
     assert m["kv_cache_dtype"] == "float32"
-    assert m["bytes_per_block"] == engine.worker.kv_plan.bytes_per_block
+    assert m["bytes_per_block"] == engine.core.worker.kv_plan.bytes_per_block
 
 
 # ---------------------------------------------------------------------------------- fp8 cache
@@ -171,7 +171,7 @@ def test_fp8_cache_logprobs_stay_near_the_fp32_caches(tiny_llama_dir, backend):
     kwargs = dict(num_kv_blocks=64, attention_backend=backend)
     exact = _prompt_logprobs(_llm(tiny_llama_dir, **kwargs), prompts)
     fp8 = _llm(tiny_llama_dir, kv_cache_dtype="fp8", **kwargs)
-    assert fp8.engine.worker.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.core.worker.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     error = (_prompt_logprobs(fp8, prompts) - exact).abs()
     print(f"{backend}: |fp8 - fp32 cache| logprobs: max {error.max():.4f}, mean {error.mean():.4f}")
     assert error.max() < FP8_LOGPROB_BOUND and error.mean() < FP8_LOGPROB_MEAN_BOUND
@@ -249,7 +249,7 @@ def test_fp8_scales_from_the_first_step_or_the_checkpoint(tiny_llama_dir, tmp_pa
     calibrated = _llm(
         tiny_llama_dir, num_kv_blocks=64, kv_cache_dtype="fp8", calculate_kv_scales=True
     )
-    layers = calibrated.engine.worker.model.layers
+    layers = calibrated.engine.core.worker.model.layers
     assert all(layer.self_attn.k_scale.item() == 1.0 for layer in layers)  # start-up ran none
     calibrated.generate([_prompts()[-1]], SamplingParams(temperature=0, max_tokens=2))
     # Each layer's largest K and V magnitude of the first step lands at half of e4m3's 448.
@@ -266,12 +266,12 @@ def test_fp8_scales_from_the_first_step_or_the_checkpoint(tiny_llama_dir, tmp_pa
     weights["model.layers.1.self_attn.kv_scale"] = torch.tensor(0.125)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     llm = _llm(path, num_kv_blocks=64, kv_cache_dtype="fp8")
-    attn = [layer.self_attn for layer in llm.engine.worker.model.layers]
+    attn = [layer.self_attn for layer in llm.engine.core.worker.model.layers]
     assert (attn[0].k_scale.item(), attn[0].v_scale.item()) == (0.5, 0.25)
     assert (attn[1].k_scale.item(), attn[1].v_scale.item()) == (0.125, 0.125)
     assert attn[0].kv_scales == {"k_scale": attn[0].k_scale, "v_scale": attn[0].v_scale}
     # Without an fp8 cache the kernels get no scales.
-    assert _llm(path, num_kv_blocks=64).engine.worker.model.layers[0].self_attn.kv_scales == {}
+    assert _llm(path, num_kv_blocks=64).engine.core.worker.model.layers[0].self_attn.kv_scales == {}
 
 
 def test_fp8_cache_holds_twice_the_blocks_of_bf16(tiny_llama_dir):
@@ -280,7 +280,7 @@ def test_fp8_cache_holds_twice_the_blocks_of_bf16(tiny_llama_dir):
             model=str(tiny_llama_dir), device="cpu", dtype="bfloat16", block_size=4,
             max_model_len=64, kv_cache_memory=1 << 20, **changes,
         )  # fmt: skip
-        return LLMEngine(config).worker.kv_plan
+        return LLMEngine(config).core.worker.kv_plan
 
     bf16, fp8 = plan(), plan(kv_cache_dtype="fp8")
     # 2 x 4 KV heads x 16 dims x 2 layers x 4 tokens, at 2 bytes and at 1.

@@ -30,9 +30,9 @@ def test_a_windowed_model_far_past_its_window_holds_only_its_groups_blocks(tmp_p
         max_model_len=128, max_num_batched_tokens=16,
     )  # fmt: skip
     engine: LLMEngine = llm.engine
-    plan = engine.worker.kv_plan
+    plan = engine.core.worker.kv_plan
     assert plan.windows == (None,) + (WINDOW,) * 5  # six groups of one layer each
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
@@ -65,7 +65,7 @@ def test_prefix_caching_over_windowed_groups_gives_the_cold_tokens(tmp_path):
             max_model_len=64, enable_prefix_caching=caching,
         )  # fmt: skip
         tokens = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-        return tokens, llm.engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens
+        return tokens, llm.engine.core.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens
 
     cold, no_hits = run(False)
     warm, hits = run(True)
@@ -108,7 +108,7 @@ def test_a_rewind_past_the_window_computes_the_request_again_and_matches_transfo
         max_model_len=64,
     )  # fmt: skip
     engine: LLMEngine = llm.engine
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     out = None
     while out is None or len(out.outputs[0].token_ids) < 24:

@@ -61,7 +61,7 @@ def test_greedy_equals_transformers_on_the_torch_backend(name, built):
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = _llm(path)
     assert _greedy(llm, prompts) == expected
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 @pytest.mark.skipif(
@@ -81,7 +81,7 @@ def test_greedy_equals_transformers_on_the_triton_backend(name, built):
 
 def test_family_traits_reach_the_engine(built):
     """What makes each family itself is read from its config.json, not defaulted away."""
-    configs = {name: _llm(built(name)[0]).engine.model_config for name in FAMILIES}
+    configs = {name: _llm(built(name)[0]).engine.core.model_config for name in FAMILIES}
     qwen3, gemma2, gemma3 = configs["qwen3"], configs["gemma2"], configs["gemma3"]
     assert qwen3.layer_types == (FULL_ATTENTION, SLIDING_ATTENTION)
     assert qwen3.qk_norm and not gemma2.qk_norm and gemma3.qk_norm
@@ -116,7 +116,7 @@ def test_phi3_longrope_picks_long_factors_past_the_original_context(built):
     for max_model_len, seq_len in ((64, None), (256, 65)):
         inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=seq_len)
         angles = positions[:max_model_len, None] * inv_freq[None, :]
-        rotary = _llm(path, max_model_len=max_model_len).engine.worker.model.rotary
+        rotary = _llm(path, max_model_len=max_model_len).engine.core.worker.model.rotary
         torch.testing.assert_close(rotary.cos, torch.cat((angles, angles), -1).cos() * factor)
 
 
@@ -143,8 +143,8 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
     hf.save_pretrained(tmp_path)
     prompts = _prompts(7, [3, 13])
     llm = _llm(tmp_path)
-    assert llm.engine.model_config.architecture == "gemma3_text"
-    assert llm.engine.model_config.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
+    assert llm.engine.core.model_config.architecture == "gemma3_text"
+    assert llm.engine.core.model_config.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
     assert _greedy(llm, prompts, 8) == [hf_greedy(hf, p, 8) for p in prompts]
 
 
@@ -163,6 +163,6 @@ def test_an_end_id_listed_only_in_generation_config_ends_generation(built, tmp_p
     shutil.copytree(path, folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[at]]}))
     llm = _llm(folder)
-    assert llm.engine.eos_token_ids == (2, free[at])
+    assert llm.engine.core.eos_token_ids == (2, free[at])
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (free[: at + 1], "stop")

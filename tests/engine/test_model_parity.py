@@ -38,7 +38,7 @@ def test_greedy_equals_transformers(kind, tiny_llama_dir, tiny_qwen2_dir):
     assert got == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     # Every block is back in the pool once all requests are done.
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_chunked_prefill_matches_transformers(tiny_llama_dir):
@@ -74,9 +74,9 @@ def test_preemption_gives_the_same_tokens(tiny_llama_dir):
         enable_prefix_caching=False,
     )
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.core.scheduler.num_preemptions > 0
     assert got == expected
-    assert tight.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert tight.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(tiny_llama_dir):
@@ -101,4 +101,4 @@ def test_prefix_cache_hit_gives_the_same_tokens(tiny_llama_dir):
     second = warm.generate([b], params)[0].outputs[0].token_ids
     assert [first, second] == expected
     # 20 shared tokens = 5 full blocks of 4 found in the cache for the second request.
-    assert warm.engine.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens == 20
+    assert warm.engine.core.scheduler.kv_cache_manager.num_prefix_cache_hits_tokens == 20

@@ -123,7 +123,7 @@ def test_chunked_prefill_scores_every_chunk(tiny_llama_dir, reference):
 def test_prompt_logprobs_request_bypasses_the_prefix_cache(tiny_llama_dir, reference):
     prompt, ref = reference
     engine = _engine(tiny_llama_dir)
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     engine.add_request("warm", prompt, _params(None))
     _run(engine)
     assert kv.num_prefix_cache_hits_tokens == 0
@@ -147,7 +147,7 @@ def test_n_samples_score_the_prompt_once(tiny_llama_dir, reference):
     assert_prompt_logprobs(out.prompt_logprobs, prompt, ref, k=1)
     # Sample 0 scores the prompt; sample 1 forks its 6 blocks of the first 22 tokens (no
     # prefix-cache lookup) and copies the partial sixth before writing the 23rd token into it.
-    kv = engine.scheduler.kv_cache_manager
+    kv = engine.core.scheduler.kv_cache_manager
     assert len(prompt) == 23
     assert (kv.num_prefix_cache_hits_tokens, kv.num_block_copies) == (0, 1)
 
@@ -179,7 +179,7 @@ def test_preemption_keeps_the_first_scores(tiny_llama_dir, reference):
     for name in "abc":
         engine.add_request(name, prompt, params)
     finished, _ = _run(engine)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.core.scheduler.num_preemptions > 0
     for name in "abc":
         assert_prompt_logprobs(finished[name].prompt_logprobs, prompt, ref, k=1)
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0

@@ -262,7 +262,7 @@ def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(
 ):
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         kept = _llm(tiny_llama[qtype], "gguf")
-    model = kept.engine.worker.model
+    model = kept.engine.core.worker.model
     for layer in model.layers:
         for param in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                       layer.mlp.down_proj):  # fmt: skip
@@ -276,7 +276,7 @@ def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(
     assert model.embed_tokens.numel() == (0 if embedding_kind else 256 * 64)
     assert "quantized matmul weights kept quantized (" in caplog.text
     dense = _llm(tiny_llama[qtype], "none")
-    dense_weights = dense.engine.worker.model.matmul_weights()
+    dense_weights = dense.engine.core.worker.model.matmul_weights()
     assert all(quantized(p) is None for p in dense_weights)
     # The dequantized model with the kept weights' own values (int8 rows are requantized, int4
     # scales rounded to bfloat16), through oneDNN (packed where the CPU lets it pack bf16, else

@@ -32,7 +32,7 @@ def test_chat_answer_names_paris(real_llm):
 def test_greedy_tokens_equal_transformers_on_the_same_gguf(real_llm, hf_smollm2):
     # Through CPU's default backend, the compiled kernel (decode steps; prompts longer than
     # cpu_ops.KERNEL_MAX_NEW_TOKENS go to SDPA).
-    assert real_llm.engine.worker.attention_backend == "cpu"
+    assert real_llm.engine.core.worker.attention_backend == "cpu"
     hf_model, hf_tok = hf_smollm2
     prompt_ids = [hf_tok.encode(p) for p in PROMPTS]
     expected = [hf_greedy(hf_model, ids, GREEDY.max_tokens) for ids in prompt_ids]
@@ -127,7 +127,7 @@ def test_bad_input_raises_before_scheduling(real_llm):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_unknown_model_path_says_what_was_tried(tmp_path):

@@ -133,7 +133,7 @@ def _generate_each(engine: LLMEngine, prompts, params) -> list[list[int]]:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
     return [done[str(i)] for i in range(len(prompts))]
 
 
@@ -145,7 +145,7 @@ def test_greedy_tokens_equal_those_without_drafts(tiny_llama_dir):
     assert _generate(spec, REPETITIVE, params) == expected
     stats = spec.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
-    assert spec.num_steps < plain.num_steps
+    assert spec.core.num_steps < plain.core.num_steps
     # /metrics shows both counters.
     exposition = generate_latest(Metrics(spec.stats).registry).decode()
     assert f"pagedserve_spec_decode_draft_tokens_total {stats.spec_draft_tokens:.1f}" in exposition
@@ -227,4 +227,4 @@ def test_real_model_greedy_outputs_equal_with_and_without_drafts(real_llm):
     assert got == expected
     stats = spec.engine.stats()
     assert stats.spec_accepted_tokens > 0
-    assert spec.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert spec.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0

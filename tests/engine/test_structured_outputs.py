@@ -34,10 +34,10 @@ def _matcher(llm: LLM, spec: StructuredOutputs):
 
     info = xgr.TokenizerInfo.from_huggingface(
         llm.engine.tokenizer,
-        vocab_size=llm.engine.model_config.vocab_size,
-        stop_token_ids=list(llm.engine.eos_token_ids),
+        vocab_size=llm.engine.core.model_config.vocab_size,
+        stop_token_ids=list(llm.engine.core.eos_token_ids),
     )
-    return xgr.GrammarMatcher(llm.engine.structured.compile_now(spec)), info
+    return xgr.GrammarMatcher(llm.engine.core.structured.compile_now(spec)), info
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,7 +86,7 @@ def _masked_greedy(hf, llm: LLM, prompt: list[int], spec, max_tokens: int) -> li
     import xgrammar as xgr
 
     matcher, _ = _matcher(llm, spec)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.core.model_config.vocab_size
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     ids, out = list(prompt), []
     with torch.no_grad():
@@ -96,7 +96,7 @@ def _masked_greedy(hf, llm: LLM, prompt: list[int], spec, max_tokens: int) -> li
             xgr.apply_token_bitmask_inplace(logits, bitmask, backend="torch_native")
             token = int(logits.argmax())
             out.append(token)
-            if token in llm.engine.eos_token_ids:
+            if token in llm.engine.core.eos_token_ids:
                 break
             assert matcher.accept_token(token)
             ids.append(token)
@@ -125,15 +125,15 @@ def test_constrained_greedy_equals_transformers_masked_by_the_same_grammar(tiny_
             assert tokens == hf_greedy(hf, prompt, 24)
         else:
             assert tokens == _masked_greedy(hf, llm, prompt, SPECS[name], 24), name
-    assert not llm.engine.structured.matchers  # dropped as the samples ended
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert not llm.engine.core.structured.matchers  # dropped as the samples ended
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def _bytes_of(llm: LLM, tokens: list[int]) -> str:
     """The text the grammar saw: the synthetic tokenizer's byte tokens <0xNN> as bytes."""
     _, info = _matcher(llm, SPECS["regex"])
     vocab = info.decoded_vocab
-    eos = set(llm.engine.eos_token_ids)
+    eos = set(llm.engine.core.eos_token_ids)
     return b"".join(vocab[t] for t in tokens if t not in eos).decode()
 
 
@@ -173,10 +173,10 @@ def test_constrained_outputs_survive_preemption_async_scheduling_and_drafts(
         assert got[i].finish_reason == "stop"
         assert re.fullmatch(r"([a-c]{1,3}[0-9]){2,8}\.", _bytes_of(llm, got[i].token_ids))
     if "num_kv_blocks" in options:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     if "speculative_ngram" in options:
-        assert llm.engine.scheduler.num_draft_tokens > 0
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+        assert llm.engine.core.scheduler.num_draft_tokens > 0
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_a_rewound_constrained_sample_goes_on_under_its_grammar(tiny_llama_dir):
@@ -316,7 +316,7 @@ def test_a_stop_string_cuts_a_constrained_output(real_llm):
     params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], structured_outputs=spec)
     cut = real_llm.generate(["Code:"], params)[0].outputs[0]
     assert cut.text == free.text[: free.text.index(stop)] and cut.finish_reason == "stop"
-    assert not real_llm.engine.structured.matchers
+    assert not real_llm.engine.core.structured.matchers
 
 
 def test_json_whitespace_is_one_space_unless_the_engine_allows_any(real_llm):
@@ -330,7 +330,10 @@ def test_json_whitespace_is_one_space_unless_the_engine_allows_any(real_llm):
     spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     for any_whitespace, spaced in ((False, False), (True, True)):
         manager = StructuredOutputManager(
-            engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids, any_whitespace
+            engine.tokenizer,
+            engine.core.model_config.vocab_size,
+            engine.core.eos_token_ids,
+            any_whitespace,
         )
         compiled = manager.compile(spec).result()
         assert xgr.GrammarMatcher(compiled).accept_string('{"a": 1}')

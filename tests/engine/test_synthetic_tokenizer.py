@@ -177,7 +177,7 @@ def tiny_llm(tmp_path_factory) -> LLM:
 def test_llm_on_a_config_json_file_with_dummy_weights(tiny_llm):
     tok = tiny_llm.get_tokenizer()
     assert is_synthetic_tokenizer(tok)
-    assert tiny_llm.engine.source.kind == "dummy"
+    assert tiny_llm.engine.core.source.kind == "dummy"
     params = SamplingParams(**_greedy(10))
     prompt_ids = [258, 7, 299, 0, 100]
     (out,) = tiny_llm.generate([prompt_ids], params)

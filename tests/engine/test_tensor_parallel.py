@@ -204,8 +204,8 @@ def _equal_to_one_rank(path, size: int) -> None:
     # A token budget under the longest prompt: prefill runs in chunks on every rank.
     got, llm = _generate(path, params, size, prompts, max_num_batched_tokens=24)
     assert _tokens(got) == _tokens(want)
-    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
-    workers = llm.engine.worker._workers
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
+    workers = llm.engine.core.worker._workers
     llm.engine.close()
     assert [p.returncode for p in workers.processes] == [0] * (size - 1)
 
@@ -244,14 +244,14 @@ def test_sampling_logprobs_preemption_and_drafts_across_two_ranks(tiny_llama_dir
     want, _ = _generate(tiny_llama_dir, greedy, 1, prompts, num_kv_blocks=128, max_model_len=64)
     got, llm = _generate(tiny_llama_dir, greedy, 2, prompts, num_kv_blocks=24, max_model_len=64)
     assert _tokens(got) == _tokens(want)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     llm.engine.close()
 
     repeating = [[5, 6, 7, 8] * 6 + p for p in prompts[:4]]
     want, _ = _generate(tiny_llama_dir, greedy, 1, repeating)
     got, llm = _generate(tiny_llama_dir, greedy, 2, repeating, speculative_ngram=3)
     assert _tokens(got) == _tokens(want)
-    assert llm.engine.scheduler.num_draft_tokens > 0
+    assert llm.engine.core.scheduler.num_draft_tokens > 0
     llm.engine.close()
 
 

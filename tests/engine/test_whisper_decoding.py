@@ -74,10 +74,10 @@ def test_a_model_without_language_tokens_starts_from_decoder_start(tiny_whisper)
     assert d.prompt("fr", [40, 41], 64) == [40, 41, 3]
     engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=64))
     assert engine.tokenizer.is_synthetic and len(engine.tokenizer) == 300
-    model = engine.worker.model
+    model = engine.core.worker.model
     assert next(model.parameters()).dtype == torch.float32
     # transformers' default config suppresses 220 and 50256 first; 50256 is past the vocabulary.
-    first, later = engine.worker.runner._suppress_masks
+    first, later = engine.core.worker.runner._suppress_masks
     assert [t for t in range(300) if not first[t // 32] >> (t % 32) & 1] == [220]
     assert (later == -1).all()
     # Matmul weights pre-packed for oneDNN where it can (engine/models/cpu_linear.py).
@@ -91,7 +91,7 @@ def test_the_kv_plan_holds_each_requests_cross_attention_blocks(tiny_whisper):
     # K and V x 2 layers x 16 tokens x 64 x 4 bytes per block; a request holds 10 blocks for its
     # 150 encoder positions and up to 4 for its 64 decoder positions.
     engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=16384 * 70))
-    plan = engine.worker.kv_plan
+    plan = engine.core.worker.kv_plan
     assert (plan.num_blocks, plan.bytes_per_block, plan.encoder_blocks) == (70, 16384, 10)
     assert plan.blocks_per_seq == 14 and plan.max_concurrency == 5.0
     assert "(10 of a request's for its encoder's cross-attention)" in plan.describe()

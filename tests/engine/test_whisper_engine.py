@@ -60,8 +60,8 @@ def test_tokens_equal_the_reference_in_any_batch(tiny_whisper, max_num_seqs):
     audio = whisper_audio(5, seed=2)
     engine = _engine(folder, max_num_seqs=max_num_seqs)
     assert _run(engine, audio) == _reference(model, audio)
-    kv = engine.scheduler.kv_cache_manager
-    assert kv.num_used_blocks == 0 and engine.scheduler.num_preemptions == 0
+    kv = engine.core.scheduler.kv_cache_manager
+    assert kv.num_used_blocks == 0 and engine.core.scheduler.num_preemptions == 0
 
 
 def test_cross_blocks_are_allocated_once_at_admission_shown_and_freed(tiny_whisper, monkeypatch):
@@ -91,7 +91,7 @@ def test_cross_blocks_are_allocated_once_at_admission_shown_and_freed(tiny_whisp
     while engine.has_unfinished_requests():
         engine.step()
     assert len(calls) == 3  # nothing allocated for the encoder while decoding
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_a_preempted_transcription_recomputes_with_the_same_tokens(tiny_whisper, monkeypatch):
@@ -109,9 +109,9 @@ def test_a_preempted_transcription_recomputes_with_the_same_tokens(tiny_whisper,
     audio = whisper_audio(5, seed=2)
     engine = _engine(folder, num_kv_blocks=24)
     assert _run(engine, audio, max_tokens=40) == _reference(model, audio, max_tokens=40)
-    assert engine.scheduler.num_preemptions >= 2
-    assert len(encoded) == 5 + engine.scheduler.num_preemptions  # each readmission encodes
-    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.core.scheduler.num_preemptions >= 2
+    assert len(encoded) == 5 + engine.core.scheduler.num_preemptions  # each readmission encodes
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_abort_frees_both_kinds_of_blocks_of_a_running_and_a_waiting_request(tiny_whisper):
@@ -122,7 +122,7 @@ def test_abort_frees_both_kinds_of_blocks_of_a_running_and_a_waiting_request(tin
     for i in range(3):
         engine.add_request(f"r{i}", AudioPrompt(PROMPTS[i], audio[i]), params)
     engine.step()
-    scheduler = engine.scheduler
+    scheduler = engine.core.scheduler
     assert [r.request_id for r in scheduler.running] == ["0:r0", "0:r1"]
     assert [r.request_id for r in scheduler.waiting] == ["0:r2"]
     assert scheduler.kv_cache_manager.num_free_blocks == 2
@@ -145,9 +145,9 @@ def test_requests_wait_for_the_steps_encoder_budget(tiny_whisper):
     for i in range(5):
         engine.add_request(f"r{i}", AudioPrompt(PROMPTS[i], audio[i]), params)
     engine.step()
-    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 3
+    assert engine.core.scheduler.num_running == 2 and engine.core.scheduler.num_waiting == 3
     engine.step()
-    assert engine.scheduler.num_running == 4 and engine.scheduler.num_waiting == 1
+    assert engine.core.scheduler.num_running == 4 and engine.core.scheduler.num_waiting == 1
     # A budget below one encoder pass still admits one a step.
     small = _engine(folder, max_num_batched_tokens=100)
     assert _run(small, audio) == _reference(model, audio)
