@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Container, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -93,17 +94,30 @@ class StructuredOutputManager:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        # Grammars compiling, each with the samples that wait for it.
+        self.compiling: list[tuple[Future, list[str]]] = []
         self.matchers: dict[str, xgrammar.GrammarMatcher] = {}
         self._grammars: dict[str, xgrammar.CompiledGrammar] = {}  # by sample, for restarts
 
     # ---- compiling -------------------------------------------------------------------------
 
-    def compile(self, spec: StructuredOutputs) -> Future:
-        """Start compiling `spec`; the future's result is the compiled grammar (or raises
-        ValueError)."""
+    def compile(self, spec: StructuredOutputs, request_ids: list[str]) -> None:
+        """Start compiling `spec` for these samples; `compiled` gives it back."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
-        return self._executor.submit(self.compile_now, spec)
+        self.compiling.append((self._executor.submit(self.compile_now, spec), request_ids))
+
+    def compiled(self, wait: bool) -> list[tuple[list[str], xgrammar.CompiledGrammar | Exception]]:
+        """The grammars done compiling since the last call, with their samples: each the
+        compiled grammar, or what failed (a ValueError saying why, for a bad spec). `wait`:
+        block until one is done."""
+        if wait and self.compiling:
+            futures.wait([future for future, _ in self.compiling], return_when=FIRST_COMPLETED)
+        done, still = [], []
+        for entry in self.compiling:  # (each future looked at once: one may finish meanwhile)
+            (done if entry[0].done() else still).append(entry)
+        self.compiling = still
+        return [(ids, future.exception() or future.result()) for future, ids in done]
 
     def compile_now(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()

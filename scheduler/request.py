@@ -17,12 +17,15 @@ class RequestStatus(enum.IntEnum):
     """
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6  # the engine failed this request alone (non-finite logits, out of memory)
+    # Queued, but not admitted before its grammar (structured outputs) has compiled: the
+    # scheduler passes it by (as vLLM's WAITING_FOR_FSM) until `Scheduler.grammar_ready`.
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the engine failed this request alone (non-finite logits, out of memory)
 
     @property
     def is_finished(self) -> bool:
@@ -88,6 +91,7 @@ class Request:
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
         encoder_input: object | None = None,
+        waiting_for_grammar: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -100,7 +104,9 @@ class Request:
         if not sampling_params.ignore_eos:
             finishing |= self.eos_token_ids
         self.finishing_token_ids: frozenset[int] = finishing
-        self.status = RequestStatus.WAITING
+        self.status = (
+            RequestStatus.WAITING_FOR_GRAMMAR if waiting_for_grammar else RequestStatus.WAITING
+        )
         self.num_computed_tokens = 0
         # Wall-clock seconds (time.time()), like vLLM, so it can be compared across processes.
         self.arrival_time: float = time.time() if arrival_time is None else arrival_time

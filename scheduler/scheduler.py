@@ -71,6 +71,18 @@ class Scheduler(Preemption, Speculation, Forks):
         """True while any request is waiting, running or preempted."""
         return bool(self.requests)
 
+    def only_grammars_awaited(self) -> bool:
+        """True when every live request waits for its grammar: no step can do anything."""
+        waiting = RequestStatus.WAITING_FOR_GRAMMAR
+        return all(request.status == waiting for request in self.requests.values())
+
+    def grammar_ready(self, request_id: str) -> None:
+        """The request's grammar has compiled: it may be admitted (in its place in the queue,
+        or, attached to a parent sample, when the parent forks it)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            request.status = RequestStatus.WAITING
+
     def kv_map(self) -> dict:
         """The live block map (GET /v1/kv): scheduler/kv_map.py."""
         return kv_map(self)
@@ -91,7 +103,8 @@ class Scheduler(Preemption, Speculation, Forks):
         """
         request_id = request.request_id
         assert request_id not in self.requests, f"request id {request_id!r} is already in use"
-        assert request.status == RequestStatus.WAITING and not request.num_computed_tokens, (
+        new = request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR)
+        assert new and not request.num_computed_tokens, (
             f"request {request_id!r} is not new ({request.status.name})"
         )
         # A prompt of max_model_len tokens or more leaves no room for an output token.
@@ -205,7 +218,7 @@ class Scheduler(Preemption, Speculation, Forks):
                 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting[position]
-                if request.awaiting_choice:
+                if request.awaiting_choice or request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                     position += 1
                     continue
                 if request.num_output_placeholders:

@@ -34,23 +34,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_plan(args: argparse.Namespace) -> int:
-    from pagedserve.engine.models import whisper_config
     from pagedserve.engine.models.model_source import resolve_model
     from pagedserve.engine.worker.kv_cache import kv_plan_report
 
     if args.num_seqs < 1:
         raise ValueError(f"--num-seqs must be >= 1, got {args.num_seqs}")
-    whisper = whisper_config.whisper_config_of(args.model)
-    if whisper is not None:  # an encoder-decoder: self- and cross-attention KV
-        tokens = args.max_model_len or whisper.max_target_positions
-        dtype = EngineConfig(kv_cache_dtype=args.kv_cache_dtype).torch_kv_cache_dtype(
-            DTYPES[args.dtype]
-        )
-        report = whisper_config.kv_plan_report(
-            args.model, whisper, dtype, args.num_seqs, tokens, args.block_size
-        )
-        print(report)
-        return 0
     options = EngineConfig(
         model=args.model,
         block_size=args.block_size,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import msgspec
 
@@ -88,13 +87,12 @@ class EngineCore:
                 encoder_tokens=mc.whisper.max_source_positions if mc.is_encoder_decoder else 0,
             )
         )
-        # Structured outputs: grammars compiling (their samples wait here, not in the
-        # scheduler) and the matchers of the constrained samples.
+        # Structured outputs: the grammars compiling (their samples wait in the scheduler,
+        # passed by until then) and the matchers of the constrained samples.
         self.structured = StructuredOutputManager(
             self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
         )
         self.worker.runner.structured = self.structured
-        self._compiling: list[tuple[list[CoreRequest], Future]] = []
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
@@ -108,17 +106,12 @@ class EngineCore:
         `use_beam_search` they are the slots of one beam search's results instead."""
         self.num_requests_added += 1
         params = samples[0].params
-        if params.structured_outputs is not None:
-            # Scheduled once their grammar is compiled (`_admit_compiled`).
-            future = self.structured.compile(params.structured_outputs)
-            self._compiling.append((list(samples), future))
-            return
-        if params.use_beam_search:
+        spec = params.structured_outputs
+        if spec is not None:  # admitted once the grammar has compiled (`_start_grammars`)
+            self.structured.compile(spec, [sample.request_id for sample in samples])
+        elif params.use_beam_search:
             self.beams.start(samples)
             return
-        self._schedule(samples)
-
-    def _schedule(self, samples: list[CoreRequest]) -> None:
         parent = None
         for sample in samples:
             request = Request(
@@ -128,46 +121,35 @@ class EngineCore:
                 self.eos_token_ids,
                 sample.arrival_time,
                 sample.encoder_input,
+                waiting_for_grammar=spec is not None,
             )
             self.scheduler.add_request(request, fork_parent=parent)
             parent = parent or request
 
-    def _admit_compiled(self) -> list[SampleOutput]:
-        """Schedule the samples whose grammar has compiled (each with a matcher of its own);
-        fail those whose grammar did not. Waits for a compilation when nothing else can run."""
-        if not self._compiling:
-            return []
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
-            wait([future for _, future in self._compiling], return_when=FIRST_COMPLETED)
+    def _start_grammars(self) -> list[SampleOutput]:
+        """Let the samples whose grammar has compiled be admitted, each with a matcher of its
+        own; fail those whose grammar did not. Waits for a compilation when nothing can run."""
+        idle = self._in_flight is None and self.scheduler.only_grammars_awaited()
         outputs: list[SampleOutput] = []
-        still = []
-        for samples, future in self._compiling:
-            if not future.done():
-                still.append((samples, future))
+        for request_ids, compiled in self.structured.compiled(wait=idle):
+            live = [rid for rid in request_ids if rid in self.scheduler.requests]
+            if isinstance(compiled, Exception):  # fails these samples only
+                error = str(compiled)
+                if not isinstance(compiled, ValueError):  # not a bad spec: a compiler's failure
+                    error = f"grammar compilation failed: {compiled}"
+                for request_id in live:
+                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+                outputs += [SampleOutput(rid, [], "error", error=error) for rid in live]
                 continue
-            try:
-                compiled = future.result()
-            except Exception as e:  # noqa: BLE001 - any failure fails these samples only
-                error = str(e) if isinstance(e, ValueError) else f"grammar compilation failed: {e}"
-                outputs += [SampleOutput(s.request_id, [], "error", error=error) for s in samples]
-                continue
-            for sample in samples:
-                self.structured.start(sample.request_id, compiled)
-            self._schedule(samples)
-        self._compiling = still
+            for request_id in live:
+                self.structured.start(request_id, compiled)
+                self.scheduler.grammar_ready(request_id)
         return outputs
 
     def abort_samples(self, request_ids: list[str], stopped: bool = False) -> None:
         """End samples in whatever state they are and free their blocks now; unknown or finished
         ids are ignored. `stopped`: the front end matched a stop string (else the client left)."""
         status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
-        if self._compiling:
-            gone = set(request_ids)
-            self._compiling = [
-                (kept, future)
-                for samples, future in self._compiling
-                if (kept := [s for s in samples if s.request_id not in gone])
-            ]
         for request_id in request_ids:
             if not self.beams.abort(request_id):
                 self.scheduler.finish_request(request_id, status)
@@ -195,11 +177,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Samples to schedule, or a launched step whose results are still to be read."""
-        return (
-            self._in_flight is not None
-            or self.scheduler.has_unfinished_requests()
-            or bool(self._compiling)
-        )
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- stepping --------------------------------------------------------------------------------
 
@@ -215,7 +193,7 @@ class EngineCore:
     def _step(self) -> list[SampleOutput]:
         start = time.perf_counter()
         try:
-            early = self._admit_compiled()
+            early = self._start_grammars() if self.structured.compiling else []
             # A constrained sample's mask needs its last token: while any is live, steps run
             # one at a time (the one in flight is read first).
             if self.structured.matchers:

@@ -1,8 +1,8 @@
 """Whisper's configuration (`WhisperForConditionalGeneration` folders and the built-in shapes),
 whether a model is Whisper (`whisper_config_of`), the view of its decoder the engine sizes and
 schedules (`WhisperConfig.decoder_model_config`), what its folder says about decoding
-(`WhisperDecoding`: the decoder prompt's special tokens, the tokens `generate` suppresses), and
-its KV plan for `pagedserve kv-plan`. The model itself is engine/models/whisper.py."""
+(`WhisperDecoding`: the decoder prompt's special tokens, the tokens `generate` suppresses). The
+model itself is engine/models/whisper.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
     from pagedserve.engine.models.model_config import ModelConfig
 
 WHISPER_ARCHITECTURE = "WhisperForConditionalGeneration"
@@ -255,36 +253,3 @@ class WhisperDecoding:
                 previous_text_ids
             )[-keep:]
         return previous + head
-
-
-def kv_plan_report(
-    name: str,
-    config: WhisperConfig,
-    dtype: torch.dtype,
-    num_seqs: int,
-    max_tokens: int,
-    block_size: int,
-) -> str:
-    """`pagedserve kv-plan` for Whisper: the decoder's self-attention KV, which grows a token at a
-    time in the normal paged blocks, and the cross-attention KV, written once per request from
-    the encoder's `max_source_positions` states into a KV group of its own, in bytes and
-    blocks."""
-    L, d, s, P = config.decoder_layers, config.d_model, dtype.itemsize, config.max_source_positions
-    per_token = 2 * L * d * s
-    cross = per_token * P
-    self_blocks, cross_blocks = -(-max_tokens // block_size), -(-P // block_size)
-    total = num_seqs * (max_tokens * per_token + cross)
-    return "\n".join([
-        f"model: {name} (whisper), {L} decoder layers, d_model {d} "
-        f"({config.decoder_attention_heads} heads x {config.head_dim}), "
-        f"dtype {str(dtype).removeprefix('torch.')} ({s} bytes)",
-        f"self-attention, per token: 2 x {L} layers x {d} x {s} = {per_token} bytes "
-        f"({per_token / 1024:.1f} KiB)",
-        f"self-attention, per request of {max_tokens} tokens: {max_tokens * per_token} bytes "
-        f"({max_tokens * per_token / 2**20:.1f} MiB), {self_blocks} blocks of {block_size}",
-        f"cross-attention, per request ({P} encoder positions, written once): {P} x {per_token} = "
-        f"{cross} bytes ({cross / 2**20:.1f} MiB), {cross_blocks} blocks of {block_size}",
-        f"total for {num_seqs} requests: {total} bytes ({total / 2**30:.3f} GiB), "
-        f"{num_seqs * (self_blocks + cross_blocks)} blocks; cross-attention is "
-        f"{cross / (max_tokens * per_token + cross):.0%} of it",
-    ])  # fmt: skip

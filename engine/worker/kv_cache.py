@@ -214,9 +214,26 @@ def kv_plan_report(
             f"layers [{kinds}], {group_blocks} blocks per sequence, {B * group_blocks} in all: "
             f"{engine_bytes} bytes ({engine_bytes / GiB:.3f} GiB)"
         )
+    if config.is_encoder_decoder:
+        lines += _encoder_lines(config.whisper.max_source_positions, per_token, B, T, block_size)
     if tensor_parallel_size > 1:
         lines += _tensor_parallel_lines(config, tensor_parallel_size, B * T, s)
     return "\n".join(lines)
+
+
+def _encoder_lines(positions: int, per_token: int, B: int, T: int, block_size: int) -> list[str]:
+    """An encoder-decoder's cross-attention KV: each decoder layer's K and V of every encoder
+    position, written once at a request's admission into blocks of its own."""
+    cross = positions * per_token
+    blocks = cdiv(positions, block_size) + cdiv(T, block_size)
+    total = B * (T * per_token + cross)
+    return [
+        f"cross-attention, per sequence ({positions} encoder positions, written once): "
+        f"{positions} x {per_token} = {cross} bytes ({cross / 2**20:.1f} MiB), "
+        f"{cdiv(positions, block_size)} blocks",
+        f"with cross-attention: {total} bytes ({total / GiB:.3f} GiB), {B * blocks} blocks; "
+        f"cross-attention is {cross / (T * per_token + cross):.0%} of it",
+    ]
 
 
 def _tensor_parallel_lines(

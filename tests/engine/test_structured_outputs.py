@@ -335,6 +335,6 @@ def test_json_whitespace_is_one_space_unless_the_engine_allows_any(real_llm):
             engine.core.eos_token_ids,
             any_whitespace,
         )
-        compiled = manager.compile(spec).result()
+        compiled = manager.compile_now(spec)
         assert xgr.GrammarMatcher(compiled).accept_string('{"a": 1}')
         assert xgr.GrammarMatcher(compiled).accept_string('{\n  "a" :  1') is spaced

@@ -112,25 +112,28 @@ def test_whisper_models_are_recognised_by_shape_folder_or_config_file(tiny_whisp
     assert whisper_config_of(str(tmp_path / "absent")) is None
 
 
-def test_kv_plan_splits_self_and_cross_attention(capsys):
-    # whisper-large-v3 in float16: 2 (K, V) x 32 decoder layers x 1280 x 2 bytes per token; the
-    # cross-attention group holds 1500 such positions per request, written once.
+def test_kv_plan_adds_the_cross_attention_blocks(capsys):
+    # whisper-large-v3 in float16: 2 (K, V) x 32 decoder layers x 1280 x 2 bytes per token; its
+    # cross-attention blocks hold 1500 such positions per request, written once.
     args = ["kv-plan", "--model", "whisper-large-v3", "--num-seqs", "16", "--dtype", "float16"]
     assert cli_main(args) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "model: whisper-large-v3 (whisper), 32 decoder layers, d_model 1280 (20 heads x 64), "
-        "dtype float16 (2 bytes)",
-        "self-attention, per token: 2 x 32 layers x 1280 x 2 = 163840 bytes (160.0 KiB)",
-        "self-attention, per request of 448 tokens: 73400320 bytes (70.0 MiB), 28 blocks of 16",
-        "cross-attention, per request (1500 encoder positions, written once): 1500 x 163840 = "
-        "245760000 bytes (234.4 MiB), 94 blocks of 16",
-        "total for 16 requests: 5106565120 bytes (4.756 GiB), 1952 blocks; cross-attention is "
+        "model: whisper-large-v3 (whisper), 32 layers, 20 KV heads, head_dim 64, dtype float16 "
+        "(2 bytes)",
+        "per layer per token: 2 x 20 x 64 x 2 = 5120 bytes (K and V)",
+        "per token: 32 layers x 5120 = 163840 bytes (160.0 KiB)",
+        "total for 16 sequences x 448 tokens: M = 2*B*L*T*H_kv*D*s = 2*16*32*448*20*64*2 = "
+        "1174405120 bytes (1.094 GiB)",
+        "blocks: 28 per sequence of block_size 16, 448 in all (1174405120 bytes)",
+        "cross-attention, per sequence (1500 encoder positions, written once): 1500 x 163840 = "
+        "245760000 bytes (234.4 MiB), 94 blocks",
+        "with cross-attention: 5106565120 bytes (4.756 GiB), 1952 blocks; cross-attention is "
         "77% of it",
     ]
     assert cli_main([*args, "--kv-cache-dtype", "fp8", "--max-model-len", "100"]) == 0
     out = capsys.readouterr().out
-    assert "per token: 2 x 32 layers x 1280 x 1 = 81920 bytes" in out
-    assert "per request of 100 tokens: 8192000 bytes (7.8 MiB), 7 blocks of 16" in out
+    assert "per token: 32 layers x 2560 = 81920 bytes (80.0 KiB)" in out
+    assert "blocks: 7 per sequence of block_size 16, 112 in all" in out
 
 
 # ---- the paged path the runner drives: self- and cross-attention blocks from one pool ----------

@@ -773,3 +773,77 @@ def test_prefill_takes_its_share_or_the_cap_only_while_streams_decode() -> None:
     scheduler.abort("long")
     scheduler.abort("next")
     assert_no_block_in_use(scheduler)
+
+
+def test_a_request_waiting_for_its_grammar_is_passed_by_until_it_is_ready() -> None:
+    scheduler = make_scheduler()
+    grammar = Request("g", [1, 2, 3], SamplingParams(max_tokens=4), waiting_for_grammar=True)
+    scheduler.add_request(grammar)
+    assert scheduler.only_grammars_awaited() and scheduler.num_waiting == 1
+    assert scheduler.schedule().scheduled == ()  # nothing to do until it has compiled
+    add(scheduler, "free", [4, 5])
+    assert not scheduler.only_grammars_awaited()
+    assert [item.request_id for item in scheduler.schedule().scheduled] == ["free"]
+    assert [r.request_id for r in scheduler.waiting] == ["g"]
+    scheduler.grammar_ready("g")
+    scheduler.grammar_ready("unknown")  # (aborted meanwhile: nothing to do)
+    output = scheduler.schedule()
+    assert [item.request_id for item in output.scheduled] == ["free", "g"]
+    assert grammar.status == RequestStatus.RUNNING
+    # Aborted while its grammar compiles, a request leaves the queue at once.
+    add(scheduler, "x", [7])
+    late = Request("late", [8, 9], SamplingParams(max_tokens=4), waiting_for_grammar=True)
+    scheduler.add_request(late)
+    scheduler.abort("late")
+    assert late.status == RequestStatus.FINISHED_ABORTED and late not in scheduler.waiting
+
+
+def test_an_encoder_request_holds_its_encoder_blocks_from_admission_to_its_end() -> None:
+    """Encoder-decoder requests (Whisper): blocks for the encoder's cross-attention are taken at
+    admission besides the decoder's slots, cost the step's token budget (one admission a step at
+    least), are sent to the runner with the input once, and are freed on preemption (which
+    recomputes, encoder included) and at the end."""
+    config = SchedulerConfig(
+        num_blocks=12, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=64,
+        max_model_len=32, enable_prefix_caching=False, encoder_blocks=3, encoder_tokens=40,
+    )  # fmt: skip
+    scheduler = Scheduler(config)  # (the plain outputs: the mirror does not know encoders)
+    first = Request("a", [1, 2], SamplingParams(max_tokens=30, ignore_eos=True),
+                    encoder_input=b"audio-a")  # fmt: skip
+    second = Request("b", [1, 2], SamplingParams(max_tokens=30, ignore_eos=True),
+                     encoder_input=b"audio-b")  # fmt: skip
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule()  # 64 tokens: 2 + 40 for the first, not 40 more for the second
+    (new,) = output.new_requests
+    assert (new.request_id, new.encoder_input, len(new.encoder_block_ids)) == ("a", b"audio-a", 3)
+    assert output.total_num_scheduled_tokens == 2
+    kv = scheduler.kv_cache_manager
+    assert kv.num_used_blocks == 3 + 1
+    assert scheduler.kv_map()["requests"][0]["encoder_block_ids"] == list(new.encoder_block_ids)
+    scheduler.update_from_output(output, {"a": 9})
+    output = scheduler.schedule()
+    assert [n.request_id for n in output.new_requests] == ["b"]
+    assert kv.num_used_blocks == 2 * (3 + 1)
+    # Growing past the pool preempts the later one: both its kinds of blocks go back.
+    for _ in range(40):
+        sampled = {rid: 9 for rid in output.num_scheduled_tokens if rid in scheduler.requests}
+        scheduler.update_from_output(output, sampled)
+        if second.num_preemptions:
+            break
+        output = scheduler.schedule()
+    assert second.num_preemptions == 1 and kv.encoder_block_ids("b") == []
+    assert all("b" not in owners for owners in kv.block_owners().values())
+    assert kv.num_used_blocks == 3 + len(kv.get_block_ids("a"))
+    # Readmitted, it is encoded again.
+    while not any(n.request_id == "b" for n in output.new_requests):
+        sampled = {rid: 9 for rid in output.num_scheduled_tokens if rid in scheduler.requests}
+        scheduler.update_from_output(output, sampled)
+        output = scheduler.schedule()
+    (again,) = [n for n in output.new_requests if n.request_id == "b"]
+    assert again.encoder_input == b"audio-b" and len(again.encoder_block_ids) == 3
+    scheduler.abort("a")
+    scheduler.abort("b")
+    assert kv.num_used_blocks == 0
+    with pytest.raises(AssertionError, match="cannot use the prefix cache"):
+        make_scheduler(encoder_blocks=3, encoder_tokens=40)
