@@ -122,7 +122,7 @@ def measure(
     timed(engine.core.worker.model, "compute_logits", "launch.lm_head")
     # The split at the process boundary: what the core process would run per step (step_samples,
     # plus encoding its outputs for the socket) and what the API server would (process).
-    timed(engine, "step_samples", "core.step_samples")
+    timed(engine.core, "step_samples", "core.step_samples")
     timed(engine.output_processor, "process", "front_end.process")
     inner_step_samples = engine.core.step_samples
     last_samples = []

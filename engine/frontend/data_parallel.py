@@ -259,9 +259,10 @@ class DataParallelEngine(EngineClient):
             _Core(self, i, config, inputs, threads)
             for i, config in enumerate(core_configs(config, data_parallel_size))
         ]
-        self.router = PrefixRouter(
-            data_parallel_size, config.block_size, config.enable_prefix_caching
-        )
+        # An encoder-decoder's cores cache no prefixes (its KV depends on the audio): only the
+        # load routes its requests.
+        caching = config.enable_prefix_caching and not inputs.max_audio_samples
+        self.router = PrefixRouter(data_parallel_size, config.block_size, caching)
         self._routes: dict[str, tuple[int, int]] = {}  # request id -> (core, cost); by _lock
 
     # ---- what handlers may read ------------------------------------------------------------------
