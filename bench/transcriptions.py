@@ -10,9 +10,9 @@ served by `pagedserve serve`:
 
 Each request uploads its own synthetic WAV of --audio-seconds (a gliding tone under noise) and
 asks for verbose_json, whose segments carry the tokens decoded, so the output tokens are counted
-exactly. A built-in shape (engine/models/whisper_config.py WHISPER_SHAPES) has random weights: its windows
-decode to the decoder's last position, as no end of text comes; that is the most work a window
-can be. Every concurrency first sends one untimed request.
+exactly. A built-in shape (engine/models/whisper_config.py WHISPER_SHAPES) has random weights:
+its windows decode to the decoder's last position, as no end of text comes; that is the most
+work a window can be. Every concurrency first sends one untimed request.
 """
 
 from __future__ import annotations

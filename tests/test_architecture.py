@@ -189,9 +189,8 @@ def test_the_room_rule_refuses_what_it_should():
     assert _may_import("engine/frontend/llm_engine.py", "engine.core.engine_core")
 
 
-# What the API server's process may load of engine/ (the model config's rotary parameters come
-# with the model config).
-FRONT_END_LOADS = FRONT_END_MAY_IMPORT | {"engine.models.rotary"}
+# What the API server's process may load of engine/.
+FRONT_END_LOADS = FRONT_END_MAY_IMPORT
 SERVER_PROCESS_IMPORTS = (
     "pagedserve.server.cli", "pagedserve.server.api_server",
     "pagedserve.engine.frontend.process_client", "pagedserve.engine.frontend.data_parallel",

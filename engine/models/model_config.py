@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.engine.models.rotary import ROPE_SCALING_KEYS
 from pagedserve.scheduler.kv_groups import KVCacheGroup, group_layers
 
 if TYPE_CHECKING:
@@ -22,6 +21,15 @@ if TYPE_CHECKING:
 
     from pagedserve.engine.models.whisper_config import WhisperConfig
 
+# The rope_scaling types engine/models/rotary.py implements, with the keys each needs. ModelConfig
+# refuses any other type when the config is read, so the model never sees one.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # ModelConfig fills in `factor` (max_position_embeddings / original) when a config leaves it
+    # out, as transformers does.
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
+}
 # Family name -> the Hugging Face model class that implements it.
 ARCHITECTURE_CLASSES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -66,7 +74,7 @@ class ModelConfig:
 
     Invariants (checked in `__post_init__`): all sizes positive, `num_attention_heads` a multiple
     of `num_key_value_heads`, every eos id inside the vocabulary, `rope_scaling` (when set) of a
-    type the model implements (`rotary.ROPE_SCALING_KEYS`) with the keys it needs,
+    type the model implements (`ROPE_SCALING_KEYS`) with the keys it needs,
     `layer_types` one entry per layer, and a mixture of experts' sizes all set.
 
     What the families differ in beyond the shapes (engine/models/model.py reads these):

@@ -11,15 +11,7 @@ import math
 
 import torch
 
-# The rope_scaling types the model implements, with the keys each needs. ModelConfig refuses any
-# other type when the config is read, so nothing below sees one.
-ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    # ModelConfig fills in `factor` (max_position_embeddings / original) when a config leaves it
-    # out, as transformers does.
-    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
-}
+from pagedserve.engine.models.model_config import ROPE_SCALING_KEYS
 
 
 def rope_inv_freq(
