@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -58,11 +60,38 @@ def chat_prompt_ids(
     )
 
 
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request queued on the engine: what its answer, whole or streamed, is made of.
+    The Responses and Messages APIs run their conversations as one and reshape its output."""
+
+    request_id: str
+    queued: list
+    n: int
+    tools: ToolPlan | None
+    want_logprobs: bool
+    top_k: int  # top_logprobs per token
+
+    def base(self, state: ServerState) -> dict[str, Any]:
+        return {"id": self.request_id, "created": created(), "model": state.model_name}
+
+
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, raw_request: Request
 ) -> JSONResponse | StreamingResponse:
-    check_model(state, req.model)
     warn_unknown_fields(req, "/v1/chat/completions")
+    run = start_chat(state, req)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(
+            _sse(chat_chunks(state, run, include_usage)), media_type="text/event-stream"
+        )
+    return JSONResponse(await chat_body(state, run, raw_request))
+
+
+def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
+    """Check the request (a 400 names the field), render the conversation and queue it."""
+    check_model(state, req.model)
     tokenizer = state.engine.tokenizer
     tools = plan_tools(req, getattr(tokenizer, "chat_template", None), state.tool_call_parser)
     forced = tools.constraint() if tools is not None else None
@@ -92,20 +121,22 @@ async def create_chat_completion(
     params = sampling_params(
         state, req, max_tokens, logprobs=top_k if req.logprobs else None, constrain=forced or own
     )
-    arrival = time.monotonic()
     request_id = new_id("chatcmpl")
-    queued = add_requests(state, request_id, [prompt], [params], arrival)
-    if req.stream:
-        return StreamingResponse(
-            _stream(state, req, request_id, queued, tools), media_type="text/event-stream"
-        )
-    (final,) = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
+    queued = add_requests(state, request_id, [prompt], [params], time.monotonic())
+    return ChatRun(request_id, queued, req.n, tools, req.logprobs, top_k)
+
+
+async def chat_body(state: ServerState, run: ChatRun, raw_request: Request) -> dict[str, Any]:
+    """The `chat.completion` object of a run, once every choice has finished."""
+    (final,) = await unless_disconnected(
+        raw_request, final_outputs(run.queued, state.request_timeout)
+    )
     choices = []
     for sample in final.outputs:
         message: dict[str, Any] = {"role": "assistant", "content": sample.text}
         finish = sample.finish_reason
-        if tools is not None:
-            content, calls = tools.parse(sample.text)
+        if run.tools is not None:
+            content, calls = run.tools.parse(sample.text)
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
@@ -114,23 +145,19 @@ async def create_chat_completion(
             {
                 "index": sample.index,
                 "message": message,
-                "logprobs": _logprobs(sample.token_ids, sample.logprobs, top_k)
-                if req.logprobs
+                "logprobs": _logprobs(sample.token_ids, sample.logprobs, run.top_k)
+                if run.want_logprobs
                 else None,
                 "finish_reason": finish,
                 "stop_reason": sample.stop_reason,
             }
         )
-    return JSONResponse(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created(),
-            "model": state.model_name,
-            "choices": choices,
-            "usage": usage([final]),
-        }
-    )
+    return {
+        **run.base(state),
+        "object": "chat.completion",
+        "choices": choices,
+        "usage": usage([final]),
+    }
 
 
 def _logprobs(
@@ -158,51 +185,51 @@ def _logprobs(
     return {"content": content}
 
 
-async def _stream(
-    state: ServerState,
-    req: ChatCompletionRequest,
-    request_id: str,
-    queued,
-    tools: ToolPlan | None = None,
-) -> AsyncIterator[str]:
-    base = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created(),
-        "model": state.model_name,
-    }
-    top_k = req.top_logprobs or 0
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async with aclosing(chunks):  # leaving early aborts the requests at once, not at GC
+            async for chunk in chunks:
+                yield sse(chunk)
+    except Exception as e:  # the request failed or the engine died: tell the client in-band
+        yield sse_error(e)
+    yield SSE_DONE
+
+
+async def chat_chunks(
+    state: ServerState, run: ChatRun, include_usage: bool = False
+) -> AsyncIterator[dict[str, Any]]:
+    """The `chat.completion.chunk` objects of a run as its tokens come (a failure raises);
+    leaving early aborts its requests."""
+    base = {**run.base(state), "object": "chat.completion.chunk"}
     finished: set[int] = set()  # choice indices
     wholes: dict[int, RequestOutput] = {}
 
-    def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None) -> str:
+    def chunk(index: int, delta: dict[str, Any], logprobs=None, finish=None, stop=None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop
-        return sse({**base, "choices": [choice]})
+        return {**base, "choices": [choice]}
 
-    try:
-        # The role comes first, before any token, as OpenAI does.
-        for k in range(req.n):
-            yield chunk(k, {"role": "assistant", "content": ""})
-        calls = {k: ToolCallStream(tools) for k in range(req.n)} if tools is not None else {}
-        async for _, output in iterate_all(queued, state.request_timeout):
+    # The role comes first, before any token, as OpenAI does.
+    for k in range(run.n):
+        yield chunk(k, {"role": "assistant", "content": ""})
+    calls = {k: ToolCallStream(run.tools) for k in range(run.n)} if run.tools is not None else {}
+    outputs = iterate_all(run.queued, state.request_timeout)
+    async with aclosing(outputs):
+        async for _, output in outputs:
             for sample in output.outputs:
-                if tools is None:
-                    piece = _delta(sample, finished, req.logprobs, top_k)
+                if run.tools is None:
+                    piece = _delta(sample, finished, run.want_logprobs, run.top_k)
                     if piece is not None:
                         yield chunk(sample.index, *piece)
                     continue
                 for delta, logprobs, finish, stop in _tool_deltas(
-                    sample, calls[sample.index], req.logprobs, top_k
+                    sample, calls[sample.index], run.want_logprobs, run.top_k
                 ):
                     yield chunk(sample.index, delta, logprobs, finish, stop)
             accumulate(wholes, 0, output)
-        if req.stream_options is not None and req.stream_options.include_usage and wholes:
-            yield sse({**base, "choices": [], "usage": usage([wholes[0]])})
-    except Exception as e:  # the request failed or the engine died: tell the client in-band
-        yield sse_error(e)
-    yield SSE_DONE
+    if include_usage and wholes:
+        yield {**base, "choices": [], "usage": usage([wholes[0]])}
 
 
 def _delta(
