@@ -45,6 +45,14 @@ class EngineConfig(Options):
         group="model",
     )
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)", group="model")
+    task: str = option(
+        "auto",
+        "generate (text) or embed (pooled hidden states: POST /v1/embeddings); auto = embed for "
+        "an encoder-only model (BertModel) or a sentence-transformers folder (modules.json), "
+        "else generate",
+        choices=("auto", "generate", "embed"),
+        group="model",
+    )
     load_format: str = option(
         "auto",
         "how to read the weights; dummy = random weights of the model's shapes",

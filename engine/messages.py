@@ -45,6 +45,8 @@ class SampleOutput(msgspec.Struct, array_like=True, gc=False):
     rewound_to: int | None = None
     # Beam search: a finished beam comes whole, with the sum of its tokens' logprobs.
     cumulative_logprob: float | None = None
+    # An embedding model's request: its pooled vector (little-endian float32), with its finish.
+    embedding: bytes | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True, frozen=True):

@@ -7,6 +7,11 @@ constraint (`StructuredOutputManager.compile`, on a worker thread; xgrammar cach
 grammars), and followed by one matcher per sample: each step the matcher of every constrained
 sampling row writes the row's allowed tokens into a bitmask (32 tokens per int32 word, bit
 i % 32 of word i // 32; `Sampler` masks the logits with it), and the sampled tokens advance it.
+
+A spec with a `reasoning_end` (`</think>`) leaves its samples free until their output's text
+has written it: the matcher starts on the tokens after the one that completes it (text a
+tokenizer without a `</think>` token writes after it within that token, past whitespace, is
+given to the matcher as a string).
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ class StructuredOutputManager:
         self.compiling: list[tuple[Future, list[str]]] = []
         self.matchers: dict[str, xgrammar.GrammarMatcher] = {}
         self._grammars: dict[str, xgrammar.CompiledGrammar] = {}  # by sample, for restarts
+        # Reasoning (spec.reasoning_end): each token's bytes, the end each sample waits for
+        # (from `compile` on), and the samples still reasoning with their output's last bytes.
+        self._token_bytes: list[bytes] = []
+        self._reasoning_ends: dict[str, bytes] = {}
+        self._reasoning: dict[str, bytes] = {}
 
     # ---- compiling -------------------------------------------------------------------------
 
@@ -105,6 +115,8 @@ class StructuredOutputManager:
         """Start compiling `spec` for these samples; `compiled` gives it back."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
+        if spec.reasoning_end is not None:
+            self._reasoning_ends.update(dict.fromkeys(request_ids, spec.reasoning_end.encode()))
         self.compiling.append((self._executor.submit(self.compile_now, spec), request_ids))
 
     def compiled(self, wait: bool) -> list[tuple[list[str], xgrammar.CompiledGrammar | Exception]]:
@@ -142,6 +154,7 @@ class StructuredOutputManager:
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
                 self._compiler = xgr.GrammarCompiler(info)
+                self._token_bytes = list(info.decoded_vocab)
             return self._compiler
 
     # ---- matchers --------------------------------------------------------------------------
@@ -151,11 +164,31 @@ class StructuredOutputManager:
 
         self.matchers[request_id] = xgr.GrammarMatcher(compiled)
         self._grammars[request_id] = compiled
+        if request_id in self._reasoning_ends:
+            self._reasoning[request_id] = b""
 
     def retain(self, live: Container[str]) -> None:
         """Forget the matchers of samples that are no longer live (finished, aborted, failed)."""
         for request_id in [r for r in self.matchers if r not in live]:
             del self.matchers[request_id], self._grammars[request_id]
+            self._reasoning.pop(request_id, None)
+        for request_id in [r for r in self._reasoning_ends if r not in live]:
+            del self._reasoning_ends[request_id]
+
+    def is_reasoning(self, request_id: str) -> bool:
+        """Whether the sample has yet to write its reasoning's end (its grammar waits)."""
+        return request_id in self._reasoning
+
+    def _after_reasoning(self, tail: bytes, end: bytes) -> tuple[bytes, bytes | None]:
+        """(the bytes to keep watching, the text after `end`: None while it has not come)."""
+        at = tail.find(end)
+        if at < 0:
+            return tail[max(0, len(tail) - len(end) + 1) :], None
+        return b"", tail[at + len(end) :]
+
+    def _token_text(self, token_id: int) -> bytes:
+        tokens = self._token_bytes
+        return tokens[token_id] if 0 <= token_id < len(tokens) else b""
 
     def is_terminated(self, request_id: str) -> bool:
         """Whether the sample's grammar is complete and has taken its stop token."""
@@ -169,6 +202,16 @@ class StructuredOutputManager:
         if matcher is None:
             return True
         for token_id in token_ids:
+            if request_id in self._reasoning:
+                tail = self._reasoning[request_id] + self._token_text(token_id)
+                tail, rest = self._after_reasoning(tail, self._reasoning_ends[request_id])
+                if rest is None:
+                    self._reasoning[request_id] = tail
+                    continue
+                del self._reasoning[request_id]
+                if rest.strip() and not matcher.accept_string(rest):
+                    return False
+                continue
             if matcher.is_terminated():
                 return True  # the grammar ended at a stop token; nothing more to follow
             if not matcher.accept_token(token_id):
@@ -189,6 +232,20 @@ class StructuredOutputManager:
         leaves the rows after it all-allowed: the token before it was sampled under a mask that
         excludes it, so verification rejects it and nothing after it is kept."""
         matcher = self.matchers[request_id]
+        if request_id in self._reasoning:
+            out[:] = ALL_ALLOWED  # still reasoning: anything goes
+            tail, end = self._reasoning[request_id], self._reasoning_ends[request_id]
+            for j, draft in enumerate(drafts, start=1):
+                tail, rest = self._after_reasoning(tail + self._token_text(draft), end)
+                if rest is not None:  # draft j ends the reasoning: the grammar from there on
+                    if not rest.strip():  # (text after the end within the token: left free)
+                        self._fill(matcher, drafts[j:], out[j:])
+                    return
+            return
+        self._fill(matcher, drafts, out)
+
+    @staticmethod
+    def _fill(matcher: xgrammar.GrammarMatcher, drafts: Sequence[int], out: np.ndarray) -> None:
         matcher.fill_next_token_bitmask(out, 0)
         accepted = 0
         for j, draft in enumerate(drafts, start=1):

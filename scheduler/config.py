@@ -47,6 +47,9 @@ class SchedulerConfig:
     # pass counts for (every step admits at least one).
     encoder_blocks: int = 0
     encoder_tokens: int = 0
+    # Embedding models: a request's whole prompt runs in one step, never in chunks (an encoder
+    # attends both ways; a pooled vector needs every token's hidden state in that step).
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -64,6 +67,9 @@ class SchedulerConfig:
         # would share KV that differs.
         assert not (self.encoder_blocks and self.enable_prefix_caching), (
             "an encoder-decoder model cannot use the prefix cache"
+        )
+        assert not self.prefill_only or self.max_num_batched_tokens >= self.max_model_len, (
+            "prefill_only needs a step budget that holds a whole max_model_len prompt"
         )
         need = self.encoder_blocks + blocks_per_request(
             self.kv_group_windows, self.max_model_len, self.block_size, self.max_num_batched_tokens

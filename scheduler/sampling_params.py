@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json as _json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +92,27 @@ def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
+def _normalise_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or (id, bias) pairs) as sorted pairs; biases in [-100, 100]."""
+    try:
+        pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]
+    except TypeError:
+        pairs = None
+    if pairs is None or not all(len(p) == 2 for p in pairs):
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    out: dict[int, float] = {}
+    for token_id, bias in pairs:
+        if not _is_int(token_id) or not 0 <= token_id <= INT64_MAX:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+        if not _is_number(bias) or not -100.0 <= float(bias) <= 100.0:  # (NaN fails too)
+            raise ValueError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token "
+                f"{token_id}"
+            )
+        out[token_id] = float(bias)
+    return tuple(sorted(out.items()))
+
+
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
@@ -105,6 +126,9 @@ class StructuredOutputs:
 
     Checked here for shape only; whether the engine's grammar library can build it is checked
     where the request enters the engine (engine/structured_output.py `check`).
+
+    `reasoning_end` (a reasoning model's `</think>`): the constraint applies to the text after
+    it; until the output has written it, every token is allowed (vLLM's `reasoning_ended`).
     """
 
     json: str | None = None
@@ -112,6 +136,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -129,7 +154,7 @@ class StructuredOutputs:
             set_field(self, "json", _json.dumps(schema, separators=(",", ":")))
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "reasoning_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
@@ -204,6 +229,23 @@ class SamplingParams:
     # far, every step; "delta" = only what is new since the previous output (streaming, the
     # server); "final" = one output, when the request finishes (the offline LLM API).
     output_kind: str = "cumulative"
+    # vLLM's extras that shape which tokens may be sampled (the sampler applies them to the
+    # logits, before penalties and temperature; logprobs stay the model's, as vLLM's default
+    # "raw_logprobs"). The token-id ones must be inside the vocabulary: the engine's front end
+    # checks that (`check_token_ids`), since only it knows the model.
+    # EOS and stop_token_ids cannot be sampled, and stop strings do not end the output, before
+    # this many output tokens.
+    min_tokens: int = 0
+    # {token id: bias in [-100, 100]} added to the logits (a dict or pairs in; stored as sorted
+    # (id, bias) pairs so the params stay hashable). +-100 in effect forces or bans a token.
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    # Only these token ids may be sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # Words never to generate. The front end tokenizes each (with and without a leading space)
+    # into `bad_words_token_ids`: a word of one token is banned outright, a longer one has its
+    # last token banned when the output ends with the rest of it.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # object.__setattr__ because the dataclass is frozen; normalising here keeps
@@ -263,6 +305,7 @@ class SamplingParams:
             raise ValueError(
                 f"best_of must be None or an int >= n ({self.n}), got {self.best_of!r}"
             )
+        self._check_token_rules()
         if self.use_beam_search:
             self._check_beam_search()
         elif self.num_samples > 1 and self.best_of is not None and self.greedy:
@@ -282,6 +325,11 @@ class SamplingParams:
             "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,
             "structured_outputs": self.structured_outputs is not None,
+            # A beam search ranks the model's own logprobs: these rules would not reach it.
+            "min_tokens": self.min_tokens != 0,
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words or self.bad_words_token_ids),
         }
         for name, set_ in refused.items():
             if set_:
@@ -289,6 +337,78 @@ class SamplingParams:
                     f"{name} is not supported with use_beam_search (the beam width is n, "
                     f"{self.n}); drop {name} or use_beam_search"
                 )
+
+    def _check_token_rules(self) -> None:
+        set_field = object.__setattr__
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an int in [0, max_tokens ({self.max_tokens})], "
+                f"got {self.min_tokens!r}"
+            )
+        if self.min_tokens and self.structured_outputs is not None:
+            # The grammar decides where the output ends; forbidding EOS before min_tokens could
+            # leave it no token to allow.
+            raise ValueError(
+                "min_tokens cannot be combined with structured outputs (the grammar decides "
+                "where the output ends); drop min_tokens"
+            )
+        if self.logit_bias is not None:
+            set_field(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, Iterable) or isinstance(ids, str | bytes):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}")
+            ids = tuple(ids)
+            if not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty list of token ids >= 0, "
+                    f"got {self.allowed_token_ids!r}"
+                )
+            set_field(self, "allowed_token_ids", ids)
+        words = self.bad_words
+        items = (words,) if isinstance(words, str) else words
+        if not isinstance(items, Iterable) or not all(isinstance(w, str) and w for w in items):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+        set_field(self, "bad_words", tuple(items))
+        try:
+            token_words = tuple(tuple(word) for word in self.bad_words_token_ids)
+        except TypeError:
+            token_words = None
+        if token_words is None or not all(
+            word and all(_is_int(t) and 0 <= t <= INT64_MAX for t in word) for word in token_words
+        ):
+            raise ValueError(
+                "bad_words_token_ids must be a list of non-empty lists of token ids >= 0, "
+                f"got {self.bad_words_token_ids!r}"
+            )
+        set_field(self, "bad_words_token_ids", token_words)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError (naming the field) for a token id of logit_bias, allowed_token_ids or
+        bad_words_token_ids outside the model's vocabulary [0, vocab_size)."""
+        fields = (
+            ("logit_bias", [t for t, _ in self.logit_bias or ()]),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words_token_ids", [t for word in self.bad_words_token_ids for t in word]),
+        )
+        for name, ids in fields:
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(
+                    f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                    f"{sorted(set(outside))[:10]}"
+                )
+
+    @property
+    def has_token_rules(self) -> bool:
+        """True when the sampler must apply min_tokens, logit_bias, allowed_token_ids or
+        bad words to this request's logits."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
+        )
 
     @property
     def num_samples(self) -> int:
@@ -298,9 +418,14 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> tuple[bool, bool]:
-        """(needs the prompt's ids, needs the output's ids): what the penalties read."""
+        """(needs the prompt's ids, needs the output's ids): what the penalties read, and the
+        bad words of more than one token (their last token is banned after the rest)."""
         repetition = self.repetition_penalty != 1.0
-        return repetition, repetition or bool(self.presence_penalty or self.frequency_penalty)
+        return repetition, (
+            repetition
+            or bool(self.presence_penalty or self.frequency_penalty)
+            or any(len(word) > 1 for word in self.bad_words_token_ids)
+        )
 
     @property
     def greedy(self) -> bool:

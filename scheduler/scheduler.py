@@ -107,8 +107,10 @@ class Scheduler(Preemption, Speculation, Forks):
         assert new and not request.num_computed_tokens, (
             f"request {request_id!r} is not new ({request.status.name})"
         )
-        # A prompt of max_model_len tokens or more leaves no room for an output token.
-        assert 0 < request.num_prompt_tokens < self.config.max_model_len, (
+        # A prompt of max_model_len tokens or more leaves no room for an output token (an
+        # embedding's, prefill_only, needs none).
+        limit = self.config.max_model_len + self.config.prefill_only
+        assert 0 < request.num_prompt_tokens < limit, (
             f"request {request_id!r} has {request.num_prompt_tokens} prompt tokens "
             f"(max_model_len {self.config.max_model_len})"
         )
@@ -251,6 +253,8 @@ class Scheduler(Preemption, Speculation, Forks):
                     if prefill_left == 0:
                         break  # the streams decoding come first; it starts next step
                     num_new_tokens = min(num_new_tokens, prefill_left)
+                if self.config.prefill_only and num_new_tokens < request.num_tokens:
+                    break  # its prompt runs whole, in a step with room for it
                 encoder_blocks = self.config.encoder_blocks
                 if (
                     encode and not kv.allocate_encoder_blocks(request, encoder_blocks)
@@ -405,7 +409,11 @@ class Scheduler(Preemption, Speculation, Forks):
                 request.awaiting_choice = True
             if request.fork_children and status == RequestStatus.RUNNING:
                 self._fork_children(request, share=True)
-            if token_id in request.finishing_token_ids:
+            # (min_tokens: the sampler never samples a finishing token before; vLLM's check.)
+            if (
+                token_id in request.finishing_token_ids
+                and len(output_token_ids) > request.sampling_params.min_tokens
+            ):
                 finished = RequestStatus.FINISHED_STOPPED
             elif (
                 len(output_token_ids) >= request.sampling_params.max_tokens

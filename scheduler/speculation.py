@@ -71,7 +71,10 @@ class Speculation(SchedulerState):
             request.output_token_ids.append(token_id)
             request.all_token_ids.append(token_id)
             appended += 1
-            if token_id in request.finishing_token_ids:
+            if (
+                token_id in request.finishing_token_ids
+                and len(request.output_token_ids) > params.min_tokens
+            ):
                 finished = RequestStatus.FINISHED_STOPPED
             elif (
                 len(request.output_token_ids) >= params.max_tokens

@@ -95,6 +95,7 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
             max_request_body_bytes=server.max_request_body_bytes,
             max_n=server.max_n,
             tool_call_parser=server.tool_call_parser,
+            reasoning_parser=server.reasoning_parser,
             allowed_origins=list(server.allowed_origins or ()) or None,
         )
         logger.info(

@@ -40,9 +40,14 @@ from pagedserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
 from pagedserve.server.serving_common import ServerState, check_model, check_model_name
 from pagedserve.server.serving_completions import create_completion
+from pagedserve.server.serving_embeddings import add_embedding_routes
+from pagedserve.server.serving_messages import count_tokens, create_message
+from pagedserve.server.serving_responses import ResponsesAPI
 from pagedserve.server.serving_transcriptions import (
     TranscriptionState,
     audio_seconds,
@@ -67,6 +72,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     max_n: int = DEFAULT_MAX_N,
     tool_call_parser: str = "auto",
+    reasoning_parser: str | None = None,
     allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
@@ -87,6 +93,7 @@ def build_app(
         request_timeout=request_timeout,
         max_n=max_n,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     app, v1, check_api_key = _new_app(
         engine, state.api_key, max_request_body_bytes, allowed_origins, manage_engine
@@ -98,7 +105,9 @@ def build_app(
     )  # fmt: skip
 
     whisper = whisper_config_of(model_root)
-    if whisper is None:
+    if engine.inputs.pooling is not None:  # an embedding model (--task embed, or auto)
+        add_embedding_routes(v1, state)
+    elif whisper is None:
         _add_text_routes(v1, state)
     else:
         _add_transcription_routes(v1, state, whisper, WhisperDecoding.of(model_root))
@@ -184,11 +193,39 @@ def _add_text_routes(v1: APIRouter, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(state, body, raw_request)
 
+    @v1.post("/messages")
+    async def messages(body: MessagesRequest, raw_request: Request) -> Response:
+        return await create_message(state, body, raw_request)
+
+    @v1.post("/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict:
+        return count_tokens(state, body)
+
+    responses = ResponsesAPI(state)  # server/serving_responses.py, with its store
+
+    @v1.post("/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(body, raw_request)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get(response_id)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
     _refuse(
         v1,
         ["/audio/transcriptions"],
         f"model {state.model_name!r} does not transcribe audio: serve a Whisper model (a "
         "WhisperForConditionalGeneration folder) for /v1/audio/transcriptions",
+    )
+    _refuse(
+        v1,
+        ["/embeddings"],
+        f"model {state.model_name!r} generates text: it serves no embeddings (serve an "
+        "embedding model, or this one with --task embed)",
     )
 
 
@@ -205,7 +242,7 @@ def _add_transcription_routes(
 
     _refuse(
         v1,
-        ["/completions", "/chat/completions"],
+        ["/completions", "/chat/completions", "/responses", "/messages"],
         f"model {state.model_name!r} is a Whisper model: it serves /v1/audio/transcriptions only",
     )
 
@@ -255,19 +292,27 @@ def _new_app(
     install_error_handlers(app)
 
     async def check_api_key(request: Request) -> None:
+        """The key as a bearer token (OpenAI's clients) or in `x-api-key` (Anthropic's)."""
         if api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         # compare_digest takes time independent of where the strings differ.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
+        if scheme.lower() == "bearer" and hmac.compare_digest(
             token.strip().encode(), api_key.encode()
         ):
-            raise APIError(
-                401,
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
+            return
+        x_api_key = request.headers.get("x-api-key")
+        if x_api_key is not None and hmac.compare_digest(
+            x_api_key.strip().encode(), api_key.encode()
+        ):
+            return
+        raise APIError(
+            401,
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>' or "
+            "'x-api-key: <key>'",
+            code="invalid_api_key",
+        )
 
     v1 = APIRouter(
         prefix="/v1", dependencies=[Depends(check_api_key)], route_class=ErrorMappingRoute

@@ -1,4 +1,6 @@
-"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}, and in
+Anthropic's, {"type": "error", "error": {"type", "message"}}, for everything under /v1/messages
+(the Messages API; `error_response` picks the shape from the request's path).
 
 Every failure a client can cause maps to one status code here; the handlers registered by
 `install_error_handlers` make sure nothing reaches the client as a bare traceback or a
@@ -33,6 +35,26 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status. A full queue is its 529 overloaded_error (what Anthropic's
+# clients know to back off from and retry); other 503s (a dead engine, a drain) stay 503s.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_OVERLOADED = 529
+_ANTHROPIC_PATH = "/v1/messages"
+
+
+def is_anthropic_path(path: str | None) -> bool:
+    return path is not None and (path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/"))
+
+
 class APIError(Exception):
     """An error to return to the client as-is."""
 
@@ -59,12 +81,28 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
+def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
+    """(status, body) of an error in the Messages API's shape. It has no `param`: the message
+    names the field when it does not already."""
+    status = ANTHROPIC_OVERLOADED if err.code == "queue_full" else err.status_code
+    message = err.message
+    if err.param is not None and err.param not in message:
+        message = f"{err.param}: {message}"
+    fallback = "api_error" if status >= 500 else "invalid_request_error"
+    err_type = _ANTHROPIC_TYPES.get(status, fallback)
+    return status, {"type": "error", "error": {"type": err_type, "message": message}}
+
+
+def error_response(err: APIError, path: str | None = None) -> JSONResponse:
+    """The error's response, in Anthropic's shape for a /v1/messages `path`, else OpenAI's."""
     headers = None
     if err.status_code == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     elif err.code == "queue_full":
         headers = {"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}
+    if is_anthropic_path(path):
+        status, body = anthropic_error(err)
+        return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(
         error_body(err.message, err.type, err.param, err.code),
         status_code=err.status_code,
@@ -140,7 +178,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = error_response(self._error(f"{int(declared)} bytes"))
+            response = error_response(self._error(f"{int(declared)} bytes"), scope.get("path"))
             await response(scope, receive, send)
             return
         received = 0
@@ -161,11 +199,11 @@ class BodySizeLimit:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = _param_from_loc(tuple(first.get("loc", ())))
@@ -176,12 +214,12 @@ def install_error_handlers(app: FastAPI) -> None:
                 f"{_param_from_loc(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
                 for e in errors
             )
-        return error_response(APIError(400, message, param=param))
+        return error_response(APIError(400, message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(as_api_error(exc))
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(as_api_error(exc), request.url.path)

@@ -43,7 +43,12 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # {token id as a string: bias in [-100, 100]} (OpenAI); vLLM's min_tokens, bad_words and
+    # allowed_token_ids. Typed loosely: SamplingParams' checks name the field of a bad value.
+    logit_bias: dict[str, Any] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     use_beam_search: bool = False  # as vLLM: the beam width is n
     length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs ({"json" |
@@ -75,10 +80,22 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt's logprobs (this many alternatives), as `prompt_logprobs` in the body.
+    prompt_logprobs: int | None = None
     # Checked by server/tool_calls.py, which names the field of a bad one.
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = True
+
+
+class EmbeddingRequest(_Body):
+    # A text, texts, token ids or lists of token ids (OpenAI's four shapes); checked by
+    # server/serving_embeddings.py, which names the field.
+    input: Any = None
+    model: str | None = None
+    encoding_format: Any = "float"
+    dimensions: Any = None
+    user: str | None = None
 
 
 class TokenizeRequest(_Body):

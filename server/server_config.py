@@ -11,6 +11,7 @@ from pagedserve.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
+from pagedserve.server.reasoning import REASONING_PARSERS
 from pagedserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -44,6 +45,15 @@ class ServerConfig(Options):
         "(<tool_call> blocks: Qwen, SmolLM2, ...), llama3_json (bare JSON calls), or auto: "
         "llama3_json when the chat template speaks of <|python_tag|>, else hermes",
         choices=TOOL_CALL_PARSERS,
+        group="server",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "give chat answers' <think>...</think> part apart, as reasoning_content: qwen3 (text "
+        "without <think> or </think> is content) or deepseek_r1 (text before </think> is "
+        "reasoning, all of it without one); structured outputs and tool calls apply after it "
+        "(default: off, the think part stays in content)",
+        choices=REASONING_PARSERS,
         group="server",
     )
     enable_auto_tool_choice: bool = option(

@@ -4,6 +4,7 @@ carries the role."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
@@ -18,6 +19,12 @@ from pagedserve.engine.models.tokenizer import apply_chat_template
 from pagedserve.scheduler.sampling_params import MAX_LOGPROBS
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
+from pagedserve.server.reasoning import (
+    PROMPT_TAIL_TOKENS,
+    ReasoningPlan,
+    ReasoningStream,
+    reasoning_plan,
+)
 from pagedserve.server.serving_common import (
     SSE_DONE,
     ServerState,
@@ -29,6 +36,7 @@ from pagedserve.server.serving_common import (
     final_outputs,
     iterate_all,
     new_id,
+    prompt_logprobs_json,
     safe_logprob,
     sampling_params,
     sse,
@@ -71,6 +79,9 @@ class ChatRun:
     tools: ToolPlan | None
     want_logprobs: bool
     top_k: int  # top_logprobs per token
+    prompt_tokens: int = 0  # the rendered conversation's (the Messages API's message_start)
+    reasoning: ReasoningPlan | None = None  # --reasoning-parser: how choices split off <think>
+    want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs: in the body, whole answers only
 
     def base(self, state: ServerState) -> dict[str, Any]:
         return {"id": self.request_id, "created": created(), "model": state.model_name}
@@ -118,12 +129,42 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     )
     max_tokens = check_max_tokens(requested, len(prompt.token_ids), state.engine.max_model_len)
     top_k = req.top_logprobs or 0
+    reasoning = _reasoning_plan(state, prompt.token_ids)
+    constrain = forced or own
+    if reasoning is not None:  # the answer after the reasoning is what is constrained
+        constrain = reasoning.constrain(constrain)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
     params = sampling_params(
-        state, req, max_tokens, logprobs=top_k if req.logprobs else None, constrain=forced or own
+        state,
+        req,
+        max_tokens,
+        logprobs=top_k if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+        constrain=constrain,
     )
     request_id = new_id("chatcmpl")
     queued = add_requests(state, request_id, [prompt], [params], time.monotonic())
-    return ChatRun(request_id, queued, req.n, tools, req.logprobs, top_k)
+    return ChatRun(
+        request_id,
+        queued,
+        req.n,
+        tools,
+        req.logprobs,
+        top_k,
+        len(prompt.token_ids),
+        reasoning=reasoning,
+        want_prompt_logprobs=req.prompt_logprobs is not None,
+    )
+
+
+def _reasoning_plan(state: ServerState, prompt_ids: Sequence[int]) -> ReasoningPlan | None:
+    if state.reasoning_parser is None:
+        return None
+    tail = state.engine.tokenizer.decode(
+        list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False
+    )
+    return reasoning_plan(state.reasoning_parser, tail)
 
 
 async def chat_body(state: ServerState, run: ChatRun, raw_request: Request) -> dict[str, Any]:
@@ -133,10 +174,18 @@ async def chat_body(state: ServerState, run: ChatRun, raw_request: Request) -> d
     )
     choices = []
     for sample in final.outputs:
-        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        text: str | None = sample.text
+        reasoning = None
+        if run.reasoning is not None:
+            reasoning, text = run.reasoning.parse(sample.text)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text,
+            "reasoning_content": reasoning,
+        }
         finish = sample.finish_reason
         if run.tools is not None:
-            content, calls = run.tools.parse(sample.text)
+            content, calls = run.tools.parse(text) if text is not None else (None, [])
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
@@ -157,6 +206,11 @@ async def chat_body(state: ServerState, run: ChatRun, raw_request: Request) -> d
         "object": "chat.completion",
         "choices": choices,
         "usage": usage([final]),
+        **(
+            {"prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs)}
+            if run.want_prompt_logprobs
+            else {}
+        ),
     }
 
 
@@ -214,10 +268,15 @@ async def chat_chunks(
     for k in range(run.n):
         yield chunk(k, {"role": "assistant", "content": ""})
     calls = {k: ToolCallStream(run.tools) for k in range(run.n)} if run.tools is not None else {}
+    thinking = {k: run.reasoning.stream() for k in range(run.n)} if run.reasoning else {}
     outputs = iterate_all(run.queued, state.request_timeout)
     async with aclosing(outputs):
         async for _, output in outputs:
             for sample in output.outputs:
+                if thinking:  # the reasoning goes apart; the rest goes on as the sample's text
+                    sample, reasoning = _split_reasoning(sample, thinking[sample.index])
+                    if reasoning:
+                        yield chunk(sample.index, {"reasoning_content": reasoning})
                 if run.tools is None:
                     piece = _delta(sample, finished, run.want_logprobs, run.top_k)
                     if piece is not None:
@@ -230,6 +289,17 @@ async def chat_chunks(
             accumulate(wholes, 0, output)
     if include_usage and wholes:
         yield {**base, "choices": [], "usage": usage([wholes[0]])}
+
+
+def _split_reasoning(
+    sample: CompletionOutput, stream: ReasoningStream
+) -> tuple[CompletionOutput, str]:
+    """(the sample's delta output with its content as text, its reasoning text)."""
+    reasoning, content = stream.feed(sample.text)
+    if sample.finished:
+        more_reasoning, more_content = stream.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return dataclasses.replace(sample, text=content), reasoning
 
 
 def _delta(

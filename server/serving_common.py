@@ -17,7 +17,7 @@ from fastapi import Request
 
 from pagedserve.engine.frontend.client import EngineClient, RequestStream
 from pagedserve.engine.frontend.inputs import Prompt
-from pagedserve.engine.frontend.outputs import RequestOutput
+from pagedserve.engine.frontend.outputs import Logprob, RequestOutput
 from pagedserve.scheduler import SamplingParams, StructuredOutputs
 from pagedserve.server.errors import APIError, as_api_error, error_body
 from pagedserve.server.limits import DEFAULT_MAX_N
@@ -45,6 +45,7 @@ class ServerState:
     request_timeout: float | None = None  # seconds a request may take (--request-timeout)
     max_n: int = DEFAULT_MAX_N  # samples per prompt (--max-n)
     tool_call_parser: str = "auto"  # how tool calls are read from text (--tool-call-parser)
+    reasoning_parser: str | None = None  # how <think> parts are read (--reasoning-parser)
 
     @property
     def model_name(self) -> str:
@@ -127,8 +128,6 @@ def sampling_params(
         raise APIError(
             400, f"best_of ({best_of}) other than n ({req.n}) cannot be streamed", param="stream"
         )
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     fields: dict[str, Any] = {
         "structured_outputs": structured_outputs_of(req) if constrain is None else constrain,
         "n": req.n,
@@ -162,12 +161,39 @@ def sampling_params(
         fields["stop"] = req.stop
     if req.stop_token_ids is not None:
         fields["stop_token_ids"] = req.stop_token_ids
+    fields.update(token_rule_fields(req))
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
+        params.check_token_ids(state.engine.vocab_size)
+        return params
     except ValueError as e:
         message = str(e)
         first_word = message.split(" ", 1)[0]
         raise APIError(400, message, param=first_word if first_word in fields else None) from e
+
+
+def token_rule_fields(req: SamplingFields) -> dict[str, Any]:
+    """SamplingParams' min_tokens, logit_bias (its keys are token ids as strings in JSON),
+    bad_words and allowed_token_ids from the request (400 naming the field for a bad key)."""
+    fields: dict[str, Any] = {}
+    if req.min_tokens:
+        fields["min_tokens"] = req.min_tokens
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(
+                    400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+            bias[token_id] = value
+        fields["logit_bias"] = bias
+    if req.bad_words:
+        fields["bad_words"] = req.bad_words
+    if req.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = req.allowed_token_ids
+    return fields
 
 
 def add_requests(
@@ -325,6 +351,28 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
 
 def safe_logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def prompt_logprobs_json(
+    entries: Sequence[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first: nothing predicts it) or
+    {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": safe_logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def sse(data: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.server.errors import APIError
+from pagedserve.server.fill_in_middle import fim_prompts
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving_common import (
     SSE_DONE,
@@ -43,9 +44,10 @@ async def create_completion(
 ) -> JSONResponse | StreamingResponse:
     check_model(state, req.model)
     warn_unknown_fields(req, "/v1/completions")
-    if req.suffix is not None:
-        raise APIError(400, "suffix is not supported by this server", param="suffix")
-    prompts = _prompts(state, req.prompt)
+    if req.suffix is not None and req.echo:
+        # As OpenAI: the echoed prompt would have to hold the suffix too.
+        raise APIError(400, "echo cannot be combined with suffix", param="echo")
+    prompts = _prompts(state, req.prompt, req.suffix)
     # max_tokens=0 with echo returns the prompt (and its logprobs) only, the way evaluation
     # harnesses score a text: the engine generates one token that is then left out.
     echo_only = req.echo and req.max_tokens == 0
@@ -94,9 +96,10 @@ async def create_completion(
     )
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[Prompt]:
-    """The request's prompts, tokenized and checked. `prompt` has passed pydantic: a string, a list
-    of strings, a list of token ids or a list of token-id lists."""
+def _prompts(state: ServerState, prompt: Any, suffix: str | None = None) -> list[Prompt]:
+    """The request's prompts, tokenized and checked (with a `suffix`: as fill-in-the-middle
+    prompts). `prompt` has passed pydantic: a string, a list of strings, a list of token ids or
+    a list of token-id lists."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -105,6 +108,8 @@ def _prompts(state: ServerState, prompt: Any) -> list[Prompt]:
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
+    if suffix is not None:
+        items = fim_prompts(state.engine.tokenizer, state.model_name, items, suffix)
     return [state.engine.process_prompt(item) for item in items]
 
 

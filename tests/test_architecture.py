@@ -139,7 +139,8 @@ ENGINE_SHARED = {
 FRONT_END_MAY_IMPORT = {
     "engine.models.model_config", "engine.models.hf_config", "engine.models.gguf_config",
     "engine.models.builtin_shapes", "engine.models.model_source", "engine.models.tokenizer",
-    "engine.models.whisper_config", "engine.core.process", "engine.core.beam_search",
+    "engine.models.whisper_config", "engine.models.bert_config", "engine.core.process",
+    "engine.core.beam_search",
 }  # fmt: skip
 IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}
 

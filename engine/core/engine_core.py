@@ -17,6 +17,7 @@ import msgspec
 from pagedserve.engine.core.beam_search import BeamSearches
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
+from pagedserve.engine.models.bert_config import context_length, embedding_pooling
 from pagedserve.engine.models.model_source import ModelSource, resolve_model
 from pagedserve.engine.models.tokenizer import eos_token_ids, load_tokenizer
 from pagedserve.engine.structured_output import StructuredOutputManager
@@ -52,7 +53,9 @@ class EngineCore:
         self.config = config
         self.source: ModelSource = resolve_model(config.model)
         mc = self.model_config = self.source.config
-        self.max_model_len = config.model_len(mc.max_position_embeddings)
+        # An embedding model pools each prompt's hidden states (engine/worker/pooler.py).
+        self.pooling = embedding_pooling(self.source, config.task)
+        self.max_model_len = config.model_len(context_length(mc, self.pooling))
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
         self.worker = Worker(config, self.source, self.max_model_len, endpoint)
@@ -65,6 +68,9 @@ class EngineCore:
     def _build(self, config: EngineConfig) -> None:
         mc = self.model_config
         self.max_num_batched_tokens = config.step_token_budget
+        embeds = self.pooling is not None
+        if embeds:  # a prompt runs whole in one step
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
         plan = self.worker.kv_plan
         # Asynchronous scheduling: the step launched last, whose outputs the next step() reads.
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -76,7 +82,10 @@ class EngineCore:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 # (off for an encoder-decoder: its KV depends on the audio, not only the tokens)
-                enable_prefix_caching=config.enable_prefix_caching and not plan.encoder_blocks,
+                # (nor for embeddings: a pooled vector needs every token's hidden state)
+                enable_prefix_caching=(
+                    config.enable_prefix_caching and not plan.encoder_blocks and not embeds
+                ),
                 num_speculative_tokens=config.speculative_ngram,
                 ngram_min=config.speculative_ngram_min,
                 ngram_max=config.speculative_ngram_max,
@@ -85,6 +94,7 @@ class EngineCore:
                 max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding or 0,
                 encoder_blocks=plan.encoder_blocks,
                 encoder_tokens=mc.whisper.max_source_positions if mc.is_encoder_decoder else 0,
+                prefill_only=embeds,
             )
         )
         # Structured outputs: the grammars compiling (their samples wait in the scheduler,
@@ -93,6 +103,8 @@ class EngineCore:
             self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
         )
         self.worker.runner.structured = self.structured
+        # min_tokens keeps EOS from being sampled too early: the sampler must know it.
+        self.worker.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
@@ -262,14 +274,24 @@ class EngineCore:
             ", ".join(request_ids),
         )
         block_ids = []
+        outputs = []
         for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            # The sampler fails a row that its token rules left no token the same way.
+            ruled = request is not None and request.sampling_params.has_token_rules
             block_ids += self.scheduler.fail_request(request_id)
+            message = (
+                "the model produced non-finite logits (NaN or infinity) for this request, so it "
+                "was stopped instead of sampling from them"
+            )
+            if ruled:
+                message = (
+                    "no token could be sampled: allowed_token_ids, bad_words, min_tokens and "
+                    "the structured output left none (or the model produced non-finite logits)"
+                )
+            outputs.append(SampleOutput(request_id, [], "error", error=message))
         self.worker.clear_blocks(block_ids)
-        message = (
-            "the model produced non-finite logits (NaN or infinity) for this request, so it was "
-            "stopped instead of sampling from them"
-        )
-        return [SampleOutput(rid, [], "error", error=message) for rid in request_ids]
+        return outputs
 
     def _process(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[SampleOutput]:
         """Apply a step's sampled tokens to the scheduler; one output per sample touched."""
@@ -290,6 +312,11 @@ class EngineCore:
         ]
         if self.structured.matchers:
             outputs = self._follow_grammars(outputs)
+        if runner_out.pooled:  # embeddings: each finishes with its vector (little-endian f32)
+            for out in outputs:
+                vector = runner_out.pooled.get(out.request_id)
+                if vector is not None:
+                    out.embedding = vector.astype("<f4").tobytes()
         if not runner_out.prompt_logprobs:
             return outputs
         # A sample's first token comes in the step that scores its last prompt chunk: it carries

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 
-from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest, Prompt
+from pagedserve.engine.frontend.inputs import EMBEDDING_PARAMS, InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import SamplingParams
@@ -197,6 +197,16 @@ class EngineClient(ABC):
                 self._ids_in_use.discard(request_id)
             raise
         return stream
+
+    def encode(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | Prompt,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """An embedding engine's request: `add_request` of a prompt checked by
+        `InputProcessor.process_embedding_prompt`; its stream yields one `PoolingOutput`."""
+        return self.add_request(request_id, prompt, EMBEDDING_PARAMS, arrival_time)
 
     @abstractmethod
     def _submit(self, request: NewRequest, stream: RequestStream) -> None:

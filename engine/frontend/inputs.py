@@ -12,7 +12,12 @@ from pagedserve.engine.structured_output import check as check_structured_output
 from pagedserve.scheduler import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.engine.models.bert_config import PoolingConfig
     from pagedserve.engine.models.model_config import ModelConfig
+
+
+# An embedding request's params: the step that pools its prompt ends it (max_tokens 1).
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, output_kind="final")
 
 
 @dataclass(frozen=True)
@@ -55,17 +60,32 @@ class InputProcessor:
     two numbers."""
 
     def __init__(
-        self, tokenizer, max_model_len: int, vocab_size: int, max_audio_samples: int = 0
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        max_audio_samples: int = 0,
+        pooling: PoolingConfig | None = None,
+        hidden_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_audio_samples = max_audio_samples  # 0: the model takes no audio
+        # An embedding engine's pooling (every request is pooled), and its vectors' size.
+        self.pooling = pooling
+        self.hidden_size = hidden_size
 
     @classmethod
-    def for_model(cls, tokenizer, max_model_len: int, config: ModelConfig) -> InputProcessor:
+    def for_model(
+        cls,
+        tokenizer,
+        max_model_len: int,
+        config: ModelConfig,
+        pooling: PoolingConfig | None = None,
+    ) -> InputProcessor:
         audio = config.whisper.window_samples if config.is_encoder_decoder else 0
-        return cls(tokenizer, max_model_len, config.vocab_size, audio)
+        return cls(tokenizer, max_model_len, config.vocab_size, audio, pooling, config.hidden_size)
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
@@ -91,10 +111,32 @@ class InputProcessor:
             text, token_ids = None, list(prompt)
         return Prompt(self._checked_ids(token_ids), text)
 
-    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+    def process_embedding_prompt(self, prompt: str | Sequence[int] | Prompt) -> Prompt:
+        """An embedding engine's prompt: tokenized, not empty, inside the vocabulary, and at most
+        max_model_len tokens (it runs whole in one step, and nothing is generated after it).
+        ValueError for a model that generates instead."""
+        if self.pooling is None:
+            raise ValueError(
+                "this model generates text; it serves no embeddings (serve an embedding model, "
+                "or this one with --task embed)"
+            )
+        if isinstance(prompt, Prompt):
+            return prompt
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt) if prompt else []
+        else:
+            text, token_ids = None, list(prompt)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"input has {len(token_ids)} tokens but this embedding model takes at most "
+                f"{self.max_model_len}; shorten it"
+            )
+        return Prompt(self._checked_ids(token_ids, output_room=False), text)
+
+    def _checked_ids(self, token_ids: list[int], output_room: bool = True) -> list[int]:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
+        if output_room and len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is "
                 f"{self.max_model_len}: it must be shorter to leave room for one output token"
@@ -125,8 +167,16 @@ class InputProcessor:
             raise ValueError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
+        if self.pooling is not None and params is not EMBEDDING_PARAMS:
+            raise ValueError(
+                "this is an embedding model: it serves embeddings (POST /v1/embeddings, "
+                "LLM.embed), it does not generate text"
+            )
+        if params is EMBEDDING_PARAMS:
+            return self.process_embedding_prompt(prompt)
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
+        params.check_token_ids(self.vocab_size)
         if isinstance(prompt, AudioPrompt) and (
             params.num_samples > 1 or params.use_beam_search or params.structured_outputs
         ):
@@ -135,3 +185,18 @@ class InputProcessor:
                 "outputs do not apply"
             )
         return self.process_prompt(prompt)
+
+
+def bad_words_token_ids(tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each bad word as vLLM finds them: the word (leading spaces stripped)
+    alone, and after a space when that spelling starts with another token of the same length
+    (a word in the middle of a text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if bare:
+            out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return tuple(out)

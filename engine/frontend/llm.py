@@ -11,9 +11,14 @@ from tqdm import tqdm
 
 from pagedserve.engine.core.beam_search import BeamSearchParams, beam_score
 from pagedserve.engine.engine_config import EngineConfig
-from pagedserve.engine.frontend.inputs import NewRequest
+from pagedserve.engine.frontend.inputs import EMBEDDING_PARAMS, NewRequest
 from pagedserve.engine.frontend.llm_engine import LLMEngine
-from pagedserve.engine.frontend.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.engine.frontend.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    PoolingOutput,
+    RequestOutput,
+)
 from pagedserve.engine.models.tokenizer import apply_chat_template
 from pagedserve.engine.tp_endpoint import TPEndpoint
 from pagedserve.scheduler import SamplingParams
@@ -57,6 +62,15 @@ class LLM:
         A bad prompt or params raises ValueError before anything is queued."""
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, self._params_for(len(prompt_list), sampling_params), use_tqdm)
+
+    def embed(
+        self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False
+    ) -> list[PoolingOutput]:
+        """An embedding model's vectors of a prompt or a list of prompts (strings or token-id
+        lists), in input order, batched through the scheduler like any requests. A bad prompt
+        raises ValueError before anything is queued."""
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, [EMBEDDING_PARAMS] * len(prompt_list), use_tqdm)
 
     def chat(
         self,
@@ -119,7 +133,7 @@ class LLM:
 
     def _run(
         self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+    ) -> list[Any]:
         # Every prompt and params was checked before the first is queued: a bad one raises with
         # nothing scheduled.
         inputs = [
@@ -130,10 +144,10 @@ class LLM:
         for prompt, params in zip(inputs, params_list, strict=True):
             request_id = str(next(self._ids))
             # Only the finished output is read: no per-step copies of the outputs so far.
-            final = params.clone(output_kind="final")
+            final = params if params is EMBEDDING_PARAMS else params.clone(output_kind="final")
             self.engine.enqueue(NewRequest(request_id, prompt, final, time.time()))
             ids.append(request_id)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | PoolingOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():

@@ -31,7 +31,7 @@ class LLMEngine:
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self.inputs = InputProcessor.for_model(
-            self.tokenizer, self.max_model_len, self.core.model_config
+            self.tokenizer, self.max_model_len, self.core.model_config, self.core.pooling
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

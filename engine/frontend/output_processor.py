@@ -14,9 +14,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from pagedserve.engine.frontend.inputs import NewRequest
-from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.engine.frontend.inputs import NewRequest, bad_words_token_ids
+from pagedserve.engine.frontend.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    RequestOutput,
+)
 from pagedserve.engine.messages import CoreRequest, SampleOutput, TokenLogprobs
 from pagedserve.scheduler import SamplingParams
 
@@ -168,6 +175,10 @@ class OutputProcessor:
         """Register a request whose inputs were checked; return its n samples for the core."""
         request_id, prompt, params = request.request_id, request.prompt, request.params
         assert request_id not in self._parents, f"request id {request_id!r} is already in use"
+        if params.bad_words and not params.bad_words_token_ids:
+            # The core knows token ids only: the words become ids here, once per request.
+            words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = params.clone(bad_words_token_ids=words)
         prompt_token_ids = prompt.token_ids
         parent = _Parent(request_id, prompt.text, prompt_token_ids, params, request.arrival_time)
         if params.prompt_logprobs is not None:
@@ -238,7 +249,9 @@ class OutputProcessor:
             raise ValueError(f"request {request_id!r} is unknown or finished")
         return live
 
-    def process(self, outputs: list[SampleOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self, outputs: list[SampleOutput]
+    ) -> tuple[list[RequestOutput | PoolingOutput], list[str]]:
         """Apply a core step's outputs. Returns an output for every request with something new
         (in its output kind) and the ids of samples a stop string ended, for the core to stop.
         Outputs for samples already finished here (a stop string the core has not heard of yet)
@@ -246,11 +259,25 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, _Parent] = {}
         stopped: list[str] = []
+        pooled: list[PoolingOutput] = []
         for out in outputs:
             sample = self._samples.get(out.request_id)
             if sample is None or sample.output.finished:
                 continue
             parent = sample.parent
+            if out.embedding is not None:  # an embedding request ends with its vector
+                self._release(parent)
+                vector = np.frombuffer(out.embedding, dtype="<f4")
+                pooled.append(
+                    PoolingOutput(
+                        parent.request_id,
+                        parent.prompt_token_ids,
+                        vector,
+                        arrival_time=parent.arrival_time,
+                        finished_time=now,
+                    )
+                )
+                continue
             if out.rewound_to is not None:
                 self._rewind(sample, out.rewound_to)
                 touched[parent.request_id] = parent
@@ -278,7 +305,7 @@ class OutputProcessor:
             output = parent.output(finished)
             if output is not None:
                 results.append(output)
-        return results, stopped
+        return pooled + results, stopped
 
     def _append(self, sample: _Sample, delta: SampleOutput) -> bool:
         """Add a step's tokens and text to a sample; True when a stop string ended it here (the
@@ -308,7 +335,13 @@ class OutputProcessor:
         visible_end = len(sample.full_text)
         stopped_here = False
         if params.stop:
-            hit = find_stop(sample.full_text, params.stop, checked_from)
+            # Before min_tokens output tokens a stop string does not end the output (vLLM's
+            # rule); that text counts as checked, so it never does later either.
+            hit = (
+                find_stop(sample.full_text, params.stop, checked_from)
+                if len(out.token_ids) > params.min_tokens
+                else None
+            )
             if hit is not None:
                 start, stop_str = hit
                 visible_end = start + len(stop_str) if params.include_stop_str_in_output else start

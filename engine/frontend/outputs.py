@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Logprob:
@@ -77,6 +79,27 @@ class RequestOutput:
         self.error = delta.error
         self.first_token_time = delta.first_token_time
         self.finished_time = delta.finished_time
+
+
+@dataclass
+class PoolingOutput:
+    """An embedding model's answer to one request: its prompt's pooled vector (float32, as the
+    model's pooling config makes it: engine/models/bert_config.py `PoolingConfig`). Always the
+    request's one and final output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: np.ndarray
+    finished: bool = True
+    arrival_time: float = 0.0
+    finished_time: float | None = None
+    error: str | None = None  # (never set: a failed request ends with a RequestOutput)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """No sample was generated: one empty sample, finished ("stop"), so that what reads a
+        request's samples (the server's metrics) counts the request as done."""
+        return [CompletionOutput(index=0, finish_reason="stop")]
 
 
 @dataclass

@@ -57,6 +57,7 @@ from pagedserve.engine.messages import (
     RewindSamples,
     Shutdown,
 )
+from pagedserve.engine.models.bert_config import context_length, embedding_pooling
 from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.models.tokenizer import load_tokenizer
 
@@ -70,10 +71,12 @@ def front_end_inputs(config: EngineConfig) -> InputProcessor:
     model's config (not its weights)."""
     source = resolve_model(config.model)
     model_config = source.config
+    pooling = embedding_pooling(source, config.task)
     return InputProcessor.for_model(
         load_tokenizer(source, config.tokenizer),
-        config.model_len(model_config.max_position_embeddings),
+        config.model_len(context_length(model_config, pooling)),
         model_config,
+        pooling,
     )
 
 

@@ -34,6 +34,10 @@ def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
         from pagedserve.engine.models.whisper_config import WhisperConfig
 
         return WhisperConfig.from_hf_dict(d).decoder_model_config()
+    if d.get("model_type") == "bert":
+        from pagedserve.engine.models.bert_config import BertConfig
+
+        return BertConfig.from_hf_dict(d).model_config()
     d = _text_model_of(d)
     arch = _architecture_of(d)
     defaults = _FAMILY_DEFAULTS[arch]

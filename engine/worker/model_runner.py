@@ -47,6 +47,8 @@ class RunnerOutput:
     # Requests that had drafts: the drafts the model agreed with, then its own next token
     # (sampled_token_ids holds the first of these).
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # An embedding model (engine/worker/pooler.py): each request's pooled vector.
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ class ModelRunner:
         # token, then the others), None when it suppresses nothing.
         self.encoder_tables: dict[str, tuple[int, ...]] = {}
         self._suppress_masks = suppression_masks(*suppress, model.config.vocab_size)
+        self.pooler = None  # an embedding model's (engine/worker/pooler.py): it pools, no sampling
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step to completion."""
@@ -259,6 +262,8 @@ class ModelRunner:
         ):
             previous.result()  # penalties read the whole history on the host: wait for it
         batch = state.prepare(out, rows, self.block_size)
+        if self.pooler is not None:
+            return self.pooler.run(self, batch)
         sampling_rows = self._sampling_rows(batch)
         plan = (
             self.sampler.plan(

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.engine.messages import TokenLogprobs
+from pagedserve.engine.worker.token_rules import TokenRules
 from pagedserve.scheduler import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct stream positions
@@ -27,7 +28,7 @@ class SamplingRow(NamedTuple):
     params: SamplingParams
     num_output_tokens: int
     prompt_token_ids: list[int] | None = None  # only when repetition_penalty != 1
-    output_token_ids: list[int] | None = None  # only when any penalty is set
+    output_token_ids: list[int] | None = None  # only when a penalty or a bad word reads it
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class SamplingPlan:
     # bitmask [rows, words] (engine/structured_output.py says the layout; unconstrained rows
     # all ones); None when no row is constrained.
     allowed: tuple[list[int], torch.Tensor] | None = None
+    # logit_bias, allowed_token_ids, bad words, min_tokens (engine/worker/token_rules.py).
+    rules: TokenRules | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class Sampler:
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        # What min_tokens keeps from being sampled besides a request's stop_token_ids (the
+        # engine core sets the model's EOS ids).
+        self.eos_token_ids: frozenset[int] = frozenset()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, self.plan(rows, logits.device)).to_host()
@@ -95,10 +101,11 @@ class Sampler:
             uniforms=self._uniforms(random_rows, device) if randoms else None,
             asking=asking,
             asking_idx=to_device(asking, torch.long, device) if asking else None,
-            penalized=any(r.output_token_ids is not None for r in rows),
+            penalized=any(r.output_token_ids is not None and _penalized(r.params) for r in rows),
             allowed=None
             if allowed is None
             else (allowed[0], to_device(torch.from_numpy(allowed[1]), torch.int32, device)),
+            rules=TokenRules.plan(rows, self.eos_token_ids, device),
         )
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> DeviceSample:
@@ -114,12 +121,21 @@ class Sampler:
         # Checked through each row's max and min (both NaN when the row holds a NaN): on CPU two
         # reductions take 0.2 ms at [64, 49152], isfinite(logits).all() 5.6 ms (BENCHMARKS.md).
         finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
+        if plan.rules is not None:  # before penalties, as vLLM
+            if logits is raw_logits:
+                logits = logits.clone()  # the raw logits still give the logprobs
+            plan.rules.apply(logits)
+            # Rules that leave a row no token (allowed_token_ids all banned, or outside its
+            # grammar): the row fails like a non-finite one (EngineCore says why).
+            finite &= logits.amax(dim=-1) > float("-inf")
         if plan.penalized:
             logits = self._apply_penalties(logits, rows)
         if plan.allowed is not None:
             if logits is raw_logits:
                 logits = logits.clone()  # the raw logits still give the logprobs
             apply_token_bitmask(logits, *plan.allowed)
+            if plan.rules is not None:
+                finite &= logits.amax(dim=-1) > float("-inf")
         if not plan.randoms:
             token_ids = logits.argmax(dim=-1)
         elif plan.random_idx is None:  # the common case: every row samples, no row copies
@@ -196,6 +212,12 @@ class Sampler:
             if row.params.seed is not None:
                 uniforms[i] = seeded_uniform(row.params.seed, row.num_output_tokens)
         return to_device(uniforms, torch.float64, device)
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return bool(
+        params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+    )
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

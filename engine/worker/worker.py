@@ -19,6 +19,8 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.models.bert import BertModel, load_bert_model
+from pagedserve.engine.models.bert_config import embedding_pooling
 from pagedserve.engine.models.cpu_linear import can_pack
 from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
@@ -72,6 +74,9 @@ class Worker:
         self.device = config.torch_device()
         if mc.is_encoder_decoder:
             check_encoder_decoder_options(config)
+        self.pooling = embedding_pooling(source, config.task)
+        if mc.is_encoder_only:
+            check_encoder_only_options(config)
         try:
             if distributed:
                 self.tp = self._join_ranks(endpoint)
@@ -141,7 +146,12 @@ class Worker:
         )
 
         kv_memory = config.kv_cache_memory
-        if self.device.type == "cuda" and kv_memory is None and config.num_kv_blocks is None:
+        num_kv_blocks = config.num_kv_blocks
+        if mc.is_encoder_only and num_kv_blocks is None:
+            # It keeps no KV: the blocks only count what the scheduler admits (every sequence
+            # at its longest), and no memory backs them.
+            num_kv_blocks = config.max_num_seqs * cdiv(self.max_model_len, config.block_size)
+        if self.device.type == "cuda" and kv_memory is None and num_kv_blocks is None:
             if mc.is_encoder_decoder:  # (its profile step would need encoder inputs)
                 free, _ = torch.cuda.mem_get_info(self.device)
                 kv_memory = int(free * config.gpu_memory_utilization)
@@ -153,7 +163,7 @@ class Worker:
             config.block_size,
             self.max_model_len,
             memory_bytes=kv_memory,
-            num_blocks=config.num_kv_blocks,
+            num_blocks=num_kv_blocks,
             max_chunk=config.step_token_budget,
             encoder_blocks=(
                 cdiv(mc.whisper.max_source_positions, config.block_size)
@@ -161,6 +171,8 @@ class Worker:
                 else 0
             ),
         )
+        if mc.is_encoder_only:  # blocks without memory: it keeps no KV
+            self.kv_plan = dataclasses.replace(self.kv_plan, bytes_per_block=0)
         if self.tp is not None:  # one block table for all ranks: the fewest blocks any has room for
             num_blocks = self.tp.min_int(self.kv_plan.num_blocks)
             self.kv_plan = dataclasses.replace(self.kv_plan, num_blocks=num_blocks)
@@ -175,8 +187,10 @@ class Worker:
                 self.num_host_blocks * self.kv_plan.bytes_per_block / GiB,
                 ", pinned" if self.device.type == "cuda" else "",
             )
-        kv_caches = allocate_kv_caches(
-            self.kv_config, self.kv_plan, self.kv_cache_dtype, self.device
+        kv_caches = (
+            []
+            if mc.is_encoder_only
+            else allocate_kv_caches(self.kv_config, self.kv_plan, self.kv_cache_dtype, self.device)
         )
         self.runner = ModelRunner(
             self.model,
@@ -193,9 +207,14 @@ class Worker:
             tp=self.tp,
             suppress=self._suppressed_tokens(),
         )
+        if self.pooling is not None:
+            from pagedserve.engine.worker.pooler import Pooler
+
+            self.runner.pooler = Pooler(self.pooling)
         # Off with speculative decoding: a step's drafts come from the tokens the previous
         # step accepted, so it cannot be scheduled before those are back.
-        self.async_scheduling = (
+        # Off for embeddings too: a request ends with the step that pools it.
+        self.async_scheduling = self.pooling is None and (
             config.async_scheduling
             if config.async_scheduling is not None
             else self.device.type == "cuda" and not config.speculative_ngram
@@ -203,7 +222,10 @@ class Worker:
         if config.calculate_kv_scales:  # now: start-up's own forward passes are not data
             self.model.calibrate_kv_scales(self.kv_cache_dtype)
 
-    def _build_model(self) -> CausalLM | WhisperModel:
+    def _build_model(self) -> CausalLM | WhisperModel | BertModel:
+        if self.model_config.is_encoder_only:
+            torch.manual_seed(self.config.seed)  # (random weights: the same for a seed)
+            return load_bert_model(self.source, self.config.load_format, self.device, self.dtype)
         if self.model_config.is_encoder_decoder:
             torch.manual_seed(self.config.seed)  # (random weights: the same for a seed)
             return load_whisper_model(
@@ -316,8 +338,8 @@ class Worker:
         """CUDA graphs for decode steps, unless on CPU, --enforce-eager, an attention backend
         that synchronises with the host (the torch reference cannot be captured), or an
         encoder-decoder (its steps read cross-attention tables the graphs do not hold)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
+        if self.device.type != "cuda" or self.config.enforce_eager or self.pooling is not None:
+            return None  # (an embedding step is a whole prompt, never a decode step)
         if self.model_config.is_encoder_decoder:
             logger.info("CUDA graphs off: Whisper's decoder steps run eagerly")
             return None
@@ -423,6 +445,20 @@ def check_encoder_decoder_options(config: EngineConfig) -> None:
     named = [option for option, given in refused.items() if given]
     if named:
         raise ValueError(f"a Whisper model is served without {', '.join(named)}: drop them")
+
+
+def check_encoder_only_options(config: EngineConfig) -> None:
+    """ValueError, naming the option to drop, for what an encoder-only model (BERT) does not
+    do here."""
+    refused = {
+        "--tensor-parallel-size > 1": config.tensor_parallel_size > 1,
+        "--speculative-ngram": bool(config.speculative_ngram),
+        "--quantization gguf": config.quantization == "gguf",
+        "--preemption-mode swap": config.preemption_mode == "swap",
+    }
+    named = [option for option, given in refused.items() if given]
+    if named:
+        raise ValueError(f"a BERT model is served without {', '.join(named)}: drop them")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

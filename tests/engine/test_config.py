@@ -546,9 +546,9 @@ def test_config_json_file_is_a_dummy_source(tmp_path: Path):
         ("{not json", r"is not valid JSON \(Expecting property name"),
         ("[1, 2]", "holds a JSON list, not a Hugging Face config object"),
         (
-            '{"model_type": "bert"}',
+            '{"model_type": "t5"}',
             "is not a usable Hugging Face model config: unsupported model: "
-            "architectures=None, model_type='bert'",
+            "architectures=None, model_type='t5'",
         ),
         (
             '{"model_type": "llama", "hidden_size": 64}',
@@ -573,7 +573,7 @@ def test_unknown_model_says_what_was_tried(tmp_path: Path):
     for tried in (
         "not a local directory with config.json",
         "not a .gguf file",
-        "not a known embedded model name (smollm2-135m-instruct)",
+        "not a known embedded model name (smollm2-135m-instruct, all-minilm-l6-v2)",
         f"built-in shape for dummy weights ({', '.join([*BUILTIN_SHAPES, *WHISPER_SHAPES])})",
     ):
         assert tried in message

@@ -72,7 +72,7 @@ BAD_COMPLETIONS = [
     pytest.param({"max_tokens": 3}, 400, "prompt", "prompt", id="missing-prompt"),
     pytest.param({**GOOD, "stop": [""]}, 400, "stop", "stop", id="empty-stop"),
     pytest.param({**GOOD, "suffix": "x"}, 400, "suffix", "suffix", id="suffix"),
-    pytest.param({**GOOD, "logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias", id="bias"),
+    pytest.param({**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]", id="bias"),
     pytest.param({**GOOD, "model": "gpt-4"}, 404, "model", "gpt-4", id="unknown-model"),
     pytest.param(
         {**GOOD, "stream_options": {"include_usage": True}},
