@@ -1,14 +1,15 @@
 """Reasoning parsers (`--reasoning-parser`): a reasoning model's `<think>...</think>` part of an
 answer, given to the client apart as `reasoning_content` (vLLM's names and field).
 
-- `qwen3`: an answer that starts with `<think>` reasons until `</think>`; without `<think>`,
-  the text before a `</think>` is reasoning (a template that opened `<think>` in the prompt),
-  and text with no `</think>` at all is content.
+- `qwen3`: an answer that starts with `<think>` reasons until `</think>` (all of it when cut
+  short); without `<think>`, the text before a `</think>` is reasoning (a template that opened
+  `<think>` in the prompt), and text with no `</think>` at all is content.
 - `deepseek_r1`: the template opens `<think>` in the prompt, so the answer reasons from its
   start (a leading `<think>` is dropped) until `</think>`; without one it is all reasoning.
 
-A request's structured outputs constrain the answer after the reasoning (`constrain`). The
-prompt decides first (`reasoning_plan`): one that ends with `</think>` (Qwen3's
+A request's structured outputs constrain the answer after the reasoning (`constrain`): as in
+vLLM, a grammar waits for `</think>`, so a qwen3 answer that never thinks is not constrained.
+The prompt decides first (`reasoning_plan`): one that ends with `</think>` (Qwen3's
 `enable_thinking=False`) is answered in content only; one that ends with `<think>` starts the
 answer in the reasoning. The whole text (`parse`) and the text streamed in any pieces
 (`ReasoningStream.feed`, `finish`) split the same way: a piece that may be the start of a tag is

@@ -149,7 +149,8 @@ class Sampler:
 
         token_ids = token_ids.masked_fill(~finite, 0)
 
-        # Logprobs describe the model's distribution before any penalty or temperature.
+        # Logprobs describe the model's distribution before any rule, penalty or temperature
+        # (vLLM's default, "raw_logprobs": a +-100 logit_bias does not show in them).
         logprobs = None
         if plan.asking:
             idx = plan.asking_idx

@@ -122,4 +122,3 @@ def _bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int]) -> lis
         if prefix == 0 or list(output[-prefix:]) == list(word[:-1]):
             bans.append(word[-1])
     return bans
-

@@ -225,3 +225,37 @@ def test_greedy_rules_match_transformers(real_llm, hf_smollm2):
     assert ours == theirs[: len(ours)] and len(ours) >= 10
     assert ours[:8] != plain.token_ids
     assert eos not in ours[:10]
+
+
+def test_allowed_token_ids_and_a_grammar_combine(real_llm):
+    """Both masks apply: the choice the grammar allows that allowed_token_ids leaves; none left
+    fails the request with an error saying so."""
+    from pagedserve.scheduler import StructuredOutputs
+
+    tok = real_llm.get_tokenizer()
+    prompt = "<|im_start|>user\nIs the sky blue?<|im_end|>\n<|im_start|>assistant\n"
+    choice = StructuredOutputs(choice=("yes", "no"))
+    greedy = SamplingParams(temperature=0, max_tokens=4, structured_outputs=choice)
+    (plain,) = real_llm.generate([prompt], greedy)
+    other = {"yes": "no", "no": "yes"}[plain.outputs[0].text]
+    allowed = [*tok.encode(other, add_special_tokens=False), tok.eos_token_id]
+    (limited,) = real_llm.generate([prompt], greedy.clone(allowed_token_ids=allowed))
+    assert limited.outputs[0].text == other
+    (none_left,) = real_llm.generate(
+        [prompt], greedy.clone(allowed_token_ids=tok.encode(" Paris", add_special_tokens=False))
+    )
+    assert none_left.outputs[0].finish_reason == "error"
+    assert none_left.error.startswith("no token could be sampled: allowed_token_ids, bad_words")
+
+
+def test_stop_strings_wait_for_min_tokens(real_llm):
+    """A stop string the first min_tokens tokens complete is passed over for good; one completed
+    later still ends the output."""
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    (plain,) = real_llm.generate(["The capital of France is"], greedy)
+    assert plain.outputs[0].text.startswith(" Paris.\n\nThe answer")
+    (early,) = real_llm.generate(["The capital of France is"], greedy.clone(stop=[" Paris"]))
+    assert early.outputs[0].text == ""
+    late_params = greedy.clone(stop=[" Paris", "answer"], min_tokens=3)
+    (late,) = real_llm.generate(["The capital of France is"], late_params)
+    assert (late.outputs[0].text, late.outputs[0].stop_reason) == (" Paris.\n\nThe ", "answer")

@@ -34,6 +34,11 @@ def test_defaults() -> None:
         1.0,  # length_penalty
         None,  # structured_outputs
         "cumulative",  # output_kind
+        0,  # min_tokens
+        None,  # logit_bias
+        None,  # allowed_token_ids
+        (),  # bad_words
+        (),  # bad_words_token_ids
     )
     assert not params.greedy and params.num_samples == 1
 

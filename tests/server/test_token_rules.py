@@ -162,7 +162,9 @@ def fim_server(dummy_config_file, tmp_path_factory):
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in FIM_SPECIALS])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in FIM_SPECIALS]
+    )
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
         folder
     )
