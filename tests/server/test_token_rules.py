@@ -28,14 +28,14 @@ def test_logit_bias_forces_and_bans_tokens(server):
         logit_bias={str(paris): 100},
     )  # fmt: skip
     assert [ch.text for ch in forced.choices] == [" Paris" * 4] * 2
-    plain = c.completions.create(model=MODEL, prompt=CAPITAL, max_tokens=8, temperature=0)
+    plain = c.completions.create(model=MODEL, prompt=CAPITAL, max_tokens=5, temperature=0)
     assert plain.choices[0].text.startswith(" Paris")
     banned = c.completions.create(
-        model=MODEL, prompt=CAPITAL, max_tokens=8, temperature=0, logprobs=0,
+        model=MODEL, prompt=CAPITAL, max_tokens=5, temperature=0, logprobs=0,
         logit_bias={str(paris): -100},
     )  # fmt: skip
     tokens = banned.choices[0].logprobs.tokens
-    assert len(tokens) == 8 and " Paris" not in tokens
+    assert len(tokens) == 5 and " Paris" not in tokens
     assert banned.choices[0].text != plain.choices[0].text
 
 
@@ -58,13 +58,13 @@ def test_min_tokens_holds_eos_back_and_leaves_ignore_eos_alone(server):
 
 def test_bad_words_never_appear(server):
     c = client(server)
-    plain = c.completions.create(model=MODEL, prompt=CAPITAL, max_tokens=12, temperature=0)
+    plain = c.completions.create(model=MODEL, prompt=CAPITAL, max_tokens=6, temperature=0)
     assert "Paris" in plain.choices[0].text
     r = c.completions.create(
-        model=MODEL, prompt=CAPITAL, max_tokens=12, temperature=0,
+        model=MODEL, prompt=CAPITAL, max_tokens=6, temperature=0,
         extra_body={"bad_words": ["Paris"]},
     )  # fmt: skip
-    assert "Paris" not in r.choices[0].text and r.usage.completion_tokens == 12
+    assert "Paris" not in r.choices[0].text and r.usage.completion_tokens == 6
 
 
 def test_allowed_token_ids_limit_every_token(server):
