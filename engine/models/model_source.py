@@ -128,14 +128,7 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            return ModelSource(
-                name=model,
-                kind="hf_dir",
-                path=path,
-                gguf_file=None,
-                config=ModelConfig.from_json_file(path / "config.json"),
-                tokenizer_source=path,
-            )
+            return _hf_dir_source(model, path)
         gguf_files = sorted(path.glob("*.gguf"))
         if len(gguf_files) == 1:
             return _gguf_source(model, gguf_files[0])
@@ -159,14 +152,7 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
     if key in EMBEDDED_MODELS:
         embedded = embedded_model_path(key)
         if embedded.is_dir():
-            return ModelSource(
-                name=key,
-                kind="hf_dir",
-                path=embedded,
-                gguf_file=None,
-                config=ModelConfig.from_json_file(embedded / "config.json"),
-                tokenizer_source=embedded,
-            )
+            return _hf_dir_source(key, embedded)
         return _gguf_source(key, embedded)
     if key in BUILTIN_SHAPES or key in WHISPER_SHAPES:
         config = (
@@ -189,6 +175,12 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
         f"model name ({', '.join(EMBEDDED_MODELS)}) or built-in shape for dummy weights "
         f"({', '.join([*BUILTIN_SHAPES, *WHISPER_SHAPES])})"
     )
+
+
+def _hf_dir_source(name: str, path: Path) -> ModelSource:
+    """A Hugging Face folder: config.json, safetensors weights and the tokenizer's files."""
+    config = ModelConfig.from_json_file(path / "config.json")
+    return ModelSource(name, "hf_dir", path, None, config, tokenizer_source=path)
 
 
 def _gguf_source(name: str, gguf_file: Path) -> ModelSource:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 
@@ -188,6 +189,31 @@ def test_a_json_schema_holds_for_the_answer_after_a_free_reasoning(r1_server):
         message.content,
         "stop",
     )
+
+
+def test_the_responses_and_messages_apis_give_the_reasoning_apart(r1_server):
+    # The few-shot conversation's free reasoning, as chat splits it (the test above), comes as
+    # a reasoning item through /v1/responses and a thinking block through /v1/messages.
+    thought, answer = "The capital of Spain is Madrid.", '{"city": "Madrid"}'
+    response = client(r1_server).responses.create(
+        model=SMOLLM2, input=FEW_SHOT, max_output_tokens=40, temperature=0
+    )
+    reasoning, message = response.output
+    assert (reasoning.type, [part.text for part in reasoning.content]) == ("reasoning", [thought])
+    assert (message.type, response.output_text) == ("message", answer)
+    claude = anthropic.Anthropic(base_url=r1_server.base_url, api_key="unused")
+    reply = claude.messages.create(
+        model=SMOLLM2,
+        system=FEW_SHOT[0]["content"],
+        messages=FEW_SHOT[1:],
+        max_tokens=40,
+        extra_body={"temperature": 0},
+    )
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in reply.content] == [
+        ("thinking", thought),
+        ("text", answer),
+    ]
+    assert reply.stop_reason == "end_turn"
 
 
 # ---- a tiny Qwen3, qwen3 ---------------------------------------------------------------------
