@@ -82,6 +82,18 @@
 #                                concurrency 1, 16 and 64 (4, 32 and 128 requests of one
 #                                30 s window, 447 tokens each).
 #
+# and embeddings and the token rules (issue 38):
+#
+#     run(command="ONLY=embed bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=150)
+#
+#   embed        120 s / ~50 s   a 2-layer BERT, random weights saved by transformers: fp32
+#                                embeddings of 32 prompts (up to 400 tokens) packed in the engine
+#                                = transformers' BertModel on the CPU to 1e-4; the tiny Llama's
+#                                fp32 greedy tokens under logit_bias, allowed_token_ids and
+#                                min_tokens = the CPU engine's, graphs and eager; then BERT-base's
+#                                shape bf16, 1024 prompts of 128-512 tokens: pagedserve's
+#                                embedding tok/s against transformers' in padded batches of 64.
+#
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
 # summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
@@ -141,6 +153,7 @@ if [ -n "${ONLY:-}" ]; then
     step kvcap 120 kvcap
     step tp 120 tp
     step whisper 150 whisper
+    step embed 120 embed
 fi
 "$PY" -m pagedserve.bench.gpu_engine summary --out "$OUT"
 exit $failed

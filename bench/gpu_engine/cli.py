@@ -19,6 +19,10 @@ throughput, speculative decoding and shared blocks, as steps of one script.
     spec         speculative decoding by prompt lookup against plain
                  decoding (speed, acceptance, equal greedy tokens);
                  n = 4 samples on shared blocks against 4 requests
+    embed        (optional) a BERT encoder's embeddings against
+                 transformers', and their speed; the token rules
+                 (logit_bias, allowed_token_ids, min_tokens) against
+                 the CPU engine
     summary      a table of everything under --out
 
 Each step appends JSON lines to OUT/<step>.jsonl (and prints them); OUT is --out, else $OUT,
@@ -44,6 +48,7 @@ from typing import Any
 from pagedserve.bench.gpu_engine import harness
 from pagedserve.bench.gpu_engine.correctness import step_correctness
 from pagedserve.bench.gpu_engine.decode import step_decode
+from pagedserve.bench.gpu_engine.embed import step_embed
 from pagedserve.bench.gpu_engine.env import step_env
 from pagedserve.bench.gpu_engine.kvcap import step_kvcap
 from pagedserve.bench.gpu_engine.moe import step_moe
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "kvcap": step_kvcap,
         "tp": step_tp,
         "whisper": step_whisper,
+        "embed": step_embed,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

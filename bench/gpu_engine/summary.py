@@ -116,6 +116,21 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
                 f"{r['latency_p50_s']} s"
             )
         return _summary_line("correctness", r)
+    if step == "embed":
+        if r.get("check") == "fp32_embeddings":
+            return (
+                f"{r['model']} fp32_embeddings {r['prompts']} prompts max |diff| "
+                f"{r['max_abs_diff']:.2e} ok={r['ok']}"
+            )
+        if r.get("check"):
+            return (
+                f"tiny {r['check']} graphs={r['cuda_graphs']} equal={r['equal']} prompts "
+                f"{r['num_equal_prompts']}/{r['num_prompts']}"
+            )
+        return (
+            f"{r['model']} {r['prompts']} prompts: {r['pagedserve_tok_s']:.0f} tok/s, "
+            f"transformers {r['transformers_tok_s']:.0f} tok/s ({r['ratio']:.2f}x)"
+        )
     if step == "tp":
         if r.get("skipped"):
             return f"tiny {r['check']} skipped: {r['skipped']}"

@@ -510,3 +510,24 @@ def test_the_whisper_step_runs_alone_and_checks_transcriptions(tmp_path):
     line = f"whisper: whisper-tiny fp32_greedy {check['engine']} equal=True prompts 4/4"
     assert line in summary
     assert "served c=2 x4:" in summary
+
+
+@SCRIPT_ON_CPU
+def test_the_embed_step_runs_alone_and_checks_embeddings_and_token_rules(tmp_path):
+    done = _run_script(tmp_path, ONLY="embed")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("embed: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "embed")
+    _no_errors(records)
+    (embeddings,) = [r for r in records if r.get("check") == "fp32_embeddings"]
+    assert (embeddings["prompts"], embeddings["ok"]) == (8, True)
+    assert embeddings["max_abs_diff"] <= 1e-5  # on the CPU, the engine and transformers agree
+    rules = [
+        (r["cuda_graphs"], r["equal"]) for r in records if r.get("check") == "token_rules_greedy"
+    ]
+    assert rules == [(True, True), (False, True)]
+    (speed,) = [r for r in records if r.get("part") == "throughput"]
+    assert speed["prompts"] == 16 and speed["pagedserve_tok_s"] > 0 < speed["transformers_tok_s"]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "embed: tiny_bert fp32_embeddings 8 prompts max |diff|" in summary
+    assert "embed: tiny token_rules_greedy graphs=False equal=True prompts 8/8" in summary
