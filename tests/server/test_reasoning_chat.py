@@ -94,14 +94,20 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 THOUGHT_THEN_ANSWER = r"<think>[A-Za-z ,.]{10,40}</think>[A-Za-z ,.]{3,16}"
 
 
-def test_a_reasoning_and_an_answer_come_apart_whole_and_streamed(r1_server):
-    extra = {"structured_outputs": {"regex": THOUGHT_THEN_ANSWER}}
-    raw = _raw(r1_server, SMOLLM2, ASK, 80, **extra)
-    assert re.fullmatch(THOUGHT_THEN_ANSWER, raw)
+def _assert_split_as_by_hand(server: RunningServer, model: str, messages, max_tokens, regex):
+    """The answer the regex shapes comes apart, whole and streamed, as its raw text split by
+    hand."""
+    extra = {"structured_outputs": {"regex": regex}}
+    raw = _raw(server, model, messages, max_tokens, **extra)
+    assert re.fullmatch(regex, raw)
     reasoning, content = _split(raw)
-    message, streamed = _chat(r1_server, SMOLLM2, ASK, 80, extra_body=extra)
+    message, streamed = _chat(server, model, messages, max_tokens, extra_body=extra)
     assert (_extra(message, "reasoning_content"), message.content) == (reasoning, content)
     assert streamed == (reasoning, content, [], "stop")
+
+
+def test_a_reasoning_and_an_answer_come_apart_whole_and_streamed(r1_server):
+    _assert_split_as_by_hand(r1_server, SMOLLM2, ASK, 80, THOUGHT_THEN_ANSWER)
 
 
 def test_an_answer_cut_before_its_end_of_thought_is_all_reasoning(r1_server):
@@ -281,13 +287,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 )
 def test_qwen3_answers_split_whole_and_streamed(qwen3_server, pattern):
     server, model = qwen3_server
-    extra = {"structured_outputs": {"regex": pattern}}
-    raw = _raw(server, model, HELLO, 40, **extra)
-    assert re.fullmatch(pattern, raw)
-    reasoning, content = _split(raw)
-    message, streamed = _chat(server, model, HELLO, 40, extra_body=extra)
-    assert (_extra(message, "reasoning_content"), message.content) == (reasoning, content)
-    assert streamed == (reasoning, content, [], "stop")
+    _assert_split_as_by_hand(server, model, HELLO, 40, pattern)
 
 
 def test_qwen3_text_without_a_think_tag_is_content(qwen3_server):
