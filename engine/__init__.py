@@ -6,6 +6,7 @@
     worker/    running a model on a device: model runner, input batch, sampler, KV cache, CUDA
                graphs, tensor-parallel ranks
     models/    configurations, model files, tokenizers, layers and decoders, weights
+    lora/      LoRA adapters: loading and checking them, their device slots, their projections
 
 and, at this level, what every room shares: the options (`engine_config`), the messages between
 the front end and the core (`messages`), structured outputs, the allocator setting.
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # the names for type checkers and editors (`as` marks them re
     from pagedserve.engine.frontend.outputs import CompletionOutput as CompletionOutput
     from pagedserve.engine.frontend.outputs import Logprob as Logprob
     from pagedserve.engine.frontend.outputs import RequestOutput as RequestOutput
+    from pagedserve.scheduler import LoRARequest as LoRARequest
     from pagedserve.scheduler import SamplingParams as SamplingParams
 
 _EXPORTS = {
@@ -44,6 +46,7 @@ _EXPORTS = {
     "EngineConfig": "pagedserve.engine.engine_config",
     "LLMEngine": "pagedserve.engine.frontend.llm_engine",
     "Logprob": "pagedserve.engine.frontend.outputs",
+    "LoRARequest": "pagedserve.scheduler",
     "RequestOutput": "pagedserve.engine.frontend.outputs",
     "SamplingParams": "pagedserve.scheduler",
 }

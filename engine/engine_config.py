@@ -208,6 +208,24 @@ class EngineConfig(Options):
         "node, or torchrun starts them across nodes (README)",
         group="parallel",
     )
+    enable_lora: bool = option(
+        False,
+        "serve LoRA adapters of this model (implied by the server's --lora-modules): requests "
+        "name one in `model`, and the adapters of a step are applied together",
+        group="lora",
+    )
+    max_loras: int = option(
+        4, "adapters on the device at once (its slots); more wait for a free slot", group="lora"
+    )
+    max_lora_rank: int = option(
+        64, "largest adapter rank accepted (the slots are sized for it)", group="lora"
+    )
+    max_cpu_loras: int | None = option(
+        None,
+        "adapters kept loaded in host memory, least recently used dropped first (default: "
+        "max_loras); a dropped one is read from its path again when next used",
+        group="lora",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # every field's type and choices
@@ -229,6 +247,9 @@ class EngineConfig(Options):
             "swap_space",
             "max_cuda_graph_batch_size",
             "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -252,6 +273,30 @@ class EngineConfig(Options):
                 "speculative_ngram needs synchronous scheduling (each step's drafts come from "
                 "the tokens the previous step accepted): drop --async-scheduling"
             )
+
+        if self.enable_lora:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "LoRA adapters are not split over tensor-parallel ranks yet: serve them with "
+                "--tensor-parallel-size 1 (replicas with --data-parallel-size work)"
+            )
+        if self.task == "embed":
+            raise ValueError(
+                "LoRA adapters apply to generation: drop --enable-lora with --task embed"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                "every adapter in a device slot is also kept in host memory"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory: max_cpu_loras, or max_loras when unset."""
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def step_token_budget(self) -> int:

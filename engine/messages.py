@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import LoRARequest, SamplingParams
 
 # One position: (token logprob, token rank (1 = most likely), [(token id, logprob)] top-k).
 TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
@@ -26,6 +26,7 @@ class CoreRequest(msgspec.Struct, array_like=True, frozen=True):
     params: SamplingParams
     arrival_time: float
     encoder_input: bytes | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class SampleOutput(msgspec.Struct, array_like=True, gc=False):
@@ -70,6 +71,12 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     kv_host_blocks_total: int = 0
     num_swap_outs: int = 0
     num_swap_ins: int = 0
+    # LoRA: the adapters (names) of the running and of the waiting requests, the device slots
+    # (0: the engine serves no adapters), and the adapters copied into a slot so far.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
+    lora_slot_loads: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 GiB = 1 << 30
 
 # The groups of `--help`, in this order.
-GROUPS = ("model", "cache", "scheduler", "parallel", "speculative", "server")
+GROUPS = ("model", "cache", "scheduler", "parallel", "speculative", "lora", "server")
 
 
 def gib_to_bytes(text: str) -> int:

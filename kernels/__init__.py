@@ -150,3 +150,26 @@ gelu_tanh_and_mul = _dispatcher("gelu_tanh_and_mul")
 moe_route = _dispatcher("moe_route")
 fused_moe = _dispatcher("fused_moe")
 rotary_and_cache = _dispatcher("rotary_and_cache")
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    token_slots: torch.Tensor,
+    groups: list,
+    a_slots: torch.Tensor,
+    b_slots: torch.Tensor,
+    part_sizes: tuple[int, ...],
+) -> None:
+    """Add each token's LoRA delta into `y` in place (engine/lora/layers.py): on CUDA the Triton
+    shrink and expand of `kernels.triton_lora`, which read each token's slot on the device (a
+    captured CUDA graph replays them with any adapters); on CPU the grouped matmuls of
+    `kernels.lora` over `groups`, the step's tokens grouped by slot on the host."""
+    if y.is_cuda:
+        from pagedserve.kernels import triton_lora
+
+        triton_lora.lora_add_triton(y, x, token_slots, a_slots, b_slots, part_sizes)
+    elif groups:
+        from pagedserve.kernels import lora
+
+        lora.lora_add_cpu(y, x, groups, a_slots, b_slots, part_sizes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pagedserve.scheduler.block_pool import Block, BlockPool
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.outputs import (
     CachedRequestData,
     NewRequestData,
@@ -23,6 +24,7 @@ __all__ = [
     "CachedRequestData",
     "BlockPool",
     "KVCacheManager",
+    "LoRARequest",
     "Request",
     "RequestDelta",
     "RequestStatus",

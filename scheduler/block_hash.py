@@ -25,9 +25,21 @@ class BlockHash(NamedTuple):
 ROOT_DIGEST = bytes(32)
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash one full block given the hash of the block before it (None for block 0)."""
-    hasher = hashlib.sha256(ROOT_DIGEST if parent is None else parent.digest)
+def root_digest(lora_int_id: int = 0) -> bytes:
+    """The parent digest of block 0 for requests of LoRA adapter `lora_int_id` (0: the base
+    model): the adapter changes every layer's K and V, so the chains of different adapters
+    never meet, and equal tokens under two adapters are two different prefixes."""
+    if not lora_int_id:
+        return ROOT_DIGEST
+    return hashlib.sha256(b"lora" + lora_int_id.to_bytes(8, "little")).digest()
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], root: bytes = ROOT_DIGEST
+) -> BlockHash:
+    """Hash one full block given the hash of the block before it (None for block 0, which
+    chains from `root`: `root_digest` of the request's adapter)."""
+    hasher = hashlib.sha256(root if parent is None else parent.digest)
     # Fixed-width int64 encoding: unambiguous, and far cheaper than pickle or repr.
     hasher.update(array("q", token_ids).tobytes())
     return BlockHash(hasher.digest(), tuple(token_ids))

@@ -50,6 +50,10 @@ class SchedulerConfig:
     # Embedding models: a request's whole prompt runs in one step, never in chunks (an encoder
     # attends both ways; a pooled vector needs every token's hidden state in that step).
     prefill_only: bool = False
+    # LoRA: the most adapters the running requests may use at once (the worker's device slots);
+    # a waiting request of another adapter waits until one of them has no running request. 0:
+    # the engine serves no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedserve.scheduler.block_hash import BlockHash, hash_block_tokens
+from pagedserve.scheduler.block_hash import BlockHash, hash_block_tokens, root_digest
 from pagedserve.scheduler.block_pool import Block, BlockPool
 from pagedserve.scheduler.kv_groups import first_live_block
 from pagedserve.scheduler.request import Request
@@ -557,7 +557,8 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
+            root = root_digest(request.lora.lora_int_id if request.lora else 0)
+            hashes.append(hash_block_tokens(parent, token_ids[start : start + size], root))
         return hashes[:num_blocks]
 
     def _cache_full_blocks(

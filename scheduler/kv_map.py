@@ -47,6 +47,7 @@ def kv_map(scheduler: Scheduler) -> dict:
                 "encoder_block_ids": kv.encoder_block_ids(request.request_id),
                 "num_unused_slots": unused,
                 "num_preemptions": request.num_preemptions,
+                "lora": request.lora.lora_name if request.lora else None,
             }
         )
     num_used = sum(state == BLOCK_USED for state in states)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.request import RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class NewRequestData:
     # preemption freed them; not when only the runner's state for it is rebuilt).
     encoder_block_ids: tuple[int, ...] = ()
     encoder_input: object | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Iterable
 
+from pagedserve.scheduler.lora_request import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -81,6 +82,7 @@ class Request:
         "pause_after_sample",
         "awaiting_choice",
         "encoder_input",
+        "lora",
     )
 
     def __init__(
@@ -92,6 +94,7 @@ class Request:
         arrival_time: float | None = None,
         encoder_input: object | None = None,
         waiting_for_grammar: bool = False,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -136,6 +139,8 @@ class Request:
         # An encoder-decoder's request (Whisper): what the runner's encoder turns into its
         # cross-attention KV (opaque here), which holds SchedulerConfig.encoder_blocks blocks.
         self.encoder_input = encoder_input
+        # The LoRA adapter the request runs with (None: the base model).
+        self.lora = lora
 
     @property
     def num_prompt_tokens(self) -> int:

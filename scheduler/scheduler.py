@@ -214,6 +214,7 @@ class Scheduler(Preemption, Speculation, Forks):
         num_encoded = encoder_charge = 0
         if not preempted:
             position = 0  # requests before it in the queue await a choice (beams): skipped
+            loras = self._running_loras() if self.config.max_loras else set()
             while (
                 position < len(self.waiting)
                 and token_budget > 0
@@ -223,6 +224,12 @@ class Scheduler(Preemption, Speculation, Forks):
                 if request.awaiting_choice or request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                     position += 1
                     continue
+                lora = request.lora.lora_int_id if request.lora else 0
+                if lora and lora not in loras and len(loras) >= self.config.max_loras:
+                    # Every adapter slot is held by running requests: it waits for one, and
+                    # the requests behind it (other adapters, the base model) go first.
+                    position += 1
+                    continue
                 if request.num_output_placeholders:
                     # Preempted while its last token was being sampled: it resumes once that
                     # token is back (the next update_from_output), with all its tokens known.
@@ -230,6 +237,8 @@ class Scheduler(Preemption, Speculation, Forks):
                 if kv.is_swapped(request.request_id):
                     if self._swap_in(request, token_budget, new_requests, num_scheduled, sampling):
                         token_budget -= num_scheduled[request.request_id]
+                        if lora:
+                            loras.add(lora)
                         continue
                     if kv.is_swapped(request.request_id):
                         if self._preempt_idle(preempted):
@@ -265,6 +274,8 @@ class Scheduler(Preemption, Speculation, Forks):
                         continue  # room from a request awaiting a choice; try again
                     break  # FIFO: nobody overtakes the head of the queue
                 del self.waiting[position]
+                if lora:
+                    loras.add(lora)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached_tokens
                 self.running.append(request)
@@ -307,6 +318,19 @@ class Scheduler(Preemption, Speculation, Forks):
             swap_in=swap_in,
         )
 
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters (names, sorted) of the running requests and of those not running."""
+        running_ids = set(map(id, self.running))
+        running = {r.lora.lora_name for r in self.running if r.lora}
+        waiting = {
+            r.lora.lora_name for r in self.requests.values() if r.lora and id(r) not in running_ids
+        }
+        return tuple(sorted(running)), tuple(sorted(waiting))
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the running requests: each holds a device slot this step."""
+        return {request.lora.lora_int_id for request in self.running if request.lora}
+
     def _new_request_data(self, request: Request, encode: bool = False) -> NewRequestData:
         """The request in full, for a runner that has no state for it (before `_advance`);
         `encode`: its encoder blocks are new, for the runner to fill from its encoder input."""
@@ -319,6 +343,7 @@ class Scheduler(Preemption, Speculation, Forks):
             sampling_params=request.sampling_params,
             encoder_block_ids=tuple(self.kv_cache_manager.encoder_block_ids(request.request_id)),
             encoder_input=request.encoder_input if encode else None,
+            lora=request.lora,
         )
 
     @staticmethod

@@ -10,6 +10,7 @@ while those in flight finish, within --shutdown-timeout; then the engine stops, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import signal
@@ -61,6 +62,8 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
     its own with its own KV cache (engine/frontend/data_parallel.py); a Whisper model the same
     ways."""
     host, port, core_process = server.host, server.port, server.core_process
+    if server.lora_modules and not config.enable_lora:  # adapters to serve: LoRA is on
+        config = dataclasses.replace(config, enable_lora=True)
     data_parallel_size, max_queue_len = server.data_parallel_size, server.max_queue_len
     _check_port_free(host, port)  # before loading: a model can take minutes to load
     if data_parallel_size > 1:
@@ -97,6 +100,7 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
             tool_call_parser=server.tool_call_parser,
             reasoning_parser=server.reasoning_parser,
             allowed_origins=list(server.allowed_origins or ()) or None,
+            lora_modules=server.lora_modules or (),
         )
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, %s%s)",

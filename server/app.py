@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -46,6 +46,12 @@ from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completi
 from pagedserve.server.serving_common import ServerState, check_model, check_model_name
 from pagedserve.server.serving_completions import create_completion
 from pagedserve.server.serving_embeddings import add_embedding_routes
+from pagedserve.server.serving_lora import (
+    LoRAAdapters,
+    adapter_card,
+    add_lora_routes,
+    parse_lora_module,
+)
 from pagedserve.server.serving_messages import count_tokens, create_message
 from pagedserve.server.serving_responses import ResponsesAPI
 from pagedserve.server.serving_transcriptions import (
@@ -74,12 +80,18 @@ def build_app(
     tool_call_parser: str = "auto",
     reasoning_parser: str | None = None,
     allowed_origins: list[str] | None = None,
+    lora_modules: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
     background thread at startup and stops it at shutdown; otherwise the caller runs the loop
-    (`pagedserve serve` runs it on the main thread)."""
+    (`pagedserve serve` runs it on the main thread). `lora_modules`: LoRA adapters to serve
+    from the start, `name=path` each (server/serving_lora.py; ValueError for one that does not
+    fit the model)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
+    loras = LoRAAdapters(engine, tuple(served_model_names))
+    for module in lora_modules:
+        loras.load(*parse_lora_module(module))
     state = ServerState(
         engine=engine,
         metrics=Metrics(
@@ -94,6 +106,7 @@ def build_app(
         max_n=max_n,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        loras=loras,
     )
     app, v1, check_api_key = _new_app(
         engine, state.api_key, max_request_body_bytes, allowed_origins, manage_engine
@@ -101,8 +114,9 @@ def build_app(
     app.state.server = state
     _add_common_routes(
         app, v1, engine, state.served_model_names, model_root, engine.max_model_len,
-        state.metrics,
+        state.metrics, loras,
     )  # fmt: skip
+    add_lora_routes(v1, loras)
 
     whisper = whisper_config_of(model_root)
     if engine.inputs.pooling is not None:  # an embedding model (--task embed, or auto)
@@ -328,8 +342,10 @@ def _add_common_routes(
     model_root: str,
     max_model_len: int,
     metrics: Metrics,
+    loras: LoRAAdapters,
 ) -> None:
-    """/v1/models, /health, /version, /metrics and /."""
+    """/v1/models (the LoRA adapters too, each with its base model as parent), /health,
+    /version, /metrics and /."""
     created_at = int(time.time())
 
     def model_card(name: str) -> dict:
@@ -343,13 +359,23 @@ def _add_common_routes(
             "max_model_len": max_model_len,
         }
 
+    def adapter_cards() -> list[dict]:
+        base = model_card(served_model_names[0])
+        return [
+            adapter_card(base, name, path, served_model_names[0]) for name, path in loras.cards()
+        ]
+
     @v1.get("/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(n) for n in served_model_names]}
+        cards = [model_card(n) for n in served_model_names] + adapter_cards()
+        return {"object": "list", "data": cards}
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        check_model_name(served_model_names, model_id)
+        adapter = next((card for card in adapter_cards() if card["id"] == model_id), None)
+        if adapter is not None:
+            return adapter
+        check_model_name([*served_model_names, *loras.names()], model_id)
         return model_card(model_id)
 
     @app.get("/health")

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
+from pagedserve.scheduler import LoRARequest
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -104,6 +105,37 @@ class _EngineCollector(Collector):
                 yield family
 
 
+class _LoRACollector(Collector):
+    """vLLM's `vllm:lora_requests_info` (what Kubernetes routers read to route by adapter): one
+    sample whose labels name the adapters of the running and of the waiting requests
+    (comma-separated) and the adapters a core holds at once, valued the scrape's time; and
+    `pagedserve_lora_slot_loads`, the adapters copied into device slots so far (the slots'
+    churn). Nothing while the engine serves no adapters."""
+
+    def __init__(self, read_core_stats: Callable[[], Sequence[EngineStats]]) -> None:
+        self._read_core_stats = read_core_stats
+
+    def collect(self) -> Iterator[Metric]:
+        cores = [s for s in self._read_core_stats() if s.max_loras]
+        if not cores:
+            return
+        running = sorted({name for s in cores for name in s.running_loras})
+        waiting = sorted({name for s in cores for name in s.waiting_loras})
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        max_lora = str(max(s.max_loras for s in cores))
+        info.add_metric([",".join(running), ",".join(waiting), max_lora], time.time())
+        yield info
+        yield CounterMetricFamily(
+            "pagedserve_lora_slot_loads",
+            "LoRA adapters copied into a device slot (all cores)",
+            value=sum(s.lora_slot_loads for s in cores),
+        )
+
+
 def resident_memory_bytes(pid: int) -> int | None:
     """Resident set size of process `pid` in bytes (/proc/PID/statm: resident pages x page
     size); None where /proc is unavailable or the process is gone."""
@@ -166,6 +198,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(read_stats, read_core_stats))
         self.registry.register(_MemoryCollector(core_pids))
+        all_stats = read_core_stats or (lambda: [read_stats()])
+        self.registry.register(_LoRACollector(all_stats))
         r = self.registry
         self.prompt_tokens = Counter(
             "pagedserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r
@@ -191,6 +225,12 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.lora_requests = Counter(
+            "pagedserve_lora_requests",
+            "Engine requests accepted per LoRA adapter",
+            ["lora_name"],
+            registry=r,
+        )
         self.e2e = Histogram(
             "pagedserve_e2e_request_latency_seconds",
             "From the request's arrival to its last token",
@@ -198,9 +238,14 @@ class Metrics:
             registry=r,
         )
 
-    def track(self, num_prompt_tokens: int, arrival: float | None = None) -> RequestMetrics:
-        """Start recording one engine request (arrival in time.monotonic() seconds)."""
+    def track(
+        self, num_prompt_tokens: int, arrival: float | None = None, lora: LoRARequest | None = None
+    ) -> RequestMetrics:
+        """Start recording one engine request (arrival in time.monotonic() seconds) of adapter
+        `lora` (None: the base model)."""
         self.prompt_tokens.inc(num_prompt_tokens)
+        if lora is not None:
+            self.lora_requests.labels(lora_name=lora.lora_name).inc()
         return RequestMetrics(self, time.monotonic() if arrival is None else arrival)
 
 

@@ -56,6 +56,13 @@ class ServerConfig(Options):
         choices=REASONING_PARSERS,
         group="server",
     )
+    lora_modules: tuple[str, ...] | None = option(
+        None,
+        "LoRA adapters to serve from the start, as name=path (a PEFT folder or a GGUF LoRA "
+        "file) or vLLM's JSON form; requests name one in `model` (implies --enable-lora)",
+        group="lora",
+        metavar="NAME=PATH",
+    )
     enable_auto_tool_choice: bool = option(
         False, "accepted for vLLM command lines: tool_choice auto is always on here", group="server"
     )

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.engine.models.tokenizer import apply_chat_template
+from pagedserve.scheduler import LoRARequest
 from pagedserve.scheduler.sampling_params import MAX_LOGPROBS
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
@@ -82,9 +83,11 @@ class ChatRun:
     prompt_tokens: int = 0  # the rendered conversation's (the Messages API's message_start)
     reasoning: ReasoningPlan | None = None  # --reasoning-parser: how choices split off <think>
     want_prompt_logprobs: bool = False  # vLLM's prompt_logprobs: in the body, whole answers only
+    lora: LoRARequest | None = None  # the adapter named in `model` (None: the base model)
 
     def base(self, state: ServerState) -> dict[str, Any]:
-        return {"id": self.request_id, "created": created(), "model": state.model_name}
+        model = state.answering_model(self.lora)
+        return {"id": self.request_id, "created": created(), "model": model}
 
 
 async def create_chat_completion(
@@ -102,7 +105,7 @@ async def create_chat_completion(
 
 def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     """Check the request (a 400 names the field), render the conversation and queue it."""
-    check_model(state, req.model)
+    lora = check_model(state, req.model)
     tokenizer = state.engine.tokenizer
     tools = plan_tools(req, getattr(tokenizer, "chat_template", None), state.tool_call_parser)
     forced = tools.constraint() if tools is not None else None
@@ -144,7 +147,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
         constrain=constrain,
     )
     request_id = new_id("chatcmpl")
-    queued = add_requests(state, request_id, [prompt], [params], time.monotonic())
+    queued = add_requests(state, request_id, [prompt], [params], time.monotonic(), lora)
     return ChatRun(
         request_id,
         queued,
@@ -155,6 +158,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
         len(prompt.token_ids),
         reasoning=reasoning,
         want_prompt_logprobs=req.prompt_logprobs is not None,
+        lora=lora,
     )
 
 

@@ -18,11 +18,12 @@ from fastapi import Request
 from pagedserve.engine.frontend.client import EngineClient, RequestStream
 from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.frontend.outputs import Logprob, RequestOutput
-from pagedserve.scheduler import SamplingParams, StructuredOutputs
+from pagedserve.scheduler import LoRARequest, SamplingParams, StructuredOutputs
 from pagedserve.server.errors import APIError, as_api_error, error_body
 from pagedserve.server.limits import DEFAULT_MAX_N
 from pagedserve.server.metrics import Metrics, RequestMetrics
 from pagedserve.server.protocol import SamplingFields
+from pagedserve.server.serving_lora import LoRAAdapters
 from pagedserve.server.structured_outputs import structured_outputs_of
 
 logger = logging.getLogger("pagedserve")
@@ -46,18 +47,31 @@ class ServerState:
     max_n: int = DEFAULT_MAX_N  # samples per prompt (--max-n)
     tool_call_parser: str = "auto"  # how tool calls are read from text (--tool-call-parser)
     reasoning_parser: str | None = None  # how <think> parts are read (--reasoning-parser)
+    loras: LoRAAdapters | None = None  # the LoRA adapters served by name (server/serving_lora.py)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def answering_model(self, lora: LoRARequest | None) -> str:
+        """The `model` of an answer: the adapter's name, or the base model's."""
+        return self.model_name if lora is None else lora.lora_name
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    check_model_name(state.served_model_names, model)
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter `model` names, None for the base model (or no model given); APIError 404
+    for a name that is neither."""
+    if model is None or model in state.served_model_names:
+        return None
+    lora = state.loras.get(model) if state.loras is not None else None
+    if lora is None:
+        names = [*state.served_model_names, *(state.loras.names() if state.loras else ())]
+        check_model_name(names, model)
+    return lora
 
 
 def check_model_name(served_model_names: Sequence[str], model: str | None) -> None:
@@ -202,14 +216,17 @@ def add_requests(
     prompts: Sequence[Prompt],
     params: Sequence[SamplingParams],
     arrival: float,
+    lora: LoRARequest | None = None,
 ) -> list[tuple[RequestStream, RequestMetrics]]:
-    """Queue one engine request per prompt; all or nothing (a failure aborts the ones queued)."""
+    """Queue one engine request per prompt, with the adapter `lora` (None: the base model); all
+    or nothing (a failure aborts the ones queued)."""
     queued: list[tuple[RequestStream, RequestMetrics]] = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            stream = state.engine.add_request(rid, prompt, p)
-            queued.append((stream, state.metrics.track(len(prompt.token_ids), arrival)))
+            stream = state.engine.add_request(rid, prompt, p, lora_request=lora)
+            metrics = state.metrics.track(len(prompt.token_ids), arrival, lora)
+            queued.append((stream, metrics))
     except BaseException:
         for stream, _ in queued:
             stream.abort()

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.scheduler import LoRARequest
 from pagedserve.server.errors import APIError
 from pagedserve.server.fill_in_middle import fim_prompts
 from pagedserve.server.protocol import CompletionRequest
@@ -42,7 +43,7 @@ from pagedserve.server.serving_common import (
 async def create_completion(
     state: ServerState, req: CompletionRequest, raw_request: Request
 ) -> JSONResponse | StreamingResponse:
-    check_model(state, req.model)
+    lora = check_model(state, req.model)
     warn_unknown_fields(req, "/v1/completions")
     if req.suffix is not None and req.echo:
         # As OpenAI: the echoed prompt would have to hold the suffix too.
@@ -69,11 +70,11 @@ async def create_completion(
         )
     arrival = time.monotonic()
     request_id = new_id("cmpl")
-    queued = add_requests(state, request_id, prompts, params, arrival)
+    queued = add_requests(state, request_id, prompts, params, arrival, lora)
     writer = _ChoiceWriter(state, req, prompts, echo_only)
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, queued, writer), media_type="text/event-stream"
+            _stream(state, req, request_id, queued, writer, lora), media_type="text/event-stream"
         )
     finals = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
     choices = []
@@ -89,7 +90,7 @@ async def create_completion(
             "id": request_id,
             "object": "text_completion",
             "created": created(),
-            "model": state.model_name,
+            "model": state.answering_model(lora),
             "choices": choices,
             "usage": counts,
         }
@@ -256,12 +257,13 @@ async def _stream(
     request_id: str,
     queued,
     writer: _ChoiceWriter,
+    lora: LoRARequest | None,
 ) -> AsyncIterator[str]:
     base = {
         "id": request_id,
         "object": "text_completion",
         "created": created(),
-        "model": state.model_name,
+        "model": state.answering_model(lora),
     }
     wholes: dict[int, RequestOutput] = {}
     try:

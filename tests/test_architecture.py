@@ -128,8 +128,9 @@ def test_imports_point_down_the_table(package):
 # a core in the caller's process.
 ROOM_ALLOWED = {
     "models": set(),
-    "worker": {"models"},
-    "core": {"worker", "models"},
+    "lora": {"models"},
+    "worker": {"lora", "models"},
+    "core": {"worker", "lora", "models"},
     "frontend": set(),
 }
 ENGINE_SHARED = {
@@ -140,7 +141,7 @@ FRONT_END_MAY_IMPORT = {
     "engine.models.model_config", "engine.models.hf_config", "engine.models.gguf_config",
     "engine.models.builtin_shapes", "engine.models.model_source", "engine.models.tokenizer",
     "engine.models.whisper_config", "engine.models.bert_config", "engine.core.process",
-    "engine.core.beam_search",
+    "engine.core.beam_search", "engine.lora.request", "engine.lora.adapter",
 }  # fmt: skip
 IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}
 
@@ -228,6 +229,7 @@ def test_scheduler_is_pure_python():
 TRITON_MODULES = {
     "kernels/triton_attention.py",
     "kernels/triton_fused.py",
+    "kernels/triton_lora.py",
     "kernels/triton_moe.py",
     "kernels/triton_ops.py",
 }
@@ -240,12 +242,12 @@ def test_triton_is_imported_only_by_the_triton_modules():
     assert {i.path for i in product if i.top == "triton"} == TRITON_MODULES - {
         "kernels/triton_ops.py"
     }
-    outside = [
+    outside = {
         (i.path, i.lazy)
         for i in product
         if i.path not in TRITON_MODULES and any(m.startswith("kernels.triton_") for m in i.modules)
-    ]
-    assert outside == [("kernels/__init__.py", True)]
+    }
+    assert outside == {("kernels/__init__.py", True)}
 
 
 def test_bench_extra_modules_stay_in_bench():

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.messages import CoreRequest, SampleOutput
-from pagedserve.scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from pagedserve.scheduler import LoRARequest, Request, RequestStatus, SamplingParams, Scheduler
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class BeamSearch:
     arrival_time: float
     eos_token_ids: frozenset[int]
     new_id: Callable[[], str]
+    lora: LoRARequest | None = None  # the request's adapter: every beam runs with it
     # Live beam id -> (generated tokens, cumulative logprob), before this round's token.
     beams: dict[str, tuple[list[int], float]] = field(default_factory=dict)
     # This round: beam id -> (the top 2k (token, logprob), the beam ended in the scheduler).
@@ -108,6 +109,7 @@ class BeamSearch:
             self.beam_params(),
             self.eos_token_ids,
             self.arrival_time,
+            lora=self.lora,
         )
         request.append_output_token_ids(token_ids)
         request.pause_after_sample = True
@@ -221,6 +223,7 @@ def start_beam_search(
         arrival_time=first.arrival_time,
         eos_token_ids=frozenset(eos_token_ids),
         new_id=new_id,
+        lora=first.lora,
     )
     return search, search.new_beam([], 0.0)
 

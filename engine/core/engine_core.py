@@ -95,6 +95,7 @@ class EngineCore:
                 encoder_blocks=plan.encoder_blocks,
                 encoder_tokens=mc.whisper.max_source_positions if mc.is_encoder_decoder else 0,
                 prefill_only=embeds,
+                max_loras=config.max_loras if config.enable_lora else 0,
             )
         )
         # Structured outputs: the grammars compiling (their samples wait in the scheduler,
@@ -108,6 +109,7 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
+        self._rejected: list[SampleOutput] = []  # failed in add_samples, reported by the next step
         self.beams = BeamSearches(self.scheduler, self.eos_token_ids)
 
     # ---- samples ---------------------------------------------------------------------------------
@@ -117,7 +119,9 @@ class EngineCore:
         others fork its blocks once it has (`Scheduler.add_request`'s fork_parent). With
         `use_beam_search` they are the slots of one beam search's results instead."""
         self.num_requests_added += 1
-        params = samples[0].params
+        params, lora = samples[0].params, samples[0].lora
+        if lora is not None and not self._load_lora(samples):
+            return
         spec = params.structured_outputs
         if spec is not None:  # admitted once the grammar has compiled (`_start_grammars`)
             self.structured.compile(spec, [sample.request_id for sample in samples])
@@ -134,9 +138,27 @@ class EngineCore:
                 sample.arrival_time,
                 sample.encoder_input,
                 waiting_for_grammar=spec is not None,
+                lora=sample.lora,
             )
             self.scheduler.add_request(request, fork_parent=parent)
             parent = parent or request
+
+    def _load_lora(self, samples: list[CoreRequest]) -> bool:
+        """Have the request's adapter in host memory before it is scheduled; when it cannot be
+        read (its files went away after the front end checked them), fail its samples."""
+        lora = samples[0].lora
+        try:
+            if self.worker.lora is None:
+                raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+            self.worker.lora.add(lora)
+        except ValueError as e:
+            logger.error("adapter %r could not be loaded: %s", lora.lora_name, e)
+            error = f"adapter {lora.lora_name!r} could not be loaded: {e}"
+            self._rejected += [
+                SampleOutput(s.request_id, [], "error", error=error) for s in samples
+            ]
+            return False
+        return True
 
     def _start_grammars(self) -> list[SampleOutput]:
         """Let the samples whose grammar has compiled be admitted, each with a matcher of its
@@ -188,8 +210,13 @@ class EngineCore:
         return outputs
 
     def has_work(self) -> bool:
-        """Samples to schedule, or a launched step whose results are still to be read."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        """Samples to schedule, a launched step whose results are still to be read, or failures
+        to report."""
+        return (
+            self._in_flight is not None
+            or self.scheduler.has_unfinished_requests()
+            or bool(self._rejected)
+        )
 
     # ---- stepping --------------------------------------------------------------------------------
 
@@ -206,6 +233,8 @@ class EngineCore:
         start = time.perf_counter()
         try:
             early = self._start_grammars() if self.structured.compiling else []
+            if self._rejected:
+                early, self._rejected = self._rejected + early, []
             # A constrained sample's mask needs its last token: while any is live, steps run
             # one at a time (the one in flight is read first).
             if self.structured.matchers:
@@ -376,6 +405,19 @@ class EngineCore:
             kv_host_blocks_total=self.worker.num_host_blocks,
             num_swap_outs=scheduler.num_swap_outs,
             num_swap_ins=scheduler.num_swap_ins,
+            **self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> dict:
+        lora = self.worker.lora
+        if lora is None:
+            return {}
+        running, waiting = self.scheduler.lora_names()
+        return dict(
+            running_loras=running,
+            waiting_loras=waiting,
+            max_loras=lora.max_loras,
+            lora_slot_loads=lora.num_slot_loads,
         )
 
     def kv_map(self) -> bytes:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from pagedserve.engine.frontend.inputs import EMBEDDING_PARAMS, InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import LoRARequest, SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -158,10 +158,11 @@ class EngineClient(ABC):
         prompt: str | Sequence[int] | Prompt,
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Check a request (`InputProcessor.process_inputs`, on the caller's thread) and queue
         it; iterate the returned stream for its outputs (of `params.output_kind`: the server
-        asks for "delta").
+        asks for "delta"). `lora_request`: the adapter it runs with (None: the base model).
 
         Raises at once (nothing queued) ValueError for inputs the engine cannot serve,
         QueueFullError when max_queue_len requests are already waiting, DrainingError once the
@@ -171,7 +172,7 @@ class EngineClient(ABC):
             raise EngineDeadError(self._dead_message())
         if self.draining:
             raise DrainingError("the server is shutting down and accepts no new requests")
-        prompt = self.inputs.process_inputs(prompt, params)
+        prompt = self.inputs.process_inputs(prompt, params, lora_request)
         with self._lock:
             if request_id in self._ids_in_use:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -189,7 +190,8 @@ class EngineClient(ABC):
             self._ids_in_use.add(request_id)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         try:
-            request = NewRequest(request_id, prompt, params, arrival_time or time.time())
+            arrival = arrival_time or time.time()
+            request = NewRequest(request_id, prompt, params, arrival, lora_request)
             self._submit(request, stream)
         except BaseException:  # not queued after all: it must not count against the queue
             with self._lock:

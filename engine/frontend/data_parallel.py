@@ -70,7 +70,7 @@ from pagedserve.engine.frontend.inputs import InputProcessor, NewRequest, Prompt
 from pagedserve.engine.frontend.process_client import ProcessEngine, front_end_inputs
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import SamplingParams
-from pagedserve.scheduler.block_hash import hash_block_tokens
+from pagedserve.scheduler.block_hash import hash_block_tokens, root_digest
 
 logger = logging.getLogger("pagedserve")
 
@@ -116,16 +116,17 @@ class PrefixRouter:
             self._max_blocks[core] = max(1, max_blocks)
             self._trim(core)
 
-    def prefix_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+    def prefix_hashes(self, token_ids: Sequence[int], lora_int_id: int = 0) -> list[bytes]:
         """The digests of the prompt's full blocks, chained as the prefix cache chains them
-        (empty without prefix caching)."""
+        (from the root of the request's LoRA adapter; empty without prefix caching)."""
         if not self.prefix_caching:
             return []
         size = self.block_size
         digests = []
         parent = None
+        root = root_digest(lora_int_id)
         for start in range(0, len(token_ids) - size + 1, size):
-            parent = hash_block_tokens(parent, token_ids[start : start + size])
+            parent = hash_block_tokens(parent, token_ids[start : start + size], root)
             digests.append(parent.digest)
         return digests
 
@@ -390,7 +391,9 @@ class DataParallelEngine(EngineClient):
 
     def _submit(self, request: NewRequest, stream: RequestStream) -> None:
         cost = request_cost(request.prompt, request.params)
-        index = self.router.assign(self.router.prefix_hashes(request.prompt.token_ids), cost)
+        lora_id = request.lora.lora_int_id if request.lora else 0
+        hashes = self.router.prefix_hashes(request.prompt.token_ids, lora_id)
+        index = self.router.assign(hashes, cost)
         with self._lock:
             self._routes[request.request_id] = (index, cost)
         try:

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedserve.engine.lora.adapter import load_adapter
 from pagedserve.engine.structured_output import check as check_structured_outputs
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import LoRARequest, SamplingParams
 
 if TYPE_CHECKING:
     from pagedserve.engine.models.bert_config import PoolingConfig
@@ -52,6 +53,7 @@ class NewRequest:
     prompt: Prompt
     params: SamplingParams
     arrival_time: float
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class InputProcessor:
@@ -67,6 +69,8 @@ class InputProcessor:
         max_audio_samples: int = 0,
         pooling: PoolingConfig | None = None,
         hidden_size: int = 0,
+        model_config: ModelConfig | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -75,6 +79,11 @@ class InputProcessor:
         # An embedding engine's pooling (every request is pooled), and its vectors' size.
         self.pooling = pooling
         self.hidden_size = hidden_size
+        # LoRA (None: the engine serves no adapters): adapters are checked against the model
+        # here, once per adapter id, before any request of theirs is queued.
+        self.model_config = model_config
+        self.max_lora_rank = max_lora_rank
+        self._checked_loras: dict[int, str] = {}  # adapter id -> its path, checked
 
     @classmethod
     def for_model(
@@ -83,9 +92,28 @@ class InputProcessor:
         max_model_len: int,
         config: ModelConfig,
         pooling: PoolingConfig | None = None,
+        max_lora_rank: int | None = None,
     ) -> InputProcessor:
+        """`max_lora_rank`: the engine's, when it serves LoRA adapters (None: it serves none)."""
         audio = config.whisper.window_samples if config.is_encoder_decoder else 0
-        return cls(tokenizer, max_model_len, config.vocab_size, audio, pooling, config.hidden_size)
+        return cls(
+            tokenizer, max_model_len, config.vocab_size, audio, pooling, config.hidden_size,
+            config, max_lora_rank,
+        )  # fmt: skip
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """Refuse (ValueError) an adapter this engine cannot run: LoRA is off, its files are
+        missing or unreadable, or they do not fit the model (engine/lora/adapter.py says what is
+        checked). Reads the adapter once per id."""
+        if lora is None or self._checked_loras.get(lora.lora_int_id) == lora.lora_path:
+            return
+        if self.max_lora_rank is None or self.model_config is None:
+            raise ValueError(
+                f"adapter {lora.lora_name!r}: this engine serves no LoRA adapters; start it with "
+                "--enable-lora (or the server's --lora-modules)"
+            )
+        load_adapter(lora.lora_path, self.model_config, self.max_lora_rank, lora.lora_name)
+        self._checked_loras[lora.lora_int_id] = lora.lora_path
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
@@ -159,10 +187,15 @@ class InputProcessor:
         return samples.astype(np.float32).tobytes()
 
     def process_inputs(
-        self, prompt: str | Sequence[int] | Prompt | AudioPrompt, params: SamplingParams
+        self,
+        prompt: str | Sequence[int] | Prompt | AudioPrompt,
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
     ) -> Prompt:
-        """`process_prompt`, the params' type (their values were checked when they were built)
-        and their structured outputs' grammar (`structured_output.check`)."""
+        """`process_prompt`, the params' type (their values were checked when they were built),
+        their structured outputs' grammar (`structured_output.check`) and the adapter
+        (`check_lora`)."""
+        self.check_lora(lora)
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"

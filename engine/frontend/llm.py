@@ -21,7 +21,7 @@ from pagedserve.engine.frontend.outputs import (
 )
 from pagedserve.engine.models.tokenizer import apply_chat_template
 from pagedserve.engine.tp_endpoint import TPEndpoint
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import LoRARequest, SamplingParams
 
 PromptInput = str | Sequence[int]
 Message = dict[str, Any]
@@ -57,11 +57,15 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (strings or token-id lists), in input order.
-        A bad prompt or params raises ValueError before anything is queued."""
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model; the engine needs enable_lora). A bad prompt, params or adapter raises ValueError
+        before anything is queued."""
         prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, self._params_for(len(prompt_list), sampling_params), use_tqdm)
+        params = self._params_for(len(prompt_list), sampling_params)
+        return self._run(prompt_list, params, use_tqdm, _loras_for(len(prompt_list), lora_request))
 
     def embed(
         self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False
@@ -78,6 +82,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of conversations, rendered with the
         model's chat template."""
@@ -88,7 +93,8 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self._run(prompt_list, self._params_for(len(prompt_list), sampling_params), use_tqdm)
+        params = self._params_for(len(prompt_list), sampling_params)
+        return self._run(prompt_list, params, use_tqdm, _loras_for(len(prompt_list), lora_request))
 
     def beam_search(
         self,
@@ -132,20 +138,25 @@ class LLM:
         return params
 
     def _run(
-        self, prompts: list[PromptInput], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptInput],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[Any]:
-        # Every prompt and params was checked before the first is queued: a bad one raises with
-        # nothing scheduled.
+        loras = loras or [None] * len(prompts)
+        # Every prompt, params and adapter was checked before the first is queued: a bad one
+        # raises with nothing scheduled.
         inputs = [
-            self.engine.process_inputs(prompt, params)
-            for prompt, params in zip(prompts, params_list, strict=True)
+            self.engine.process_inputs(prompt, params, lora)
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True)
         ]
         ids = []
-        for prompt, params in zip(inputs, params_list, strict=True):
+        for prompt, params, lora in zip(inputs, params_list, loras, strict=True):
             request_id = str(next(self._ids))
             # Only the finished output is read: no per-step copies of the outputs so far.
             final = params if params is EMBEDDING_PARAMS else params.clone(output_kind="final")
-            self.engine.enqueue(NewRequest(request_id, prompt, final, time.time()))
+            self.engine.enqueue(NewRequest(request_id, prompt, final, time.time(), lora))
             ids.append(request_id)
         finished: dict[str, RequestOutput | PoolingOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
@@ -165,3 +176,14 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # one token-id list
     return prompts
+
+
+def _loras_for(
+    count: int, lora: LoRARequest | Sequence[LoRARequest | None] | None
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras

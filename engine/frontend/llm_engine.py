@@ -19,7 +19,7 @@ from pagedserve.engine.frontend.output_processor import OutputProcessor
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
 from pagedserve.engine.tp_endpoint import TPEndpoint
-from pagedserve.scheduler import SamplingParams
+from pagedserve.scheduler import LoRARequest, SamplingParams
 
 
 class LLMEngine:
@@ -30,8 +30,9 @@ class LLMEngine:
         self.core = EngineCore(config, endpoint)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
+        lora_rank = config.max_lora_rank if config.enable_lora else None
         self.inputs = InputProcessor.for_model(
-            self.tokenizer, self.max_model_len, self.core.model_config, self.core.pooling
+            self.tokenizer, self.max_model_len, self.core.model_config, self.core.pooling, lora_rank
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -45,9 +46,12 @@ class LLMEngine:
         return self.inputs.process_prompt(prompt)
 
     def process_inputs(
-        self, prompt: str | Sequence[int] | Prompt, params: SamplingParams
+        self,
+        prompt: str | Sequence[int] | Prompt,
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
     ) -> Prompt:
-        return self.inputs.process_inputs(prompt, params)
+        return self.inputs.process_inputs(prompt, params, lora)
 
     def add_request(
         self,
@@ -55,13 +59,17 @@ class LLMEngine:
         prompt: str | Sequence[int] | Prompt,
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Prompt:
         """Check a request (`process_inputs`) and queue its n samples. `prompt` is text, token
-        ids, or a Prompt from `process_prompt`. Returns the Prompt."""
+        ids, or a Prompt from `process_prompt`; `lora_request` the adapter it runs with.
+        Returns the Prompt."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = self.process_inputs(prompt, params)
-        self.enqueue(NewRequest(request_id, prompt, params, arrival_time or time.time()))
+        prompt = self.process_inputs(prompt, params, lora_request)
+        self.enqueue(
+            NewRequest(request_id, prompt, params, arrival_time or time.time(), lora_request)
+        )
         return prompt
 
     def enqueue(self, request: NewRequest) -> None:

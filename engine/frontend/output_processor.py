@@ -218,6 +218,7 @@ class OutputProcessor:
                     child_params,
                     parent.arrival_time,
                     prompt.encoder_input,
+                    request.lora,
                 )
             )
         self._parents[request_id] = parent

@@ -77,6 +77,7 @@ def front_end_inputs(config: EngineConfig) -> InputProcessor:
         config.model_len(context_length(model_config, pooling)),
         model_config,
         pooling,
+        config.max_lora_rank if config.enable_lora else None,
     )
 
 

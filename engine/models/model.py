@@ -125,6 +125,9 @@ class Attention(nn.Module):
         self.kv_scales: dict[str, torch.Tensor] = {}
         # Set for the first step: take the scales from its K and V (`calibrate_kv_scales`).
         self.calibrate_dtype: torch.dtype | None = None
+        # LoRA adapters' deltas on the projections (engine/lora/layers.py), when the engine
+        # serves adapters: set by the worker's LoRAManager.
+        self.qkv_lora = self.o_lora = None
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops, config.is_gemma)
@@ -140,6 +143,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        if self.qkv_lora is not None:
+            self.qkv_lora.add(qkv, x)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         k_cache, v_cache = kv_cache
@@ -164,7 +169,11 @@ class Attention(nn.Module):
             softcap=self.softcap,
             **self.kv_scales,
         )
-        return _reduce(linear(out.reshape(n, self.q_size), self.o_proj), self.tp)
+        out = out.reshape(n, self.q_size)
+        y = linear(out, self.o_proj)
+        if self.o_lora is not None:
+            self.o_lora.add(y, out)
+        return _reduce(y, self.tp)
 
     def _calibrate(self, qkv: torch.Tensor) -> None:
         """Set the K and V scales from this step's largest magnitudes (`kv_scale_from_amax`:
@@ -197,10 +206,20 @@ class MLP(nn.Module):
         self.act_and_mul = _ACT_AND_MUL[config.hidden_act]
         self.gate_up_proj = _empty(2 * config.intermediate_size, config.hidden_size)
         self.down_proj = _empty(config.hidden_size, config.intermediate_size)
+        self.gate_up_lora = self.down_lora = None  # LoRA deltas, as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_and_mul = getattr(self.ops, self.act_and_mul)
-        return _reduce(linear(act_and_mul(linear(x, self.gate_up_proj)), self.down_proj), self.tp)
+        if self.gate_up_lora is None:
+            return _reduce(
+                linear(act_and_mul(linear(x, self.gate_up_proj)), self.down_proj), self.tp
+            )
+        gate_up = linear(x, self.gate_up_proj)
+        self.gate_up_lora.add(gate_up, x)
+        h = act_and_mul(gate_up)
+        y = linear(h, self.down_proj)
+        self.down_lora.add(y, h)
+        return _reduce(y, self.tp)
 
 
 class MoE(nn.Module):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedserve.scheduler import SamplingParams, SchedulerOutput
+from pagedserve.scheduler import LoRARequest, SamplingParams, SchedulerOutput
 from pagedserve.scheduler.outputs import NewRequestData
 
 
@@ -89,6 +89,9 @@ class InputBatch:
         # Index of the row's token in the last launched step's sampled ids (-1: none).
         self.last_sample_index = np.full(max_num_reqs, -1, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        # Each row's LoRA adapter (None: the base model), and the rows that have one.
+        self.loras: list[LoRARequest | None] = [None] * max_num_reqs
+        self.lora_rows: set[int] = set()
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Rows whose sampling reads their token history (penalties), or that score their prompt:
@@ -146,12 +149,17 @@ class InputBatch:
             self.history_rows.add(row)
         if params.prompt_logprobs is not None:
             self.prompt_logprob_rows.add(row)
+        self.loras[row] = new.lora
+        if new.lora is not None:
+            self.lora_rows.add(row)
 
     def _remove(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is None:
             return  # finished before it was ever scheduled
         self.params[row] = None
+        self.loras[row] = None
+        self.lora_rows.discard(row)
         self.history_rows.discard(row)
         self.prompt_logprob_rows.discard(row)
         self._free_rows.append(row)

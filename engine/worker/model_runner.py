@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve import kernels
+from pagedserve.engine.lora.slots import LoRAManager
 from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.model import CausalLM, KVCache
 from pagedserve.engine.models.parallel import TPGroup
@@ -231,6 +232,7 @@ class ModelRunner:
         self.encoder_tables: dict[str, tuple[int, ...]] = {}
         self._suppress_masks = suppression_masks(*suppress, model.config.vocab_size)
         self.pooler = None  # an embedding model's (engine/worker/pooler.py): it pools, no sampling
+        self.lora: LoRAManager | None = None  # the adapters' slots, when the engine serves them
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step to completion."""
@@ -262,6 +264,8 @@ class ModelRunner:
         ):
             previous.result()  # penalties read the whole history on the host: wait for it
         batch = state.prepare(out, rows, self.block_size)
+        if self.lora is not None:
+            self._set_loras(batch)
         if self.pooler is not None:
             return self.pooler.run(self, batch)
         sampling_rows = self._sampling_rows(batch)
@@ -310,6 +314,15 @@ class ModelRunner:
         if sampling_rows:
             self._last = handle
         return handle
+
+    def _set_loras(self, batch: Batch) -> None:
+        """Each token's adapter slot for the layers (adapters copied into slots as needed)."""
+        state = self.input_batch
+        if not state.lora_rows:
+            self.lora.step.clear()
+            return
+        loras = [state.loras[row] for row in batch.rows.tolist()]
+        self.lora.set_step(loras, np.diff(batch.query_start_loc))
 
     def _share_sample(self, sample: DeviceSample | None, num_rows: int) -> DeviceSample:
         """Tensor parallel: rank 0's sampled ids reach every rank (on the device, so the next

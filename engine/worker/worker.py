@@ -19,6 +19,7 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.lora.slots import LoRAManager
 from pagedserve.engine.models.bert import BertModel, load_bert_model
 from pagedserve.engine.models.bert_config import embedding_pooling
 from pagedserve.engine.models.cpu_linear import can_pack
@@ -144,6 +145,7 @@ class Worker:
             self.attention_backend,
             time.perf_counter() - start,
         )
+        self.lora = self._build_lora(config)
 
         kv_memory = config.kv_cache_memory
         num_kv_blocks = config.num_kv_blocks
@@ -200,13 +202,14 @@ class Worker:
             config.max_num_seqs,
             self.max_model_len,
             config.seed,
-            graphs=self._capture_decode_graphs(kv_caches),
+            graphs=self._capture_with_lora(kv_caches),
             ops=self.attention_ops,
             windows=self.kv_plan.windows,
             num_host_blocks=self.num_host_blocks,
             tp=self.tp,
             suppress=self._suppressed_tokens(),
         )
+        self.runner.lora = self.lora
         if self.pooling is not None:
             from pagedserve.engine.worker.pooler import Pooler
 
@@ -221,6 +224,46 @@ class Worker:
         )
         if config.calculate_kv_scales:  # now: start-up's own forward passes are not data
             self.model.calibrate_kv_scales(self.kv_cache_dtype)
+
+    def _build_lora(self, config: EngineConfig) -> LoRAManager | None:
+        """The adapters' slots on the device, attached to the model's projections, when the
+        engine serves LoRA adapters."""
+        if not config.enable_lora:
+            return None
+        if not isinstance(self.model, CausalLM):
+            raise ValueError(
+                f"LoRA adapters apply to decoder models; {self.model_config.architecture} is not "
+                "one: drop --enable-lora"
+            )
+        lora = LoRAManager(
+            self.model,
+            config.max_loras,
+            config.max_lora_rank,
+            config.num_cpu_loras,
+            config.step_token_budget,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "LoRA: %d adapter slots up to rank %d, %.1f MiB on %s; %d adapters kept in host memory",
+            config.max_loras,
+            config.max_lora_rank,
+            lora.num_bytes / 2**20,
+            self.device,
+            config.num_cpu_loras,
+        )
+        return lora
+
+    def _capture_with_lora(self, kv_caches: list) -> DecodeGraphs | None:
+        """The decode graphs, captured with the adapters' kernels in them when the engine serves
+        adapters (every token on no slot then: a replay reads the step's slots)."""
+        if self.lora is None:
+            return self._capture_decode_graphs(kv_caches)
+        self.lora.step.active = True
+        try:
+            return self._capture_decode_graphs(kv_caches)
+        finally:
+            self.lora.step.clear()
 
     def _build_model(self) -> CausalLM | WhisperModel | BertModel:
         if self.model_config.is_encoder_only:

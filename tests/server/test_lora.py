@@ -1,0 +1,157 @@
+"""LoRA adapters on the real SmolLM2 through a real `pagedserve serve` and the official `openai`
+client: an adapter saved by PEFT, served with --lora-modules and loaded again at run time
+(vLLM's /v1/load_lora_adapter), gives the greedy tokens of PEFT's PeftModel around transformers'
+own SmolLM2 (read from the same GGUF file, float32 as the server runs it); unloading an adapter
+while its stream runs lets the stream finish; /v1/models, /v1/kv and /metrics know the adapters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.helpers import hf_greedy
+from tests.lora_adapters import ALL_TARGETS, random_peft_model
+from tests.server.conftest import SMOLLM2_ARGS
+from tests.server.util import RunningServer, client, run_server
+
+PROMPT = "The capital of France is"
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapter(hf_smollm2, tmp_path_factory):
+    """(a PEFT adapter folder for SmolLM2: rank 8 on every target, alpha 16; the greedy
+    tokens PEFT gives with it, and those of the base model) for PROMPT."""
+    hf, tokenizer = hf_smollm2
+    peft_model = random_peft_model(hf, r=8, alpha=16, target_modules=ALL_TARGETS, seed=3)
+    path = tmp_path_factory.mktemp("smollm2-lora")
+    peft_model.save_pretrained(path)
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    with_adapter = hf_greedy(peft_model, prompt_ids, NEW_TOKENS)
+    base = hf_greedy(hf, prompt_ids, NEW_TOKENS)
+    assert with_adapter != base  # or the comparisons below would prove nothing
+    return path, tokenizer.decode(with_adapter), tokenizer.decode(base)
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapter, tmp_path_factory) -> Iterator[RunningServer]:
+    path, _, _ = adapter
+    log_path = tmp_path_factory.mktemp("lora-server") / "server.log"
+    with run_server(
+        log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.5", "--lora-modules", f"sql={path}",
+        "--max-loras", "2", "--max-lora-rank", "16",
+    ) as s:  # fmt: skip
+        yield s
+
+
+def _complete(server, model: str, **kwargs) -> str:
+    kwargs.setdefault("max_tokens", NEW_TOKENS)
+    out = client(server).completions.create(model=model, prompt=PROMPT, temperature=0, **kwargs)
+    assert out.model == model
+    return out.choices[0].text
+
+
+def _post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.v1}/{route}", json=body, timeout=60)
+
+
+def test_an_adapter_from_lora_modules_gives_peft_tokens_and_the_base_stays(lora_server, adapter):
+    _, with_adapter, base = adapter
+    assert _complete(lora_server, "sql") == with_adapter
+    assert _complete(lora_server, "smollm2-135m-instruct") == base
+    stream = client(lora_server).completions.create(
+        model="sql", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream) == with_adapter
+    chat = client(lora_server).chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.model == "sql" and chat.usage.completion_tokens == 4
+    models = {m.id: m for m in client(lora_server).models.list().data}
+    assert set(models) == {"smollm2-135m-instruct", "sql"}
+    assert models["sql"].parent == "smollm2-135m-instruct"
+    assert models["sql"].root == str(adapter[0])
+
+
+def test_loading_and_unloading_at_run_time(lora_server, adapter, tmp_path):
+    path, with_adapter, _ = adapter
+    loaded = _post(lora_server, "load_lora_adapter", {"lora_name": "sql2", "lora_path": str(path)})
+    assert (loaded.status_code, loaded.text) == (
+        200,
+        "Success: LoRA adapter 'sql2' added successfully.",
+    )
+    assert _complete(lora_server, "sql2") == with_adapter
+    again = _post(lora_server, "load_lora_adapter", {"lora_name": "sql2", "lora_path": str(path)})
+    assert again.status_code == 400
+    assert again.json()["error"]["message"] == "The lora adapter 'sql2' has already been loaded."
+    missing = _post(
+        lora_server, "load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")}
+    )
+    assert missing.status_code == 400
+    assert "LoRA adapter 'x'" in missing.json()["error"]["message"]
+    assert "no such file or folder" in missing.json()["error"]["message"]
+
+    unloaded = _post(lora_server, "unload_lora_adapter", {"lora_name": "sql2"})
+    assert (unloaded.status_code, unloaded.text) == (
+        200,
+        "Success: LoRA adapter 'sql2' removed successfully.",
+    )
+    gone = httpx.post(
+        f"{lora_server.v1}/completions", json={"model": "sql2", "prompt": "x"}, timeout=30
+    )
+    assert gone.status_code == 404
+    assert gone.json()["error"]["code"] == "model_not_found"
+    assert "sql" in gone.json()["error"]["message"]  # the names still served
+    twice = _post(lora_server, "unload_lora_adapter", {"lora_name": "sql2"})
+    assert twice.status_code == 404
+    assert twice.json()["error"]["message"] == "The lora adapter 'sql2' cannot be found."
+
+
+def test_unloading_while_a_stream_runs_lets_it_finish(lora_server, adapter):
+    path, _, _ = adapter
+    assert _post(lora_server, "load_lora_adapter", {"lora_name": "tmp", "lora_path": str(path)})
+    whole = _complete(lora_server, "tmp", max_tokens=64, extra_body={"ignore_eos": True})
+    started, seen_in_kv = threading.Event(), []
+
+    def watch() -> None:
+        started.wait(60)
+        kv = httpx.get(f"{lora_server.v1}/kv", timeout=30).json()
+        seen_in_kv.extend(r["lora"] for r in kv["requests"])
+        unloaded = _post(lora_server, "unload_lora_adapter", {"lora_name": "tmp"})
+        assert unloaded.status_code == 200
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    stream = client(lora_server).completions.create(
+        model="tmp", prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    texts, reasons = [], []
+    for chunk in stream:
+        texts.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+        started.set()
+    watcher.join()
+    assert "tmp" in seen_in_kv  # /v1/kv names each request's adapter
+    assert reasons[-1] == "length" and "".join(texts) == whole
+    assert httpx.get(f"{lora_server.v1}/models/tmp", timeout=30).status_code == 404
+
+
+def test_metrics_name_the_adapters(lora_server):
+    _complete(lora_server, "sql")
+    text = httpx.get(f"{lora_server.base_url}/metrics", timeout=30).text
+    info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1
+    assert 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
+    counts = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("pagedserve_lora_requests_total{")
+    }
+    assert counts['pagedserve_lora_requests_total{lora_name="sql"}'] >= 1
+    loads = [line for line in text.splitlines() if line.startswith("pagedserve_lora_slot_loads")]
+    assert loads and float(loads[0].split()[1]) >= 1
