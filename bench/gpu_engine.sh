@@ -94,6 +94,17 @@
 #                                shape bf16, 1024 prompts of 128-512 tokens: pagedserve's
 #                                embedding tok/s against transformers' in padded batches of 64.
 #
+# and multi-LoRA (issue 39):
+#
+#     run(command="ONLY=lora bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=180)
+#
+#   lora         150 s / ~60 s   the Triton LoRA shrink/expand, fp32 and bf16, 96 tokens of 4
+#                                adapters (ranks 8-64) and the base model = the per-token
+#                                reference; the tiny Llama's fp32 greedy tokens with 2 adapters
+#                                and the base model in one batch = the CPU engine's, graphs and
+#                                eager; then llama-3.2-1b's shape bf16, 256 x 512 in / 128 out:
+#                                4 adapters (rank 16) mixed in every step against the base alone.
+#
 # Writes under $OUT (the device tool's folder; bench/results/gpu_engine by hand): gpu.txt,
 # commit.txt, <step>.jsonl (one JSON object per line), <step>.log, online_server.log and
 # summary.txt. SMOKE=1 runs every step with --smoke on the CPU (tests/bench/test_gpu_engine_bench.py);
@@ -154,6 +165,7 @@ if [ -n "${ONLY:-}" ]; then
     step tp 120 tp
     step whisper 150 whisper
     step embed 120 embed
+    step lora 150 lora
 fi
 "$PY" -m pagedserve.bench.gpu_engine summary --out "$OUT"
 exit $failed

@@ -13,9 +13,12 @@ the largest rank it serves). Batches:
            contiguous groups, the slice path
 
 Columns, each the delta added to y in place for every token of the batch:
-  base      F.linear(x, W), the base projection the delta is added to, for scale
+  base      the base projection the delta is added to (its weight oneDNN-packed, as the
+            engine's), for scale
   grouped   lora_add_cpu: one shrink matmul over all parts at the actual rank, one expand per part
             (group_tokens, once per step for all layers, is timed on its own line)
+  masked    lora_add_cpu_dense: every token against every slot at the padded rank, masked (the
+            engine's path for steps of few tokens), on its oneDNN-packed weights
   naive     a loop over adapters: a boolean mask of its tokens (recomputed each call),
             x[mask] @ A_padded^T at the padded rank, @ B^T per part, y[mask] += delta
   per-token lora_add_reference, one token at a time (decode only)
@@ -31,9 +34,17 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from pagedserve.kernels.lora import group_tokens, lora_add_cpu, lora_add_reference, part_offsets
+from pagedserve.engine.models.cpu_linear import linear, pack
+from pagedserve.kernels.lora import (
+    dense_weights,
+    group_tokens,
+    lora_add_cpu,
+    lora_add_cpu_dense,
+    lora_add_reference,
+    part_offsets,
+    slot_mask,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -102,8 +113,8 @@ def measure(
     dtype: torch.dtype,
     gen: torch.Generator,
 ) -> list[float]:
-    """Microseconds per call of one projection: [base, grouped, naive, per-token (NaN unless
-    `per_token`)]."""
+    """Microseconds per call of one projection: [base, grouped, masked, naive, per-token (NaN
+    unless `per_token`)]."""
     num_tokens, out_features = len(host_slots), sum(part_sizes)
     token_slots = torch.from_numpy(host_slots)
     groups = group_tokens(host_slots, [args.rank] * args.adapters)
@@ -115,15 +126,24 @@ def measure(
     a[:, :, args.rank :] = 0  # the padding of the slots
     b[:, :, args.rank :] = 0
     a, b = (a * 0.02).to(dtype), (b * 0.02).to(dtype)
+    b_out_major = b.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # the engine's layout
+    a_flat, b_parts = dense_weights(a, b_out_major, part_sizes)
+    for w in (weight, a_flat, *b_parts):  # oneDNN-packed, as the engine's weights are
+        pack(w)
+    mask = slot_mask(host_slots, args.adapters, dtype)
     # The paths must agree before they are timed (fp32: only the order of the sums differs).
     want, got = y.clone(), y.clone()
     naive_lora_add(want, x, token_slots, args.adapters, a, b, part_sizes)
     lora_add_cpu(got, x, groups, a, b, part_sizes)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    got = y.clone()
+    lora_add_cpu_dense(got, x, mask, a_flat, b_parts, linear)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
     iters, repeats = args.iters, args.repeats
     return [
-        time_us(lambda: F.linear(x, weight), iters, repeats),
+        time_us(lambda: linear(x, weight), iters, repeats),
         time_us(lambda: lora_add_cpu(y, x, groups, a, b, part_sizes), iters, repeats),
+        time_us(lambda: lora_add_cpu_dense(y, x, mask, a_flat, b_parts, linear), iters, repeats),
         time_us(
             lambda: naive_lora_add(y, x, token_slots, args.adapters, a, b, part_sizes),
             iters,
@@ -149,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-rank", type=int, default=64, help="the slots' padded rank")
-    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument(
+        "--decode-tokens", default="16", help="comma-separated token counts, one table each"
+    )
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--scenarios", default="decode,prefill")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
@@ -176,19 +198,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     header = (
         f"{'scenario':<8} {'dtype':<5} {'proj':<8} {'tokens':>6} {'base':>9} {'grouped':>9} "
-        f"{'naive':>9} {'per-token':>10} {'naive/grp':>10} {'grp/base':>9}"
+        f"{'masked':>9} {'naive':>9} {'per-token':>10} {'naive/grp':>10} {'grp/mask':>9} "
+        f"{'best/base':>9}"
     )
     gen = torch.Generator().manual_seed(0)
     slot_ranks = [args.rank] * args.adapters
-    for scenario in args.scenarios.split(","):
-        num_tokens = args.decode_tokens if scenario == "decode" else args.prefill_tokens
+    runs = [
+        (scenario, int(n))
+        for scenario in args.scenarios.split(",")
+        for n in (args.decode_tokens.split(",") if scenario == "decode" else [args.prefill_tokens])
+    ]
+    for scenario, num_tokens in runs:
         host_slots = token_slots_of(scenario, num_tokens, args.adapters)
         group_us = time_us(lambda h=host_slots: group_tokens(h, slot_ranks), 200, args.repeats)
         print(f"\n{scenario}: {num_tokens} tokens; group_tokens once per step {group_us:.1f} us")
         print(header)
         for dtype_name in args.dtypes.split(","):
             dtype = DTYPES[dtype_name]
-            totals = [0.0, 0.0, 0.0, 0.0]
+            totals = [0.0] * 5
             for proj, (in_features, part_sizes) in projections(args).items():
                 times = measure(args, scenario == "decode", host_slots, in_features, part_sizes,
                                 dtype, gen)  # fmt: skip
@@ -200,16 +227,17 @@ def main(argv: list[str] | None = None) -> None:
             ]
             print(
                 f"{'':<8} {'':<5} {'x' + str(args.num_layers):<8} {'':>6} {per_step[0]:>9} "
-                f"{per_step[1]:>9} {per_step[2]:>9} {per_step[3]:>10}"
+                f"{per_step[1]:>9} {per_step[2]:>9} {per_step[3]:>9} {per_step[4]:>10}"
             )
 
 
 def _row(scenario: str, dtype: str, proj: str, tokens: int, times: list[float]) -> str:
-    base, grouped, naive, per_token = times
+    base, grouped, masked, naive, per_token = times
     per_token_text = "-" if math.isnan(per_token) else f"{per_token:.1f}"
     return (
         f"{scenario:<8} {dtype:<5} {proj:<8} {tokens:>6} {base:>9.1f} {grouped:>9.1f} "
-        f"{naive:>9.1f} {per_token_text:>10} {naive / grouped:>9.2f}x {grouped / base:>8.2f}x"
+        f"{masked:>9.1f} {naive:>9.1f} {per_token_text:>10} {naive / grouped:>9.2f}x "
+        f"{grouped / masked:>8.2f}x {min(grouped, masked) / base:>8.2f}x"
     )
 
 

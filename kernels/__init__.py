@@ -155,16 +155,19 @@ rotary_and_cache = _dispatcher("rotary_and_cache")
 def lora_add(
     y: torch.Tensor,
     x: torch.Tensor,
-    token_slots: torch.Tensor,
-    groups: list,
     a_slots: torch.Tensor,
     b_slots: torch.Tensor,
     part_sizes: tuple[int, ...],
+    *,
+    token_slots: torch.Tensor | None = None,
+    groups: list | None = None,
 ) -> None:
     """Add each token's LoRA delta into `y` in place (engine/lora/layers.py): on CUDA the Triton
-    shrink and expand of `kernels.triton_lora`, which read each token's slot on the device (a
+    shrink and expand of `kernels.triton_lora`, which read `token_slots` on the device (so a
     captured CUDA graph replays them with any adapters); on CPU the grouped matmuls of
-    `kernels.lora` over `groups`, the step's tokens grouped by slot on the host."""
+    `kernels.lora` over `groups` (the step's tokens by slot, built once on the host). The CPU's
+    masked path for few tokens (`kernels.lora.lora_add_cpu_dense`) is called directly, with
+    the engine's packed weights."""
     if y.is_cuda:
         from pagedserve.kernels import triton_lora
 

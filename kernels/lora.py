@@ -36,7 +36,7 @@ Three implementations of the same sum:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeAlias
 
 import numpy as np
@@ -49,10 +49,13 @@ __all__ = [
     "LoRAGroup",
     "LoRAGroups",
     "check_lora_args",
+    "dense_weights",
     "group_tokens",
     "lora_add_cpu",
+    "lora_add_cpu_dense",
     "lora_add_reference",
     "part_offsets",
+    "slot_mask",
 ]
 
 
@@ -207,3 +210,66 @@ def lora_add_cpu(
                 # The indices of a group are distinct, so index_add_ rounds y + delta once per
                 # element, as += does.
                 y[:, rows].index_add_(0, tokens, delta)
+
+
+def dense_weights(
+    a_slots: torch.Tensor, b_slots: torch.Tensor, part_sizes: Sequence[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`lora_add_cpu_dense`'s weights: every slot's and part's A as one [S * J * R, in] matrix,
+    and for each part j its B rows of every slot as one [out_j, S * R] matrix. Views (so a
+    caller can keep them, packed for its BLAS, across steps) when a_slots is contiguous and
+    b_slots a permuted view of a contiguous [out, S, R] tensor; copies otherwise."""
+    num_slots, num_parts, max_rank, in_features = a_slots.shape
+    a_flat = a_slots.reshape(num_slots * num_parts * max_rank, in_features)
+    b_rows = b_slots.permute(1, 0, 2)  # [out, S, R]
+    offsets = part_offsets(part_sizes)
+    b_parts = [
+        b_rows[offsets[j] : offsets[j + 1]].reshape(part_sizes[j], num_slots * max_rank)
+        for j in range(num_parts)
+    ]
+    return a_flat, b_parts
+
+
+def lora_add_cpu_dense(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slot_mask: torch.Tensor,
+    a_flat: torch.Tensor,
+    b_parts: Sequence[torch.Tensor],
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+) -> None:
+    """`lora_add_reference` IN PLACE with every token against every slot at the padded rank,
+    each token's products with the other slots zeroed by `slot_mask` ([T, S], 1 where token t
+    uses slot s, else 0; a row of zeros: the base model): 1 + J matmuls per projection whatever
+    the number of adapters, on `dense_weights`' matrices (through `linear`: the engine passes
+    its oneDNN-packed one). For steps of few tokens (decode), where each small matmul costs a
+    library call more than its arithmetic and the grouped path's calls grow with the adapters
+    (BENCHMARKS.md, "Multi-LoRA on CPU")."""
+    num_tokens, num_slots = slot_mask.shape
+    num_parts = len(b_parts)
+    max_rank = a_flat.shape[0] // (num_slots * num_parts)
+    if validation.CHECK_ARGS and (
+        x.shape[0] != num_tokens or a_flat.shape[0] != num_slots * num_parts * max_rank
+    ):
+        raise ValueError(
+            f"slot_mask {tuple(slot_mask.shape)} does not fit x {tuple(x.shape)} and A "
+            f"{tuple(a_flat.shape)}"
+        )
+    shrunk = linear(x, a_flat).view(num_tokens, num_slots, num_parts, max_rank)
+    shrunk.mul_(slot_mask.view(num_tokens, num_slots, 1, 1))  # 0 or 1: exact
+    start = 0
+    for j, b in enumerate(b_parts):
+        rows = slice(start, start + b.shape[0])
+        start = rows.stop
+        part = shrunk[:, :, j].reshape(num_tokens, num_slots * max_rank)
+        y[:, rows].add_(linear(part, b))
+
+
+def slot_mask(token_slots: np.ndarray, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, num_slots] of `dtype`: 1 at (t, token_slots[t]) for tokens with a slot, else 0
+    (`lora_add_cpu_dense`'s mask)."""
+    slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
+    mask = torch.zeros(len(slots), num_slots, dtype=dtype)
+    tokens = np.flatnonzero(slots >= 0)
+    mask[torch.from_numpy(tokens), torch.from_numpy(slots[tokens])] = 1
+    return mask

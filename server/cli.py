@@ -45,6 +45,9 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     config = resolve_model(options.model).config
     # A plan is arithmetic: lengths past the model's context are planned too, with a note (a
@@ -60,6 +63,16 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
         options.tensor_parallel_size,
     )
     print(report)
+    if options.enable_lora:
+        from pagedserve.engine.lora.adapter import lora_slot_bytes
+
+        itemsize = DTYPES[args.dtype].itemsize
+        lora_bytes = lora_slot_bytes(config, options.max_loras, options.max_lora_rank, itemsize)
+        print(
+            f"LoRA slots: {options.max_loras} adapters up to rank {options.max_lora_rank}, "
+            f"{lora_bytes} bytes ({lora_bytes / 2**20:.1f} MiB) in {args.dtype} beside the "
+            "weights (on a GPU the KV cache gets what they leave)"
+        )
     if max_model_len > config.max_position_embeddings:
         print(
             f"note: {max_model_len} tokens exceed the model's context length "
@@ -119,7 +132,16 @@ def build_parser(config_cls: type[EngineConfig] = EngineConfig) -> argparse.Argu
     plan = sub.add_parser("kv-plan", help="KV-cache bytes for a model and workload")
     config_cls.add_cli_args(
         plan,
-        names=("model", "max_model_len", "block_size", "kv_cache_dtype", "tensor_parallel_size"),
+        names=(
+            "model",
+            "max_model_len",
+            "block_size",
+            "kv_cache_dtype",
+            "tensor_parallel_size",
+            "enable_lora",
+            "max_loras",
+            "max_lora_rank",
+        ),  # fmt: skip
     )
     plan.add_argument("--num-seqs", type=int, required=True, help="sequences held at once")
     plan.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

@@ -23,6 +23,9 @@ throughput, speculative decoding and shared blocks, as steps of one script.
                  transformers', and their speed; the token rules
                  (logit_bias, allowed_token_ids, min_tokens) against
                  the CPU engine
+    lora         (optional) the Triton LoRA kernels against the
+                 reference; greedy tokens with mixed adapters against
+                 the CPU engine; 4 adapters mixed against the base
     summary      a table of everything under --out
 
 Each step appends JSON lines to OUT/<step>.jsonl (and prints them); OUT is --out, else $OUT,
@@ -51,6 +54,7 @@ from pagedserve.bench.gpu_engine.decode import step_decode
 from pagedserve.bench.gpu_engine.embed import step_embed
 from pagedserve.bench.gpu_engine.env import step_env
 from pagedserve.bench.gpu_engine.kvcap import step_kvcap
+from pagedserve.bench.gpu_engine.lora import step_lora
 from pagedserve.bench.gpu_engine.moe import step_moe
 from pagedserve.bench.gpu_engine.nano import step_nano
 from pagedserve.bench.gpu_engine.offline import step_offline
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp": step_tp,
         "whisper": step_whisper,
         "embed": step_embed,
+        "lora": step_lora,
     }
     with tempfile.TemporaryDirectory(prefix="gpu_engine_") as scratch:
         args.scratch = Path(scratch)

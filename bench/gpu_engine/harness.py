@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 # Every STEP of `python -m pagedserve.bench.gpu_engine STEP`, in the summary's order.
 STEPS = (
     "env", "correctness", "decode", "offline", "nano", "online", "spec", "moe", "structured",
-    "kvcap", "tp", "whisper", "embed", "summary",
+    "kvcap", "tp", "whisper", "embed", "lora", "summary",
 )  # fmt: skip
 # Steps the default run of bench/gpu_engine.sh leaves out (its limits fill one device command):
 # `ONLY=moe bash bench/gpu_engine.sh` runs them; the summary lists them when they have records.
-OPTIONAL_STEPS = ("moe", "structured", "kvcap", "tp", "whisper", "embed")
+OPTIONAL_STEPS = ("moe", "structured", "kvcap", "tp", "whisper", "embed", "lora")
 
 # A tiny Llama for the correctness check on the GPU and for every --smoke step.
 TINY_LLAMA: dict[str, Any] = {

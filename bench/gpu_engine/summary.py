@@ -131,6 +131,22 @@ def _summary_line(step: str, r: dict[str, Any]) -> str:
             f"{r['model']} {r['prompts']} prompts: {r['pagedserve_tok_s']:.0f} tok/s, "
             f"transformers {r['transformers_tok_s']:.0f} tok/s ({r['ratio']:.2f}x)"
         )
+    if step == "lora":
+        if r.get("check", "").startswith("triton_lora"):
+            return (
+                f"{r['check']} {r['tokens']} tokens max |diff| {r['max_abs_diff']:.2e} base rows "
+                f"untouched={r['base_rows_untouched']} ok={r['ok']}"
+            )
+        if r.get("check"):
+            return (
+                f"tiny {r['check']} graphs={r['cuda_graphs']} equal={r['equal']} prompts "
+                f"{r['num_equal_prompts']}/{r['num_prompts']}"
+            )
+        return (
+            f"{r['model']} {r['dtype']} {r['workload']}: base {r['base_output_tokens_per_s']} "
+            f"tok/s, {r['adapters']} adapters mixed {r['mixed_output_tokens_per_s']} tok/s "
+            f"({r['mixed_over_base']}x)"
+        )
     if step == "tp":
         if r.get("skipped"):
             return f"tiny {r['check']} skipped: {r['skipped']}"

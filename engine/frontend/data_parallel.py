@@ -213,10 +213,16 @@ def core_configs(config: EngineConfig, num_cores: int) -> list[EngineConfig]:
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """Field by field: the whole server's counters and gauges."""
-    return EngineStats(
-        *(sum(getattr(s, name) for s in stats) for name in EngineStats.__struct_fields__)
-    )
+    """Field by field: the whole server's counters and gauges (summed; the LoRA adapters' names
+    united)."""
+
+    def total(name: str):
+        values = [getattr(s, name) for s in stats]
+        if values and isinstance(values[0], tuple):
+            return tuple(sorted(set().union(*values)))
+        return sum(values)
+
+    return EngineStats(*(total(name) for name in EngineStats.__struct_fields__))
 
 
 class _Core(ProcessEngine):

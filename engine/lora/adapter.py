@@ -43,6 +43,22 @@ def projection_parts(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], in
     }
 
 
+def lora_slot_bytes(config: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """Device bytes of the slots: every layer's four projections (the mixture-of-experts layers'
+    attention only), A and B at the largest rank, `max_loras` times."""
+    parts = projection_parts(config)
+    per_layer = {
+        name: (len(outs) * in_features + sum(outs)) * max_rank
+        for name, (outs, in_features) in parts.items()
+    }
+    total = 0
+    for layer in range(config.num_hidden_layers):
+        total += per_layer["qkv"] + per_layer["o"]
+        if not config.is_moe_layer(layer):
+            total += per_layer["gate_up"] + per_layer["down"]
+    return total * max_loras * dtype_bytes
+
+
 @dataclass
 class LoRAWeights:
     """One projection of one layer: a [J, r, in] (part j's A), b [out, r] (scaled)."""

@@ -25,22 +25,6 @@ from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.scheduler import LoRARequest
 
 
-def lora_slot_bytes(config: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
-    """Device bytes of the slots: every layer's four projections (the mixture-of-experts layers'
-    attention only), A and B at the largest rank, `max_loras` times."""
-    parts = projection_parts(config)
-    per_layer = {
-        name: (len(outs) * in_features + sum(outs)) * max_rank
-        for name, (outs, in_features) in parts.items()
-    }
-    total = 0
-    for layer in range(config.num_hidden_layers):
-        total += per_layer["qkv"] + per_layer["o"]
-        if not config.is_moe_layer(layer):
-            total += per_layer["gate_up"] + per_layer["down"]
-    return total * max_loras * dtype_bytes
-
-
 class LoRAManager:
     """Attaches slot weights to every adaptable projection of `model` and fills them per step."""
 
@@ -56,8 +40,7 @@ class LoRAManager:
     ) -> None:
         self.config: ModelConfig = model.config
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
-        self.step = LoRAStep(max_tokens, device)
-        self.step.slot_ranks = [0] * max_loras
+        self.step = LoRAStep(max_tokens, max_loras, dtype, device)
         parts = projection_parts(self.config)
 
         def projection(name: str) -> LoRAProjection:

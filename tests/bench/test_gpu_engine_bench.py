@@ -531,3 +531,22 @@ def test_the_embed_step_runs_alone_and_checks_embeddings_and_token_rules(tmp_pat
     summary = (tmp_path / "summary.txt").read_text()
     assert "embed: tiny_bert fp32_embeddings 8 prompts max |diff|" in summary
     assert "embed: tiny token_rules_greedy graphs=False equal=True prompts 8/8" in summary
+
+
+@SCRIPT_ON_CPU
+def test_the_lora_step_runs_alone_and_checks_kernels_tokens_and_cost(tmp_path):
+    done = _run_script(tmp_path, ONLY="lora")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith("lora: rc=0 in ")  # no other step ran
+    records = _records(tmp_path, "lora")
+    _no_errors(records)
+    kernel_checks = [(r["check"], r["ok"]) for r in records if r.get("model") == "kernels"]
+    assert kernel_checks == [("triton_lora_float32", True), ("triton_lora_bfloat16", True)]
+    greedy = [(r["cuda_graphs"], r["equal"]) for r in records if r.get("check") == "lora_greedy"]
+    assert greedy == [(True, True), (False, True)]
+    (cost,) = [r for r in records if r.get("part") == "throughput"]
+    assert cost["adapters"] == 4 and cost["base_output_tokens_per_s"] > 0
+    assert cost["slot_loads"] >= 4  # every adapter went into a slot
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "lora: tiny lora_greedy graphs=False equal=True prompts" in summary
+    assert "4 adapters mixed" in summary

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.engine import LLM, LoRARequest, SamplingParams
+from pagedserve.engine.lora.adapter import lora_slot_bytes
 from tests.families import COMMON, build_family
 from tests.helpers import hf_greedy
 from tests.lora_adapters import ALL_TARGETS, random_peft_model
@@ -78,7 +79,9 @@ def test_mixed_adapters_and_base_equal_peft_applied_and_merged(family, tmp_path)
     # The adapters change the answers, or the comparison would prove nothing.
     assert expected[1] != expected[None] and expected[2] != expected[None]
 
-    llm = _llm(path)
+    # Prefill steps of 64 tokens group the tokens by adapter, decode steps (9 tokens) multiply
+    # them by every slot, masked: both CPU paths (engine/lora/layers.py DENSE_TOKENS).
+    llm = _llm(path, max_num_batched_tokens=64)
     # Every prompt three times, interleaved: base, adapter 1, adapter 2 in the same steps.
     mixed = [(p, lora) for p in prompts for lora in (None, *loras)]
     got = _greedy(llm, [p for p, _ in mixed], [lora for _, lora in mixed])
@@ -112,6 +115,8 @@ def test_more_adapters_than_slots_all_finish_with_their_own_tokens(family, tmp_p
     # beside two running ones (LoRAManager raises if a step holds more than its slots).
     assert stats.lora_slot_loads == lora.num_slot_loads >= 4
     assert len(lora.host) == 2 and stats.max_loras == 2
+    # What `pagedserve kv-plan` counts is what the worker allocated (fp32, rank 64, 2 slots).
+    assert lora.num_bytes == lora_slot_bytes(llm.engine.core.model_config, 2, 64, 4)
     assert stats.running_loras == () and stats.waiting_loras == ()
 
 

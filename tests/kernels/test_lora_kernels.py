@@ -24,10 +24,13 @@ import torch
 from pagedserve.kernels import triton_attention
 from pagedserve.kernels.lora import (
     LoRAGroup,
+    dense_weights,
     group_tokens,
     lora_add_cpu,
+    lora_add_cpu_dense,
     lora_add_reference,
     part_offsets,
+    slot_mask,
 )
 from pagedserve.kernels.triton_lora import lora_add_triton
 
@@ -212,6 +215,38 @@ def test_cpu_single_part_and_no_adapter() -> None:
     groups = group_tokens(np.full(len(TOKEN_SLOTS), -1), SLOT_RANKS)
     lora_add_cpu(untouched, x, groups, a, b, part_sizes)
     assert torch.equal(untouched, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["out-major", "slot-major"])
+def test_cpu_masked_path_matches_reference(dtype: torch.dtype, layout: str) -> None:
+    """The decode path: every token against every slot at the padded rank, masked. B stored
+    [out, S, R] (engine/lora/layers.py's layout: each part's weight is a view) or [S, out, R]
+    (read through a copy); tokens of no slot, and the unused slot 3, contribute nothing."""
+    part_sizes = (64, 32, 32)
+    y, x, slots, a, b = make_batch(48, part_sizes, dtype, seed=40)
+    if layout == "out-major":
+        b = b.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    mask = slot_mask(slots.numpy(), len(SLOT_RANKS), dtype)
+    assert mask.tolist() == [
+        [float(slot == s) for s in range(len(SLOT_RANKS))] for slot in TOKEN_SLOTS
+    ]
+    want = y.clone()
+    lora_add_reference(want, x, slots, a, b, part_sizes)
+    got = y.clone()
+    a_flat, b_parts = dense_weights(a, b, part_sizes)
+    assert (a_flat.data_ptr(), a_flat.shape) == (a.data_ptr(), (4 * 3 * MAX_RANK, 48))
+    # The engine's layout gives views (no copy per step); the other, copies.
+    assert (b_parts[1].data_ptr() - b.data_ptr() == 64 * 4 * MAX_RANK * b.element_size()) == (
+        layout == "out-major"
+    )
+    lora_add_cpu_dense(got, x, mask, a_flat, b_parts)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert_bf16_close(got, want)
+    assert torch.equal(got[BASE_TOKENS], y[BASE_TOKENS])
+    assert not torch.equal(got[LORA_TOKENS], y[LORA_TOKENS])
 
 
 # ------------------------------------------------------------------------- the Triton path

@@ -183,7 +183,9 @@ def test_refused_allocation_changes_nothing() -> None:
 
 
 def test_hash_collision_is_guarded_by_token_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
-    def colliding_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    def colliding_hash(
+        parent: BlockHash | None, token_ids: Sequence[int], root: bytes
+    ) -> BlockHash:
         return BlockHash(b"every block collides", tuple(token_ids))
 
     monkeypatch.setattr(kv_cache_manager_module, "hash_block_tokens", colliding_hash)

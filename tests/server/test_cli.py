@@ -55,6 +55,20 @@ def test_kv_plan_with_an_fp8_cache_halves_bf16s_bytes(capsys):
     assert "dtype float8_e5m2 (1 bytes)" in capsys.readouterr().out
 
 
+def test_kv_plan_counts_the_lora_slots(capsys):
+    args = ["kv-plan", "--model", "smollm2-135m-instruct", "--num-seqs", "4", "--enable-lora"]
+    assert main(args) == 0
+    # Per layer at rank 64, A (parts x in) and B (out) rows: qkv (3 x 576 + 960), o (576 + 576),
+    # gate_up (2 x 576 + 3072), down (1536 + 576); 30 layers, 4 slots, 2 bytes.
+    per_layer = ((3 * 576 + 960) + (576 + 576) + (2 * 576 + 3072) + (1536 + 576)) * 64
+    expected = per_layer * 30 * 4 * 2
+    assert expected == 156303360
+    assert (
+        f"LoRA slots: 4 adapters up to rank 64, {expected} bytes (149.1 MiB) in bfloat16"
+        in capsys.readouterr().out
+    )
+
+
 def test_kv_plan_splits_the_kv_heads_over_tensor_parallel_ranks(capsys):
     args = ["kv-plan", "--model", "smollm2-135m-instruct", "--max-model-len", "8192",
             "--num-seqs", "64", "--dtype", "bfloat16", "--tensor-parallel-size"]  # fmt: skip

@@ -7,6 +7,8 @@ while its stream runs lets the stream finish; /v1/models, /v1/kv and /metrics kn
 
 from __future__ import annotations
 
+import contextlib
+import io
 import threading
 from collections.abc import Iterator
 
@@ -16,6 +18,7 @@ import pytest
 from tests.helpers import hf_greedy
 from tests.lora_adapters import ALL_TARGETS, random_peft_model
 from tests.server.conftest import SMOLLM2_ARGS
+from tests.server.test_readme_examples import LORA_PORT, serve_it_examples
 from tests.server.util import RunningServer, client, run_server
 
 PROMPT = "The capital of France is"
@@ -155,3 +158,18 @@ def test_metrics_name_the_adapters(lora_server):
     assert counts['pagedserve_lora_requests_total{lora_name="sql"}'] >= 1
     loads = [line for line in text.splitlines() if line.startswith("pagedserve_lora_slot_loads")]
     assert loads and float(loads[0].split()[1]) >= 1
+
+
+def test_the_readme_lora_example_runs_as_written(lora_server, adapter):
+    (block,) = [b for b in serve_it_examples() if LORA_PORT in b]
+    code = block.replace(f"http://{LORA_PORT}", lora_server.base_url)
+    code = code.replace("./sql-adapter", str(adapter[0]))
+    namespace: dict = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own
+    lines = printed.getvalue().splitlines()
+    assert "('sql', 'smollm2-135m-instruct')" in lines[0]
+    assert lines[1] == "Success: LoRA adapter 'sql-v2' added successfully."
+    assert namespace["adapted"].model == "sql-v2" and namespace["adapted"].usage.completion_tokens
+    assert "sql-v2" not in [m.id for m in client(lora_server).models.list().data]  # unloaded

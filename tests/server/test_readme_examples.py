@@ -1,7 +1,7 @@
 """The Python examples of README.md's "Serve it" section run as written against real servers:
 port 8000 is the session's SmolLM2 server, port 8001 the embedding server (the README starts it
 so). The blocks run in order in one namespace, as a reader pasting them one after another would;
-what they print is checked for the facts it shows."""
+what they print is checked for the facts it shows. (The LoRA example runs in test_lora.py.)"""
 
 from __future__ import annotations
 
@@ -15,10 +15,19 @@ from tests.server.util import token_count
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _serve_it_examples() -> list[str]:
+# The LoRA example's server (port 8002) is tests/server/test_lora.py's: it runs the example there.
+LORA_PORT = "127.0.0.1:8002"
+
+
+def serve_it_examples() -> list[str]:
+    """The Python blocks of README.md's "Serve it" section, in order."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Serve it\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def _serve_it_examples() -> list[str]:
+    return [block for block in serve_it_examples() if LORA_PORT not in block]
 
 
 def test_the_serve_it_examples_run_as_written(server, embedding_server):
