@@ -29,11 +29,27 @@ def smollm2_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool = False
+) -> list[int]:
     """Greedy tokens from a transformers model: one full forward over the whole sequence per new
-    token (no KV cache, no generate() configuration: no EOS stop, nothing but argmax)."""
+    token (no KV cache, no generate() configuration: no EOS stop, nothing but argmax). With
+    `use_cache`, transformers' own KV cache instead (one token per forward after the prompt:
+    the real model's references, which the quadratic loop makes the suite's slowest)."""
     ids = list(prompt_ids)
     with torch.no_grad():
+        if use_cache:
+            out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            for _ in range(max_new_tokens):
+                ids.append(int(out.logits[0, -1].argmax()))
+                if len(ids) - len(prompt_ids) == max_new_tokens:
+                    break
+                out = model(
+                    input_ids=torch.tensor([[ids[-1]]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
+            return ids[len(prompt_ids) :]
         for _ in range(max_new_tokens):
             logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits
             ids.append(int(logits[0, -1].argmax()))

@@ -142,8 +142,9 @@ def rank_refusal(name: str, path: str | Path, rank: int, max_rank: int) -> Value
 
 def load_adapter(path: str | Path, config: ModelConfig, max_rank: int, name: str) -> LoRAAdapter:
     """Read a LoRA adapter for the base model `config`: a PEFT folder (adapter_config.json and
-    adapter_model.safetensors or .bin) or a .gguf file as llama.cpp's convert_lora_to_gguf.py
-    writes it. Tensors come back float32 on CPU, laid out as this module's docstring says.
+    adapter_model.safetensors; a pickled .bin is refused unread) or a .gguf file as llama.cpp's
+    convert_lora_to_gguf.py writes it. Tensors come back float32 on CPU, laid out as this
+    module's docstring says.
 
     Raises ValueError, naming the adapter, the path and what to do, for: a missing path, or a
     folder without adapter_config.json or weights; a rank over `max_rank`; adapters that add

@@ -1,4 +1,5 @@
-"""Reading a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors or .bin).
+"""Reading a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors; a pickled
+adapter_model.bin is refused unread, as pickled model weights are).
 
 Only plain LoRA is served: y += scale * B @ A @ x on the decoder layers' linear projections.
 Everything PEFT can save beyond that changes the model in ways the LoRA kernels cannot express
@@ -164,18 +165,22 @@ def _tokenizer_json_ids(data: dict[str, Any]) -> list[int]:
 
 def _load_state_dict(folder: Path, name: str) -> dict[str, torch.Tensor]:
     safetensors_file, bin_file = (folder / f for f in WEIGHT_FILES)
+    if not safetensors_file.is_file() and bin_file.is_file():
+        # As for models: adapter folders are data, never code; a pickle is not read at all.
+        raise refusal(
+            name, folder, f"its weights are a pickle ({WEIGHT_FILES[1]}), which is not read",
+            "save the adapter with safetensors (PEFT's save_pretrained does by default)",
+        )  # fmt: skip
     try:
         if safetensors_file.is_file():
             from safetensors.torch import load_file
 
             return load_file(safetensors_file, device="cpu")
-        if bin_file.is_file():
-            return torch.load(bin_file, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which, whatever the library raised
         problem = f"its weights are unreadable ({e})"
         raise refusal(name, folder, problem, "fix or replace them") from e
     raise refusal(
-        name, folder, f"the folder has no weights ({' or '.join(WEIGHT_FILES)})",
+        name, folder, f"the folder has no weights ({WEIGHT_FILES[0]})",
         "give the folder PEFT's save_pretrained wrote",
     )  # fmt: skip
 

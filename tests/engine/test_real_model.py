@@ -35,7 +35,7 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(real_llm, hf_smollm2)
     assert real_llm.engine.core.worker.attention_backend == "cpu"
     hf_model, hf_tok = hf_smollm2
     prompt_ids = [hf_tok.encode(p) for p in PROMPTS]
-    expected = [hf_greedy(hf_model, ids, GREEDY.max_tokens) for ids in prompt_ids]
+    expected = [hf_greedy(hf_model, ids, GREEDY.max_tokens, use_cache=True) for ids in prompt_ids]
     outs = real_llm.generate(PROMPTS, GREEDY)
     assert [o.prompt_token_ids for o in outs] == prompt_ids
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -34,8 +34,8 @@ def adapter(hf_smollm2, tmp_path_factory):
     path = tmp_path_factory.mktemp("smollm2-lora")
     peft_model.save_pretrained(path)
     prompt_ids = tokenizer(PROMPT)["input_ids"]
-    with_adapter = hf_greedy(peft_model, prompt_ids, NEW_TOKENS)
-    base = hf_greedy(hf, prompt_ids, NEW_TOKENS)
+    with_adapter = hf_greedy(peft_model, prompt_ids, NEW_TOKENS, use_cache=True)
+    base = hf_greedy(hf, prompt_ids, NEW_TOKENS, use_cache=True)
     assert with_adapter != base  # or the comparisons below would prove nothing
     return path, tokenizer.decode(with_adapter), tokenizer.decode(base)
 
@@ -117,7 +117,7 @@ def test_loading_and_unloading_at_run_time(lora_server, adapter, tmp_path):
 def test_unloading_while_a_stream_runs_lets_it_finish(lora_server, adapter):
     path, _, _ = adapter
     assert _post(lora_server, "load_lora_adapter", {"lora_name": "tmp", "lora_path": str(path)})
-    whole = _complete(lora_server, "tmp", max_tokens=64, extra_body={"ignore_eos": True})
+    whole = _complete(lora_server, "tmp", max_tokens=32, extra_body={"ignore_eos": True})
     started, seen_in_kv = threading.Event(), []
 
     def watch() -> None:
@@ -130,7 +130,7 @@ def test_unloading_while_a_stream_runs_lets_it_finish(lora_server, adapter):
     watcher = threading.Thread(target=watch)
     watcher.start()
     stream = client(lora_server).completions.create(
-        model="tmp", prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+        model="tmp", prompt=PROMPT, max_tokens=32, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     texts, reasons = [], []
