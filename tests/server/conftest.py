@@ -1,6 +1,9 @@
 """Real `pagedserve serve` processes on free local ports, started once per session.
 
 - `server`: the embedded SmolLM2-135M-Instruct (fp32, CPU), no API key; most tests use it.
+- `r1_lora_server`: the same model with `--reasoning-parser deepseek_r1` and a LoRA adapter
+  (`--lora-modules sql=...`, PEFT's, `smollm2_lora_adapter`): one server for the reasoning tests
+  (base model, chat) and the LoRA ones (the adapter's name), each reading only its own part.
 - `limited_server`: the same model with --api-key, --max-num-seqs 1, --max-queue-len 1,
   --request-timeout, --max-request-body-bytes and --allowed-origins, for the 401, 413, 503 and
   504 cases and CORS (a queue
@@ -12,9 +15,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.helpers import hf_greedy
+from tests.lora_adapters import ALL_TARGETS, random_peft_model
 from tests.server.util import RunningServer, run_server
 
 MAX_MODEL_LEN = 2048
@@ -27,6 +33,9 @@ ALLOWED_ORIGIN = "http://app.example"  # limited_server's --allowed-origins (COR
 
 # The real model as both servers run it.
 SMOLLM2_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
+# The LoRA adapter's prompt and the greedy tokens its reference gives (tests/server/test_lora.py).
+LORA_PROMPT = "The capital of France is"
+LORA_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
@@ -56,4 +65,31 @@ def embedding_server(tmp_path_factory) -> Iterator[RunningServer]:
     with run_server(
         log_path, "--model", "all-minilm-l6-v2", "--device", "cpu", "--dtype", "float32"
     ) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def smollm2_lora_adapter(hf_smollm2, tmp_path_factory) -> tuple[Path, str, str]:
+    """A PEFT adapter folder for SmolLM2 (rank 8 on every target, alpha 16: it changes the
+    answer), with the greedy texts PEFT gives for LORA_PROMPT with it and without it
+    (transformers' own SmolLM2 from the same GGUF file, float32 as the servers run it)."""
+    hf, tokenizer = hf_smollm2
+    peft_model = random_peft_model(hf, r=8, alpha=16, target_modules=ALL_TARGETS, seed=3)
+    path = tmp_path_factory.mktemp("smollm2-lora")
+    peft_model.save_pretrained(path)
+    prompt_ids = tokenizer(LORA_PROMPT)["input_ids"]
+    with_adapter = hf_greedy(peft_model, prompt_ids, LORA_TOKENS, use_cache=True)
+    base = hf_greedy(hf, prompt_ids, LORA_TOKENS, use_cache=True)
+    assert with_adapter != base  # or the comparisons would prove nothing
+    return path, tokenizer.decode(with_adapter), tokenizer.decode(base)
+
+
+@pytest.fixture(scope="session")
+def r1_lora_server(smollm2_lora_adapter, tmp_path_factory) -> Iterator[RunningServer]:
+    log_path = tmp_path_factory.mktemp("r1-lora-server") / "server.log"
+    with run_server(
+        log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.5", "--reasoning-parser", "deepseek_r1",
+        "--lora-modules", f"sql={smollm2_lora_adapter[0]}", "--max-loras", "2",
+        "--max-lora-rank", "16",
+    ) as s:  # fmt: skip
         yield s

@@ -10,45 +10,27 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.helpers import hf_greedy
-from tests.lora_adapters import ALL_TARGETS, random_peft_model
-from tests.server.conftest import SMOLLM2_ARGS
+from tests.server.conftest import LORA_PROMPT, LORA_TOKENS
 from tests.server.test_readme_examples import LORA_PORT, serve_it_examples
-from tests.server.util import RunningServer, client, run_server
+from tests.server.util import RunningServer, client
 
-PROMPT = "The capital of France is"
-NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def adapter(hf_smollm2, tmp_path_factory):
-    """(a PEFT adapter folder for SmolLM2: rank 8 on every target, alpha 16; the greedy
-    tokens PEFT gives with it, and those of the base model) for PROMPT."""
-    hf, tokenizer = hf_smollm2
-    peft_model = random_peft_model(hf, r=8, alpha=16, target_modules=ALL_TARGETS, seed=3)
-    path = tmp_path_factory.mktemp("smollm2-lora")
-    peft_model.save_pretrained(path)
-    prompt_ids = tokenizer(PROMPT)["input_ids"]
-    with_adapter = hf_greedy(peft_model, prompt_ids, NEW_TOKENS, use_cache=True)
-    base = hf_greedy(hf, prompt_ids, NEW_TOKENS, use_cache=True)
-    assert with_adapter != base  # or the comparisons below would prove nothing
-    return path, tokenizer.decode(with_adapter), tokenizer.decode(base)
+PROMPT, NEW_TOKENS = LORA_PROMPT, LORA_TOKENS
 
 
 @pytest.fixture(scope="module")
-def lora_server(adapter, tmp_path_factory) -> Iterator[RunningServer]:
-    path, _, _ = adapter
-    log_path = tmp_path_factory.mktemp("lora-server") / "server.log"
-    with run_server(
-        log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.5", "--lora-modules", f"sql={path}",
-        "--max-loras", "2", "--max-lora-rank", "16",
-    ) as s:  # fmt: skip
-        yield s
+def adapter(smollm2_lora_adapter):
+    return smollm2_lora_adapter
+
+
+@pytest.fixture(scope="module")
+def lora_server(r1_lora_server) -> RunningServer:
+    """SmolLM2 serving the adapter as `sql` (tests/server/conftest.py; the server's reasoning
+    parser is test_reasoning_chat.py's, and changes nothing here but chat's split)."""
+    return r1_lora_server
 
 
 def _complete(server, model: str, **kwargs) -> str:

@@ -23,19 +23,16 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server.conftest import SMOLLM2_ARGS
 from tests.server.util import RunningServer, client, run_server
 
 SMOLLM2 = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def r1_server(tmp_path_factory) -> Iterator[RunningServer]:
-    log_path = tmp_path_factory.mktemp("r1-server") / "server.log"
-    with run_server(
-        log_path, *SMOLLM2_ARGS, "--kv-cache-memory", "0.25", "--reasoning-parser", "deepseek_r1"
-    ) as s:
-        yield s
+def r1_server(r1_lora_server) -> RunningServer:
+    """SmolLM2 with --reasoning-parser deepseek_r1 (tests/server/conftest.py; its LoRA adapter
+    is test_lora.py's, and these tests ask the base model)."""
+    return r1_lora_server
 
 
 def _extra(obj: Any, name: str) -> Any:
