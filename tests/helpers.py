@@ -40,15 +40,14 @@ def hf_greedy(
     with torch.no_grad():
         if use_cache:
             out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            # transformers 5 calls the cache `cache` (in and out), 4 `past_key_values`.
+            name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"
             for _ in range(max_new_tokens):
                 ids.append(int(out.logits[0, -1].argmax()))
                 if len(ids) - len(prompt_ids) == max_new_tokens:
                     break
-                out = model(
-                    input_ids=torch.tensor([[ids[-1]]]),
-                    past_key_values=out.past_key_values,
-                    use_cache=True,
-                )
+                state = {name: getattr(out, name)}
+                out = model(input_ids=torch.tensor([[ids[-1]]]), use_cache=True, **state)
             return ids[len(prompt_ids) :]
         for _ in range(max_new_tokens):
             logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits

@@ -33,6 +33,7 @@ import pytest
 
 from pagedserve.kernels import cpu_features, cpu_ops
 from tests.engine.lesser_cpu_check import REPORT_ENV
+from tests.engine.test_real_model import REFERENCE_ENV, greedy_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 LEVEL = "avx2"
@@ -92,9 +93,15 @@ def test_prebuilt_builds_each_level_asked_for_into_the_package(package_root):
     assert not (package_root / "cache" / "kernels").exists()  # nothing compiled for the cache
 
 
-def test_the_engine_passes_its_cpu_tests_at_the_avx2_level(package_root, tmp_path):
+def test_the_engine_passes_its_cpu_tests_at_the_avx2_level(package_root, tmp_path, hf_smollm2):
     report = tmp_path / "report.json"
-    env = _env(package_root, CXX=str(tmp_path / "no-compiler"), **{REPORT_ENV: str(report)})
+    # transformers' side of the real model's comparison, from this process's model.
+    reference = tmp_path / "reference.json"
+    reference.write_text(json.dumps(greedy_reference(hf_smollm2)))
+    env = _env(
+        package_root, CXX=str(tmp_path / "no-compiler"),
+        **{REPORT_ENV: str(report), REFERENCE_ENV: str(reference)},
+    )  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET],
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,

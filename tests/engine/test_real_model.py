@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from pagedserve.engine import LLM, SamplingParams
 from tests.helpers import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A file holding `greedy_reference`'s answer, for a process that should not compute it again.
+REFERENCE_ENV = "PAGEDSERVE_TEST_SMOLLM2_REFERENCE"
 
 PROMPTS = [
     "The capital of France is",
@@ -29,17 +35,37 @@ def test_chat_answer_names_paris(real_llm):
     assert "<|im_end|>" not in completion.text
 
 
-def test_greedy_tokens_equal_transformers_on_the_same_gguf(real_llm, hf_smollm2):
-    # Through CPU's default backend, the compiled kernel (decode steps; prompts longer than
-    # cpu_ops.KERNEL_MAX_NEW_TOKENS go to SDPA).
-    assert real_llm.engine.core.worker.attention_backend == "cpu"
+def greedy_reference(hf_smollm2) -> dict[str, list]:
+    """transformers' prompt ids, greedy tokens and their texts for PROMPTS."""
     hf_model, hf_tok = hf_smollm2
     prompt_ids = [hf_tok.encode(p) for p in PROMPTS]
     expected = [hf_greedy(hf_model, ids, GREEDY.max_tokens, use_cache=True) for ids in prompt_ids]
+    return {
+        "prompt_ids": prompt_ids,
+        "tokens": expected,
+        "texts": list(map(hf_tok.decode, expected)),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(request) -> dict[str, list]:
+    """`greedy_reference`, or when REFERENCE_ENV names a file, the reference written there: the
+    run at a lesser CPU level (tests/engine/test_lesser_cpu.py) gets it from its parent, whose
+    transformers model is loaded already, rather than loading its own."""
+    path = os.environ.get(REFERENCE_ENV)
+    if path:
+        return json.loads(Path(path).read_text())
+    return greedy_reference(request.getfixturevalue("hf_smollm2"))
+
+
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(real_llm, reference):
+    # Through CPU's default backend, the compiled kernel (decode steps; prompts longer than
+    # cpu_ops.KERNEL_MAX_NEW_TOKENS go to SDPA).
+    assert real_llm.engine.core.worker.attention_backend == "cpu"
     outs = real_llm.generate(PROMPTS, GREEDY)
-    assert [o.prompt_token_ids for o in outs] == prompt_ids
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert [o.outputs[0].text for o in outs] == [hf_tok.decode(e) for e in expected]
+    assert [o.prompt_token_ids for o in outs] == reference["prompt_ids"]
+    assert [o.outputs[0].token_ids for o in outs] == reference["tokens"]
+    assert [o.outputs[0].text for o in outs] == reference["texts"]
 
 
 def test_batch_invariance(real_llm):

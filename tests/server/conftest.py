@@ -26,7 +26,7 @@ from tests.server.util import RunningServer, run_server
 MAX_MODEL_LEN = 2048
 API_KEY = "test-key-0123456789"
 # limited_server's --request-timeout: long enough for its other tests' streams to outlive them.
-REQUEST_TIMEOUT_S = 15
+REQUEST_TIMEOUT_S = 8
 MAX_REQUEST_BODY_BYTES = 100_000  # limited_server's --max-request-body-bytes
 ALLOWED_ORIGIN = "http://app.example"  # limited_server's --allowed-origins (CORS)
 

@@ -128,26 +128,15 @@ def test_generate_chat_answers_with_the_real_model():
     assert "Paris" in res.stdout
 
 
-def test_bench_throughput_writes_json(tiny_llama_dir, tmp_path):
+def test_bench_throughput_writes_json(tiny_llama_dir, tmp_path, capsys):
+    # In-process (main, as the console script calls it; test_attention_backend_option_reaches_
+    # the_engine runs `bench throughput` as a subprocess).
     out = tmp_path / "tp.json"
-    res = _run(
-        "bench",
-        "throughput",
-        "--model",
-        str(tiny_llama_dir),
-        "--device",
-        "cpu",
-        "--num-prompts",
-        "5",
-        "--input-len",
-        "12",
-        "--output-len",
-        "7",
-        "--json",
-        str(out),
-    )
-    assert res.returncode == 0, res.stderr
-    assert "output tokens/s" in res.stdout
+    args = ["bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+            "--num-prompts", "5", "--input-len", "12", "--output-len", "7",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "output tokens/s" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["num_prompts"] == 5 and data["num_output_tokens"] == 35
     assert data["output_tokens_per_s"] > 0 and data["requests_per_s"] > 0
@@ -155,27 +144,10 @@ def test_bench_throughput_writes_json(tiny_llama_dir, tmp_path):
 
 def test_bench_throughput_with_dummy_weights(tmp_path):
     out = tmp_path / "dummy.json"
-    res = _run(
-        "bench",
-        "throughput",
-        "--model",
-        "smollm2-135m",
-        "--load-format",
-        "dummy",
-        "--device",
-        "cpu",
-        "--max-model-len",
-        "256",
-        "--num-prompts",
-        "2",
-        "--input-len",
-        "8",
-        "--output-len",
-        "3",
-        "--json",
-        str(out),
-    )
-    assert res.returncode == 0, res.stderr
+    args = ["bench", "throughput", "--model", "smollm2-135m", "--load-format", "dummy",
+            "--device", "cpu", "--max-model-len", "256", "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "3", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
     assert json.loads(out.read_text())["num_output_tokens"] == 6
 
 
