@@ -149,7 +149,9 @@ def test_adapters_are_refused_with_a_reason_before_anything_is_queued(tiny_llama
         tmp_path / "big"
     )
     big = LoRARequest("big", 1, str(tmp_path / "big"))
-    plain = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=64)
+    plain = LLM(
+        str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=64
+    )
     with pytest.raises(ValueError, match="serves no LoRA adapters; start it with --enable-lora"):
         plain.generate([[5, 6, 7]], lora_request=big)
     llm = _llm(tiny_llama_dir, max_lora_rank=16)

@@ -132,9 +132,10 @@ def test_bench_throughput_writes_json(tiny_llama_dir, tmp_path, capsys):
     # In-process (main, as the console script calls it; test_attention_backend_option_reaches_
     # the_engine runs `bench throughput` as a subprocess).
     out = tmp_path / "tp.json"
+    # A small KV cache: this process keeps what it touched (the CPU default is 4 GiB).
     args = ["bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
             "--num-prompts", "5", "--input-len", "12", "--output-len", "7",
-            "--json", str(out)]  # fmt: skip
+            "--kv-cache-memory", "0.05", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     assert "output tokens/s" in capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -146,7 +147,7 @@ def test_bench_throughput_with_dummy_weights(tmp_path):
     out = tmp_path / "dummy.json"
     args = ["bench", "throughput", "--model", "smollm2-135m", "--load-format", "dummy",
             "--device", "cpu", "--max-model-len", "256", "--num-prompts", "2", "--input-len", "8",
-            "--output-len", "3", "--json", str(out)]  # fmt: skip
+            "--output-len", "3", "--kv-cache-memory", "0.05", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     assert json.loads(out.read_text())["num_output_tokens"] == 6
 
