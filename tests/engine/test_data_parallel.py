@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from pagedserve.engine.frontend.client import EngineDeadError
 from pagedserve.engine.frontend.data_parallel import (
     BALANCE_FRACTION,
@@ -26,6 +26,7 @@ from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler.block_hash import hash_block_tokens
 from tests.helpers import process_alive, stream_with_rewind
+from tests.lora_adapters import ALL_TARGETS, save_random_peft_adapter
 
 BLOCK = 4
 A = list(range(100, 116))  # four blocks
@@ -137,21 +138,21 @@ def test_request_cost_sum_stats_and_threads():
 # ---- two real core processes -----------------------------------------------------------------
 
 
-def _config(tiny_llama_dir, **kwargs) -> EngineConfig:
-    fields = dict(
-        model=str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=256,
-        max_model_len=256,
+def _config_fields() -> dict:
+    return dict(
+        device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=256, max_model_len=256
     )
-    return EngineConfig(**{**fields, **kwargs})
+
+
+def _config(tiny_llama_dir, **kwargs) -> EngineConfig:
+    return EngineConfig(model=str(tiny_llama_dir), **{**_config_fields(), **kwargs})
 
 
 @pytest.fixture(scope="module")
 def dp_engine(tiny_llama_dir):
-    engine = DataParallelEngine(_config(tiny_llama_dir), 2)
+    # LoRA on: test_a_lora_adapter_reaches_every_core sends adapters through (the other tests ask
+    # the base model, which an engine with adapters serves as before).
+    engine = DataParallelEngine(_config(tiny_llama_dir, enable_lora=True), 2)
     engine.start()
     pids = engine.core_pids
     assert len(set(pids)) == 2 and all(process_alive(p) for p in pids)
@@ -190,6 +191,33 @@ def test_requests_spread_over_the_cores_and_match_one_engine(dp_engine, tiny_lla
     assert sum(added) == 8 and min(added) >= 2  # no shared full block: the loads alternate
     assert dp_engine.router.loads == [0, 0]  # released as they finished
     assert dp_engine.num_unfinished_requests == 0
+
+
+def test_a_lora_adapter_reaches_every_core(dp_engine, tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    folder = save_random_peft_adapter(hf, tmp_path / "adapter", 8, 16, ALL_TARGETS, seed=2)
+    lora = LoRARequest("a", 1, str(folder))
+    params = SamplingParams(max_tokens=6, temperature=0, output_kind="final")
+
+    async def one(request_id, prompt):
+        async for out in dp_engine.add_request(request_id, prompt, params, lora_request=lora):
+            last = out
+        return request_id, last.outputs[0].token_ids
+
+    async def main():
+        return dict(await asyncio.gather(*(one(f"l{i}", p) for i, p in PROMPTS.items())))
+
+    before = [s.num_requests_added for s in dp_engine.core_stats]
+    outputs = asyncio.run(main())
+    reference = LLM(str(tiny_llama_dir), **{**_config_fields(), "enable_lora": True})
+    expected = reference.generate(list(PROMPTS.values()), params, lora_request=lora)
+    assert list(outputs.values()) == [o.outputs[0].token_ids for o in expected]
+    base = reference.generate(list(PROMPTS.values()), params)
+    assert [o.outputs[0].token_ids for o in base] != list(outputs.values())  # it changed them
+    added = [s.num_requests_added - b for s, b in zip(dp_engine.core_stats, before, strict=True)]
+    assert min(added) >= 2  # both cores served the adapter's requests
 
 
 def test_a_rewind_and_an_abort_reach_the_owning_core(dp_engine):
