@@ -91,7 +91,10 @@ def build_app(
         raise ValueError("served_model_names must name at least one model")
     loras = LoRAAdapters(engine, tuple(served_model_names))
     for module in lora_modules:
-        loras.load(*parse_lora_module(module))
+        try:
+            loras.load(*parse_lora_module(module))
+        except APIError as e:  # (a repeated name): a start-up error, not an HTTP answer
+            raise ValueError(f"--lora-modules {module!r}: {e}") from None
     state = ServerState(
         engine=engine,
         metrics=Metrics(

@@ -1,4 +1,5 @@
-"""Prometheus metrics (`GET /metrics`), all named `pagedserve_*`.
+"""Prometheus metrics (`GET /metrics`), named `pagedserve_*`, and vLLM's `vllm:lora_requests_info`
+(the name Kubernetes routers read) while the engine serves LoRA adapters.
 
 Three sources:
 - engine state (requests running/waiting, KV blocks, preemptions, prefix-cache counters) is read

@@ -14,6 +14,7 @@ import threading
 import httpx
 import pytest
 
+from pagedserve.server.serving_lora import parse_lora_module
 from tests.server.conftest import LORA_PROMPT, LORA_TOKENS
 from tests.server.test_readme_examples import LORA_PORT, serve_it_examples
 from tests.server.util import RunningServer, client
@@ -155,3 +156,13 @@ def test_the_readme_lora_example_runs_as_written(lora_server, adapter):
     assert lines[1] == "Success: LoRA adapter 'sql-v2' added successfully."
     assert namespace["adapted"].model == "sql-v2" and namespace["adapted"].usage.completion_tokens
     assert "sql-v2" not in [m.id for m in client(lora_server).models.list().data]  # unloaded
+
+
+def test_lora_modules_take_vllms_two_forms_and_refuse_others():
+    assert parse_lora_module("sql=/adapters/sql") == ("sql", "/adapters/sql")
+    spec = '{"name": "sql", "path": "/adapters/sql", "base_model_name": "smollm2"}'
+    assert parse_lora_module(spec) == ("sql", "/adapters/sql")
+    with pytest.raises(ValueError, match="give each adapter as name=path"):
+        parse_lora_module("/adapters/sql")
+    with pytest.raises(ValueError, match='the JSON form needs "name" and "path" keys'):
+        parse_lora_module('{"name": "sql"}')
