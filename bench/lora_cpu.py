@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from pagedserve.bench.attention_cpu import time_ms
 from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.kernels.lora import (
     dense_weights,
@@ -60,15 +60,8 @@ def projections(args: argparse.Namespace) -> dict[str, tuple[int, tuple[int, ...
 
 
 def time_us(fn: Callable[[], object], iters: int, repeats: int) -> float:
-    """Best-of-`repeats` mean over `iters` calls: the machine is shared, the minimum is stable."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best * 1e6
+    """`attention_cpu.time_ms` (best of `repeats` means), in microseconds."""
+    return time_ms(fn, iters, repeats) * 1e3
 
 
 def naive_lora_add(

@@ -9,9 +9,10 @@ suite runs these paths natively there.
 The part was chosen for what it checks per second (about 60 s in all on the 2-core dev VM, 20 s
 of them the build): the decisions themselves (tests/engine/lesser_cpu_check.py), GGUF weights
 kept quantized (torch's int4/int8 kernels for every step), oneDNN packing (float32 only), the
-compiled kernels (paged attention, layer ops), and real SmolLM2's greedy tokens equal to
-transformers'. The fp8 KV cache's agreement floor was set from measurements at both levels
-(tests/engine/test_kv_capacity.py) and is left to the suite's own run.
+compiled kernels (paged attention, layer ops), the LoRA projections' masked path on unpacked
+bf16 weights, and real SmolLM2's greedy tokens equal to transformers'. The fp8 KV cache's
+agreement floor was set from measurements at both levels (tests/engine/test_kv_capacity.py) and
+is left to the suite's own run.
 
 Its kernels come from a prebuilt library: `python -m pagedserve.kernels.cpu_ops --prebuilt
 --levels avx2` compiles it into a copy of the kernels package, which the process imports
@@ -41,13 +42,14 @@ SUBSET = [
     "tests/engine/lesser_cpu_check.py",
     "tests/engine/test_quantized_linear.py",
     "tests/engine/test_cpu_linear.py",
+    "tests/engine/test_lora_layers.py",
     "tests/kernels/test_cpu_layer_ops.py",
     "tests/kernels/test_cpu_kernel.py",
     "tests/engine/test_real_model.py::test_greedy_tokens_equal_transformers_on_the_same_gguf",
 ]
 # What the part counts at avx2 (update with SUBSET): the compiled GEMM's tests (needs_gemm) and
 # the bf16 packing ones (needs_onednn_bf16) skip there.
-EXPECTED = "406 passed, 20 skipped"
+EXPECTED = "410 passed, 20 skipped"
 
 pytestmark = pytest.mark.skipif(
     not cpu_features.cpu_features().at_least("avx512"),
