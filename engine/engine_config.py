@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedserve.engine.options import GiB, Options, gib_to_bytes, option
 from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES, cpu_features
 
@@ -149,6 +150,14 @@ class EngineConfig(Options):
         aliases=("--prefix-caching",),
         group="cache",
     )
+    kv_events_config: str | None = option(
+        None,
+        "publish the prefix cache's changes (KV events) for KV-aware routers: vLLM's JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558", "topic": "kv-events"}\' (engine/kv_events_config.py)',
+        metavar="JSON",
+        group="cache",
+    )
     attention_backend: str = option(
         "auto",
         "paged-attention kernels: triton (default on CUDA), cpu (compiled for this CPU on first "
@@ -206,6 +215,12 @@ class EngineConfig(Options):
         "split the model over this many ranks (processes; GPUs on CUDA), each holding its share "
         "of the heads, MLP and vocabulary and of the KV cache; rank 0 starts the others on this "
         "node, or torchrun starts them across nodes (README)",
+        group="parallel",
+    )
+    data_parallel_rank: int = option(
+        0,
+        "the data-parallel rank of this server's first engine core, for servers started apart "
+        "behind one router: KV events carry it and their ports are offset by it",
         group="parallel",
     )
     enable_lora: bool = option(
@@ -274,8 +289,28 @@ class EngineConfig(Options):
                 "the tokens the previous step accepted): drop --async-scheduling"
             )
 
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
+        if self.kv_events_config is not None:
+            self._check_kv_events()
         if self.enable_lora:
             self._check_lora()
+
+    def _check_kv_events(self) -> None:
+        events = parse_kv_events_config(self.kv_events_config)
+        if events.enabled and not self.enable_prefix_caching:
+            raise ValueError(
+                "KV events report the prefix cache's blocks: drop --no-enable-prefix-caching "
+                "or the kv_events_config"
+            )
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed kv_events_config when it enables events, else None."""
+        if self.kv_events_config is None:
+            return None
+        events = parse_kv_events_config(self.kv_events_config)
+        return events if events.enabled else None
 
     def _check_lora(self) -> None:
         if self.tensor_parallel_size > 1:

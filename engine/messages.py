@@ -77,6 +77,7 @@ class EngineStats(msgspec.Struct, array_like=True, frozen=True):
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
     lora_slot_loads: int = 0
+    block_size: int = 0  # tokens per KV block (fixed; for vllm:cache_config_info)
 
     @property
     def kv_usage(self) -> float:

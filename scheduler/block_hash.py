@@ -43,3 +43,16 @@ def hash_block_tokens(
     # Fixed-width int64 encoding: unambiguous, and far cheaper than pickle or repr.
     hasher.update(array("q", token_ids).tobytes())
     return BlockHash(hasher.digest(), tuple(token_ids))
+
+
+def external_hash(block_hash: BlockHash) -> int:
+    """The block's hash as KV events and GET /v1/kv give it (what a router outside keys its index
+    on): the first 8 bytes of the digest, big-endian, an unsigned 64-bit int. Every KV-cache
+    group's block of one prefix has the same one (`group_index` tells them apart)."""
+    return int.from_bytes(block_hash.digest[:8], "big")
+
+
+def group_index(block_hash: BlockHash) -> int:
+    """The KV-cache group a prefix-cache key belongs to: group g > 0 appends g (2 bytes,
+    little-endian) to the group-0 digest (scheduler/kv_cache_manager.py `_group_hash`)."""
+    return int.from_bytes(block_hash.digest[32:], "little")

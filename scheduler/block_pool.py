@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from pagedserve.scheduler.block_hash import BlockHash
+from pagedserve.scheduler.kv_events import KVEventLog
+from pagedserve.scheduler.lora_request import LoRARequest
 
 # A block's state in the live block map (`BlockPool.block_states`, GET /v1/kv).
 BLOCK_FREE, BLOCK_CACHED, BLOCK_USED = 0, 1, 2
@@ -60,6 +62,8 @@ class BlockPool:
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        # Every change of `_cached`, for KV events (scheduler/kv_events.py); None: not kept.
+        self.event_log: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +111,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.event_log is not None:
+                    self.event_log.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
@@ -137,8 +143,16 @@ class BlockPool:
         """The block holding exactly this prefix, or None (always None without caching)."""
         return self._cached.get(block_hash)
 
-    def cache_full_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Make a full, in-use block findable under `block_hash`.
+    def cache_full_block(
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        parent: BlockHash | None = None,
+        lora: LoRARequest | None = None,
+    ) -> bool:
+        """Make a full, in-use block findable under `block_hash`. `parent` (the key of the
+        block before it, None for a first block) and `lora` (the request's adapter) are only
+        told to the event log.
 
         Returns False (and leaves the block uncached) when prefix caching is off or another
         block already holds this content: the first copy wins, so every hash names exactly
@@ -157,6 +171,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.event_log is not None:
+            self.event_log.stored(block_hash, parent, lora)
         return True
 
     def uncache(self, block: Block) -> None:
@@ -164,6 +180,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.event_log is not None:
+                    self.event_log.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
@@ -172,4 +190,6 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.event_log is not None:
+            self.event_log.cleared()
         return num_dropped

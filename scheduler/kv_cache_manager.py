@@ -582,9 +582,10 @@ class KVCacheManager:
             # Prefix-cache hits already carry exactly this hash; dropped blocks were cached
             # when they filled.
             if block is not None and block.block_hash is None:
-                group = index % num_groups
+                group, i = index % num_groups, index // num_groups
+                parent = _group_hash(hashes[i - 1], group) if i else None
                 self.block_pool.cache_full_block(
-                    block, _group_hash(hashes[index // num_groups], group)
+                    block, _group_hash(hashes[i], group), parent, request.lora
                 )
         self._num_cached_blocks[request_id] = num_full
 

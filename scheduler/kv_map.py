@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.scheduler.block_hash import external_hash
 from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 from pagedserve.scheduler.request import RequestStatus
 
@@ -57,7 +58,16 @@ def kv_map(scheduler: Scheduler) -> dict:
         "block_size": size,
         "num_blocks": kv.num_total_blocks,
         "num_groups": kv.num_groups,
-        "blocks": {"state": states, "ref_count": refs, "cached": cached},
+        "blocks": {
+            "state": states,
+            "ref_count": refs,
+            "cached": cached,
+            # the prefix hash KV events name the block by (null: not in the prefix cache)
+            "hash": [
+                None if b.block_hash is None else external_hash(b.block_hash)
+                for b in kv.block_pool.blocks
+            ],
+        },
         # JSON object keys are strings: block id -> request ids holding it.
         "owners": {str(block_id): ids for block_id, ids in owners.items()},
         "requests": requests,

@@ -101,6 +101,7 @@ def build_app(
             lambda: engine.stats,
             read_core_stats=lambda: engine.core_stats,
             core_pids=lambda: engine.core_pids,
+            model_name=served_model_names[0],
         ),
         served_model_names=tuple(served_model_names),
         model_root=model_root,

@@ -1,5 +1,5 @@
-"""Prometheus metrics (`GET /metrics`), named `pagedserve_*`, and vLLM's `vllm:lora_requests_info`
-(the name Kubernetes routers read) while the engine serves LoRA adapters.
+"""Prometheus metrics (`GET /metrics`), named `pagedserve_*`, and beside them vLLM's `vllm:*` names
+for Kubernetes routers and vLLM's dashboards (server/metrics_vllm.py).
 
 Three sources:
 - engine state (requests running/waiting, KV blocks, preemptions, prefix-cache counters) is read
@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import LoRARequest
+from pagedserve.server.metrics_vllm import VLLMCollector
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -107,34 +108,20 @@ class _EngineCollector(Collector):
 
 
 class _LoRACollector(Collector):
-    """vLLM's `vllm:lora_requests_info` (what Kubernetes routers read to route by adapter): one
-    sample whose labels name the adapters of the running and of the waiting requests
-    (comma-separated) and the adapters a core holds at once, valued the scrape's time; and
-    `pagedserve_lora_slot_loads`, the adapters copied into device slots so far (the slots'
-    churn). Nothing while the engine serves no adapters."""
+    """`pagedserve_lora_slot_loads`: the adapters copied into device slots so far (the slots'
+    churn), all cores. Nothing while the engine serves no adapters."""
 
     def __init__(self, read_core_stats: Callable[[], Sequence[EngineStats]]) -> None:
         self._read_core_stats = read_core_stats
 
     def collect(self) -> Iterator[Metric]:
         cores = [s for s in self._read_core_stats() if s.max_loras]
-        if not cores:
-            return
-        running = sorted({name for s in cores for name in s.running_loras})
-        waiting = sorted({name for s in cores for name in s.waiting_loras})
-        info = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "Running stats on LoRA requests",
-            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        max_lora = str(max(s.max_loras for s in cores))
-        info.add_metric([",".join(running), ",".join(waiting), max_lora], time.time())
-        yield info
-        yield CounterMetricFamily(
-            "pagedserve_lora_slot_loads",
-            "LoRA adapters copied into a device slot (all cores)",
-            value=sum(s.lora_slot_loads for s in cores),
-        )
+        if cores:
+            yield CounterMetricFamily(
+                "pagedserve_lora_slot_loads",
+                "LoRA adapters copied into a device slot (all cores)",
+                value=sum(s.lora_slot_loads for s in cores),
+            )
 
 
 def resident_memory_bytes(pid: int) -> int | None:
@@ -185,7 +172,8 @@ class Metrics:
     label, one sample per core, instead of the single unlabelled one.
     `core_pid` returns the id of the engine core's process when the core runs in one of its own
     (ProcessEngine.pid), else None; `core_pids` (EngineClient.core_pids), when given, the ids of
-    every core's instead. Without either only the server's memory is reported."""
+    every core's instead. Without either only the server's memory is reported. `model_name`:
+    the `model_name` label of the vLLM-named families (the first served name)."""
 
     def __init__(
         self,
@@ -193,6 +181,7 @@ class Metrics:
         core_pid: Callable[[], int | None] = lambda: None,
         read_core_stats: Callable[[], Sequence[EngineStats]] | None = None,
         core_pids: Callable[[], Sequence[int | None]] | None = None,
+        model_name: str = "",
     ) -> None:
         if core_pids is None:
             core_pids = lambda: [core_pid()]  # noqa: E731
@@ -238,6 +227,15 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        instruments = (
+            ("vllm:prompt_tokens", self.prompt_tokens),
+            ("vllm:generation_tokens", self.generation_tokens),
+            ("vllm:request_success", self.requests_finished),
+            ("vllm:time_to_first_token_seconds", self.ttft),
+            ("vllm:inter_token_latency_seconds", self.itl),
+            ("vllm:e2e_request_latency_seconds", self.e2e),
+        )
+        r.register(VLLMCollector(model_name, all_stats, instruments))
 
     def track(
         self, num_prompt_tokens: int, arrival: float | None = None, lora: LoRARequest | None = None

@@ -135,7 +135,7 @@ ROOM_ALLOWED = {
 }
 ENGINE_SHARED = {
     "engine.engine_config", "engine.options", "engine.messages", "engine.structured_output",
-    "engine.cpu_allocator", "engine.tp_endpoint",
+    "engine.cpu_allocator", "engine.tp_endpoint", "engine.kv_events_config",
 }  # fmt: skip
 FRONT_END_MAY_IMPORT = {
     "engine.models.model_config", "engine.models.hf_config", "engine.models.gguf_config",

@@ -15,6 +15,7 @@ import time
 import msgspec
 
 from pagedserve.engine.core.beam_search import BeamSearches
+from pagedserve.engine.core.kv_events import KVEventPublisher
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
 from pagedserve.engine.models.bert_config import context_length, embedding_pooling
@@ -34,6 +35,7 @@ from pagedserve.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from pagedserve.scheduler.kv_events import AllBlocksCleared, KVEventLog
 
 logger = logging.getLogger("pagedserve")
 
@@ -111,6 +113,27 @@ class EngineCore:
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
         self._rejected: list[SampleOutput] = []  # failed in add_samples, reported by the next step
         self.beams = BeamSearches(self.scheduler, self.eos_token_ids)
+        self.kv_events = self._start_kv_events(config)
+
+    def _start_kv_events(self, config: EngineConfig) -> KVEventPublisher | None:
+        """The KV events' publisher, with the block pool telling the log it drains every step
+        (None without --kv-events-config, or without a prefix cache to report on)."""
+        events = config.kv_events
+        kv = self.scheduler.kv_cache_manager
+        if events is None:
+            return None
+        if not kv.enable_prefix_caching:  # encoder-decoder and embedding models have none
+            logger.warning("KV events: this model runs without a prefix cache; none are sent")
+            return None
+        kv.block_pool.event_log = KVEventLog(config.block_size)
+        medium = "GPU" if self.worker.device.type == "cuda" else "CPU"
+        publisher = KVEventPublisher(
+            events, config.data_parallel_rank, medium, self.worker.kv_plan.windows
+        )
+        logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
+        # Batch 0: a router that knew this rank before (a restarted pod) forgets its blocks.
+        publisher.publish([AllBlocksCleared()])
+        return publisher
 
     # ---- samples ---------------------------------------------------------------------------------
 
@@ -247,6 +270,8 @@ class EngineCore:
         finally:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
+            if self.kv_events is not None:
+                self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.event_log.take())
 
     def _schedule_and_run(self, synchronous: bool) -> list[SampleOutput]:
         sched_out = self.scheduler.schedule()
@@ -382,7 +407,10 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Stop the worker's other ranks, if any. Safe to call more than once."""
+        """Stop the worker's other ranks, if any, and the KV events' publisher. Safe to call
+        more than once."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.worker.close()
 
     def stats(self) -> EngineStats:
@@ -405,6 +433,7 @@ class EngineCore:
             kv_host_blocks_total=self.worker.num_host_blocks,
             num_swap_outs=scheduler.num_swap_outs,
             num_swap_ins=scheduler.num_swap_ins,
+            block_size=kv.block_size,
             **self._lora_stats(),
         )
 

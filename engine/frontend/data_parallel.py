@@ -86,6 +86,16 @@ BALANCE_FRACTION = 0.25
 DEFAULT_PREFIX_BLOCKS = 1 << 16
 
 
+def pick_by_rule(loads: Sequence[float], cached: Sequence[int]) -> int:
+    """The routing rule (this module's docstring) on bare numbers: the index it picks, given
+    each target's load and its cached prefix (in any unit, the same for all). Shared with
+    server/ray_serve_router.py, which routes over Ray Serve replicas instead of cores."""
+    least = min(loads)
+    limit = least + max(BALANCE_MIN_TOKENS, BALANCE_FRACTION * least)
+    candidates = [i for i, load in enumerate(loads) if load <= limit]
+    return min(candidates, key=lambda i: (-cached[i], loads[i], i))
+
+
 class PrefixRouter:
     """Picks the core for each request (the rule: this module's docstring) and keeps the loads
     and the per-core prefix sets. Thread-safe."""
@@ -147,10 +157,8 @@ class PrefixRouter:
             return self._pick(hashes)
 
     def _pick(self, hashes: Sequence[bytes]) -> int:
-        least = min(self.loads)
-        limit = least + max(BALANCE_MIN_TOKENS, BALANCE_FRACTION * least)
-        candidates = [i for i, load in enumerate(self.loads) if load <= limit]
-        return min(candidates, key=lambda i: (-self.cached_blocks(i, hashes), self.loads[i], i))
+        cached = [self.cached_blocks(i, hashes) for i in range(self.num_cores)]
+        return pick_by_rule(self.loads, cached)
 
     def assign(self, hashes: Sequence[bytes], cost: int) -> int:
         """Pick a core for a request of `cost` tokens, add them to its load and its prefixes to
@@ -194,11 +202,16 @@ def core_threads(num_cores: int) -> int | None:
 
 
 def core_configs(config: EngineConfig, num_cores: int) -> list[EngineConfig]:
-    """Each core's config: on CUDA, core i gets GPUs i*N .. i*N + N-1 (N: the tensor-parallel
-    size; its ranks count from the first); ValueError when there are not that many."""
+    """Each core's config: core i is data-parallel rank data_parallel_rank + i (its KV events
+    say so, on ports + i); on CUDA it gets GPUs i*N .. i*N + N-1 (N: the tensor-parallel size;
+    its ranks count from the first); ValueError when there are not that many."""
+    ranked = [
+        dataclasses.replace(config, data_parallel_rank=config.data_parallel_rank + i)
+        for i in range(num_cores)
+    ]
     device = config.torch_device()
     if num_cores == 1 or device.type != "cuda":
-        return [config] * num_cores
+        return ranked
     per_core = config.tensor_parallel_size
     first = device.index or 0
     need = first + num_cores * per_core
@@ -208,19 +221,19 @@ def core_configs(config: EngineConfig, num_cores: int) -> list[EngineConfig]:
             f"cuda:{first} needs {need} GPUs; torch sees {torch.cuda.device_count()}"
         )
     return [
-        dataclasses.replace(config, device=f"cuda:{first + i * per_core}") for i in range(num_cores)
+        dataclasses.replace(c, device=f"cuda:{first + i * per_core}") for i, c in enumerate(ranked)
     ]
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
     """Field by field: the whole server's counters and gauges (summed; the LoRA adapters' names
-    united)."""
+    united; the block size, the same in every core, kept)."""
 
     def total(name: str):
         values = [getattr(s, name) for s in stats]
         if values and isinstance(values[0], tuple):
             return tuple(sorted(set().union(*values)))
-        return sum(values)
+        return max(values, default=0) if name == "block_size" else sum(values)
 
     return EngineStats(*(total(name) for name in EngineStats.__struct_fields__))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
@@ -26,6 +27,14 @@ from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler.block_hash import hash_block_tokens
 from tests.helpers import process_alive, stream_with_rewind
+from tests.kv_events_wire import (
+    KVEventBatch,
+    apply,
+    events_config,
+    free_ports,
+    kv_map_hashes,
+    replay,
+)
 from tests.lora_adapters import ALL_TARGETS, save_random_peft_adapter
 
 BLOCK = 4
@@ -149,10 +158,18 @@ def _config(tiny_llama_dir, **kwargs) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def dp_engine(tiny_llama_dir):
+def event_ports() -> list[int]:
+    """The cores' KV events: publisher and replay ports, each + the core's index."""
+    return free_ports(2, run=2)
+
+
+@pytest.fixture(scope="module")
+def dp_engine(tiny_llama_dir, event_ports):
     # LoRA on: test_a_lora_adapter_reaches_every_core sends adapters through (the other tests ask
     # the base model, which an engine with adapters serves as before).
-    engine = DataParallelEngine(_config(tiny_llama_dir, enable_lora=True), 2)
+    # KV events on: test_every_core_publishes_its_own_kv_events reads them.
+    config = _config(tiny_llama_dir, enable_lora=True, kv_events_config=events_config(*event_ports))
+    engine = DataParallelEngine(config, 2)
     engine.start()
     pids = engine.core_pids
     assert len(set(pids)) == 2 and all(process_alive(p) for p in pids)
@@ -255,6 +272,22 @@ def test_a_rewind_and_an_abort_reach_the_owning_core(dp_engine):
     assert dp_engine.num_unfinished_requests == 0
 
 
+def test_every_core_publishes_its_own_kv_events(dp_engine, event_ports):
+    # After the requests above: each core's events, asked again from its replay socket (port +
+    # core index) and replayed, are its block map's prefix cache, tagged with its rank.
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    for core in (0, 1):
+        batches = [
+            decoder.decode(payload)
+            for _, payload in replay(f"tcp://127.0.0.1:{event_ports[1] + core}", 0)
+        ]
+        assert {b.data_parallel_rank for b in batches} == {core}
+        blocks: set[int] = set()
+        apply(blocks, [e for b in batches for e in b.events])
+        cached = kv_map_hashes(asyncio.run(dp_engine.kv_map(engine=core)))
+        assert blocks == cached and len(cached) >= 4  # every core served prompts of full blocks
+
+
 def test_a_core_that_cannot_start_stops_the_others(tiny_llama_dir):
     # Too few blocks for one sequence: every core refuses its config; the error is the core's.
     engine = DataParallelEngine(_config(tiny_llama_dir, num_kv_blocks=2), 2)
@@ -269,7 +302,8 @@ def test_a_core_that_cannot_start_stops_the_others(tiny_llama_dir):
 def test_each_core_gets_its_own_gpus(monkeypatch):
     # No GPU on this machine: torch is told it has four (a mock, only of the device count) so
     # that the mapping of cores to GPUs is checked; on CPU every core shares the config.
-    assert core_configs(EngineConfig(device="cpu"), 2) == [EngineConfig(device="cpu")] * 2
+    cpu = core_configs(EngineConfig(device="cpu", data_parallel_rank=4), 2)
+    assert cpu == [EngineConfig(device="cpu", data_parallel_rank=r) for r in (4, 5)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     devices = [c.device for c in core_configs(EngineConfig(device="cuda"), 4)]
