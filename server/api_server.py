@@ -19,6 +19,7 @@ import threading
 import time
 
 import uvicorn
+from fastapi import FastAPI
 
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.frontend.client import EngineClient
@@ -61,47 +62,12 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
     device, DEFAULT_CORE_PROCESS). `server.data_parallel_size`: engine cores, each a process of
     its own with its own KV cache (engine/frontend/data_parallel.py); a Whisper model the same
     ways."""
-    host, port, core_process = server.host, server.port, server.core_process
-    if server.lora_modules and not config.enable_lora:  # adapters to serve: LoRA is on
-        config = dataclasses.replace(config, enable_lora=True)
-    data_parallel_size, max_queue_len = server.data_parallel_size, server.max_queue_len
+    host, port = server.host, server.port
     _check_port_free(host, port)  # before loading: a model can take minutes to load
-    if data_parallel_size > 1:
-        core_process = True
     names = list(server.served_model_name or [config.model])
-    if core_process is None:
-        core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
-    client: EngineClient
-    if data_parallel_size > 1:
-        client = DataParallelEngine(config, data_parallel_size, max_queue_len)
-        client.start()  # loads the model in every core process at once
-        description = client.description
-    elif core_process:
-        client = ProcessEngine(config, max_queue_len=max_queue_len)
-        client.start()  # loads the model in the core process; logs its plan there
-        description = client.description
-    else:  # the engine core in this process: only then does it import the model code
-        from pagedserve.engine.frontend.async_engine import AsyncEngine
-        from pagedserve.engine.frontend.llm_engine import LLMEngine
-
-        engine = LLMEngine(config)  # logs parameters, dtype, device and the KV-cache plan
-        client = AsyncEngine(engine, max_queue_len=max_queue_len)
-        description = engine.describe()
+    client, description, core_process = start_client(config, server, loop_thread=False)
     try:
-        app = build_app(
-            client,
-            names,
-            model_root=config.model,
-            api_key=server.api_key,
-            manage_engine=False,
-            request_timeout=server.request_timeout,
-            max_request_body_bytes=server.max_request_body_bytes,
-            max_n=server.max_n,
-            tool_call_parser=server.tool_call_parser,
-            reasoning_parser=server.reasoning_parser,
-            allowed_origins=list(server.allowed_origins or ()) or None,
-            lora_modules=server.lora_modules or (),
-        )
+        app = server_app(client, config, server)
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, %s%s)",
             names[0],
@@ -162,6 +128,55 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
     if client.error is not None:
         logger.error("the server stops because the engine failed: %r", client.error)
         raise SystemExit(1)
+
+
+def start_client(
+    config: EngineConfig, server: ServerConfig, loop_thread: bool = True
+) -> tuple[EngineClient, str, bool]:
+    """The engine client `pagedserve serve` runs for these configs, started (models loaded,
+    requests accepted), its description, and whether its core runs in a process of its own.
+    An in-process engine's loop runs on a thread of its own with `loop_thread`, else the caller
+    runs it (`client.run()`, as `run_server` does on its main thread)."""
+    if server.lora_modules and not config.enable_lora:  # adapters to serve: LoRA is on
+        config = dataclasses.replace(config, enable_lora=True)
+    core_process = server.core_process
+    if core_process is None:
+        core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
+    if server.data_parallel_size > 1:
+        client = DataParallelEngine(config, server.data_parallel_size, server.max_queue_len)
+        client.start()  # loads the model in every core process at once
+        return client, client.description, True
+    if core_process:
+        client = ProcessEngine(config, max_queue_len=server.max_queue_len)
+        client.start()  # loads the model in the core process; logs its plan there
+        return client, client.description, True
+    # The engine core in this process: only then does it import the model code.
+    from pagedserve.engine.frontend.async_engine import AsyncEngine
+    from pagedserve.engine.frontend.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)  # logs parameters, dtype, device and the KV-cache plan
+    client = AsyncEngine(engine, max_queue_len=server.max_queue_len)
+    if loop_thread:
+        client.start()
+    return client, engine.describe(), False
+
+
+def server_app(client: EngineClient, config: EngineConfig, server: ServerConfig) -> FastAPI:
+    """The FastAPI app over `client` with the server's options (the caller runs the engine)."""
+    return build_app(
+        client,
+        list(server.served_model_name or [config.model]),
+        model_root=config.model,
+        api_key=server.api_key,
+        manage_engine=False,
+        request_timeout=server.request_timeout,
+        max_request_body_bytes=server.max_request_body_bytes,
+        max_n=server.max_n,
+        tool_call_parser=server.tool_call_parser,
+        reasoning_parser=server.reasoning_parser,
+        allowed_origins=list(server.allowed_origins or ()) or None,
+        lora_modules=server.lora_modules or (),
+    )
 
 
 def _check_port_free(host: str, port: int) -> None:

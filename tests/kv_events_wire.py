@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import time
 from array import array
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -126,6 +128,21 @@ def router_hashes(token_ids: list[int], block_size: int, parent: bytes = bytes(3
         parent = hashlib.sha256(parent + array("q", block).tobytes()).digest()
         hashes.append(int.from_bytes(parent[:8], "big"))
     return hashes
+
+
+def subscribe(address: str, topic: bytes) -> zmq.Socket:
+    """A SUB socket on `address`, returned once its connection is up (the publisher then has
+    its subscription a moment later: a PUB drops what no subscriber asked for yet)."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sub.connect(address)
+    assert monitor.poll(10_000), f"no connection to {address}"
+    recv_monitor_message(monitor)
+    sub.disable_monitor()
+    monitor.close(linger=0)
+    time.sleep(0.2)
+    return sub
 
 
 def receive_all(sub: zmq.Socket, quiet_ms: int = 300) -> list[tuple[bytes, int, bytes]]:

@@ -55,7 +55,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import torch
 
@@ -94,6 +94,17 @@ def pick_by_rule(loads: Sequence[float], cached: Sequence[int]) -> int:
     limit = least + max(BALANCE_MIN_TOKENS, BALANCE_FRACTION * least)
     candidates = [i for i, load in enumerate(loads) if load <= limit]
     return min(candidates, key=lambda i: (-cached[i], loads[i], i))
+
+
+def leading_known(hashes: Sequence[bytes], known: Container[bytes]) -> int:
+    """How many of the leading digests of `hashes` are in `known`: a block's KV depends on every
+    block before it, so the count stops at the first miss."""
+    count = 0
+    for digest in hashes:
+        if digest not in known:
+            break
+        count += 1
+    return count
 
 
 class PrefixRouter:
@@ -143,13 +154,7 @@ class PrefixRouter:
     def cached_blocks(self, core: int, hashes: Sequence[bytes]) -> int:
         """How many of the leading blocks of `hashes` core `core` was sent before (and has not
         forgotten)."""
-        known = self._prefixes[core]
-        count = 0
-        for digest in hashes:  # a block's KV depends on every block before it: stop at a miss
-            if digest not in known:
-                break
-            count += 1
-        return count
+        return leading_known(hashes, self._prefixes[core])
 
     def pick(self, hashes: Sequence[bytes]) -> int:
         """The core the rule picks for a request with these prefix digests (nothing changes)."""

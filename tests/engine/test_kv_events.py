@@ -9,7 +9,6 @@ from array import array
 
 import msgspec
 import pytest
-import zmq
 
 from pagedserve.engine.frontend.llm_engine import LLMEngine
 from pagedserve.scheduler import SamplingParams
@@ -35,6 +34,7 @@ from tests.kv_events_wire import (
     receive_all,
     replay,
     router_hashes,
+    subscribe,
 )
 
 BLOCK = 4
@@ -52,10 +52,9 @@ def test_a_router_replays_the_prefix_cache_from_the_events_through_hits_eviction
         max_num_seqs=4,
         kv_events_config=events_config(pub, rep),
     )
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-    sub.connect(f"tcp://127.0.0.1:{pub}")
     engine = LLMEngine(config)
+    # A router joining a running engine: what it missed (batch 0 at least) comes from replay.
+    sub = subscribe(f"tcp://127.0.0.1:{pub}", b"kv-events")
     try:
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         prompts = [SHARED + [60 + i, 70 + i, 80 + i, 90 + i, 100 + i] for i in range(8)]
@@ -71,11 +70,11 @@ def test_a_router_replays_the_prefix_cache_from_the_events_through_hits_eviction
     finally:
         engine.close()
         sub.close(linger=0)
-    # Every batch numbered in order from 0; what the subscriber got live is what replay gives
-    # back (it joined as the engine started, so it may have missed the first few).
+    # Every batch numbered in order from 0; what the subscriber got live, the batches of the
+    # requests, is what replay gives back.
     assert [seq for seq, _ in everything] == list(range(len(everything)))
     assert frames and all(topic == b"kv-events" for topic, _, _ in frames)
-    assert [(seq, payload) for _, seq, payload in frames] == everything[-len(frames) :]
+    assert [(seq, payload) for _, seq, payload in frames] == everything[1:]
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     batches = [decoder.decode(payload) for _, payload in everything]
     assert all(b.data_parallel_rank == 0 for b in batches)

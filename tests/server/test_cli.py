@@ -123,6 +123,8 @@ def test_generate_chat_answers_with_the_real_model():
         "24",
         "--device",
         "cpu",
+        "--kv-cache-memory",
+        "0.25",
     )
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout

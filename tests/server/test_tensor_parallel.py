@@ -21,6 +21,7 @@ from tests.server.conftest import SMOLLM2_ARGS
 from tests.server.test_core_process import _server, _Stream, _wait_gone
 from tests.server.util import PAGEDSERVE
 
+REGEX = r"[a-f]{2,4}-[0-9]{3}"
 COMPLETION = {
     "model": "smollm2-135m-instruct",
     "prompt": "The three primary colors are",
@@ -35,6 +36,13 @@ def test_two_ranks_answer_as_one_and_a_dead_rank_stops_the_server(tmp_path, serv
         got = httpx.post(f"{tp.base}/v1/completions", json=COMPLETION, timeout=60).json()
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert got["usage"] == want["usage"]
+        # A grammar is rank 0's alone (its sampler masks the logits; the other ranks take its
+        # ids): the constrained answer is one rank's too.
+        regex = {**COMPLETION, "max_tokens": 16, "structured_outputs": {"regex": REGEX}}
+        one = httpx.post(f"{server.v1}/completions", json=regex, timeout=60).json()
+        two = httpx.post(f"{tp.base}/v1/completions", json=regex, timeout=60).json()
+        assert re.fullmatch(REGEX, two["choices"][0]["text"])
+        assert two["choices"][0]["text"] == one["choices"][0]["text"]
         log = tp.log()
         assert "query/KV heads per rank 6/2, 3/1 (3 KV heads do not divide by 2" in log
         worker = int(re.search(r"tensor parallel: started ranks 1\.\.1 \(pids (\d+)\)", log)[1])
