@@ -1,6 +1,6 @@
 """pagedserve replicas under Ray Serve: a fleet of engines behind Ray's HTTP proxy, each replica
 serving the same FastAPI app as `pagedserve serve` (every endpoint, SSE streams, the API key).
-Needs the `ray` extra (pip install 'pagedserve[ray]'); nothing else imports this module.
+Needs the `ray` extra (`pip install '.[ray]'`); nothing else imports this module.
 
     serve run pagedserve.server.ray_serve:build_app model=smollm2-135m-instruct num_replicas=2
 

@@ -85,6 +85,10 @@ def test_the_installed_package_imports_beside_hugging_face_kernels(installed, tm
     assert hub_api == "True"
 
 
+# Slow: tests/test_docker_replay.py serves from the same wheel in a scratch venv, from a folder
+# outside the checkout (the image's home), in every run, and checks more (the prebuilt kernels,
+# the image's user).
+@pytest.mark.slow
 def test_the_installed_server_answers_from_another_directory(installed, tmp_path):
     log = tmp_path / "server.log"
     workdir = tmp_path / "elsewhere"

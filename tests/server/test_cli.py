@@ -314,15 +314,20 @@ def test_bad_flag_values_are_refused_by_the_config():
         _serve_config("--gpu-memory-utilization", "1.5")
 
 
-def test_attention_backend_option_reaches_the_engine(tiny_llama_dir, tmp_path, capsys, monkeypatch):
-    # TRITON_INTERPRET=1 (tests/conftest.py, inherited) lets the Triton kernels run on CPU.
-    res = _run(
-        "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
-        "--dtype", "float32", "--attention-backend", "triton", "--num-prompts", "2",
-        "--input-len", "6", "--output-len", "3", "--json", str(tmp_path / "tp.json"),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    assert "float32 on cpu, triton attention" in res.stderr  # the default on CPU is torch
+def test_attention_backend_option_reaches_the_engine(
+    tiny_llama_dir, tmp_path, capsys, monkeypatch, caplog
+):
+    # In-process, as the console script calls main (test_load.py runs `pagedserve bench serve`
+    # as a process); TRITON_INTERPRET=1 (tests/conftest.py) lets the Triton kernels run on CPU.
+    with caplog.at_level("INFO", logger="pagedserve"):
+        code = main([
+            "bench", "throughput", "--model", str(tiny_llama_dir), "--device", "cpu",
+            "--dtype", "float32", "--attention-backend", "triton", "--num-prompts", "2",
+            "--input-len", "6", "--output-len", "3", "--json", str(tmp_path / "tp.json"),
+            "--kv-cache-memory", "0.05",
+        ])  # fmt: skip
+    assert code == 0
+    assert "float32 on cpu, triton attention" in caplog.text  # the default on CPU is torch
     assert json.loads((tmp_path / "tp.json").read_text())["num_output_tokens"] == 6
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "throughput", "--attention-backend", "flash"])
