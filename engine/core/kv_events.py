@@ -121,7 +121,10 @@ class KVEventPublisher:
         seq = 0
         while True:
             if self._replay is not None and self._replay.poll(0):
-                self._answer_replay()
+                try:
+                    self._answer_replay()
+                except zmq.ZMQError as e:  # a subscriber gone mid-answer
+                    logger.warning("KV events: a replay was cut short (%s)", e)
             try:
                 item = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
@@ -129,10 +132,13 @@ class KVEventPublisher:
             if item is None:
                 return
             ts, events = item
-            batch = [ts, [self._event(e) for e in events], self.rank]
-            payload = encoder.encode(batch)
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append((seq, payload))
+            try:
+                payload = encoder.encode([ts, [self._event(e) for e in events], self.rank])
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            except Exception:  # (a bug): the batch is lost, its number skipped, the thread lives
+                logger.exception("KV events: batch %d could not be sent", seq)
+            else:
+                self._buffer.append((seq, payload))
             seq += 1
 
     def _answer_replay(self) -> None:

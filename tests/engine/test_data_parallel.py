@@ -28,6 +28,7 @@ from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler.block_hash import hash_block_tokens
 from tests.helpers import process_alive, stream_with_rewind
 from tests.kv_events_wire import (
+    BlockStored,
     KVEventBatch,
     apply,
     events_config,
@@ -286,6 +287,9 @@ def test_every_core_publishes_its_own_kv_events(dp_engine, event_ports):
         apply(blocks, [e for b in batches for e in b.events])
         cached = kv_map_hashes(asyncio.run(dp_engine.kv_map(engine=core)))
         assert blocks == cached and len(cached) >= 4  # every core served prompts of full blocks
+        # Both cores served adapter "a" (id 1) and the base model: their blocks say which.
+        stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+        assert {(e.lora_id, e.lora_name) for e in stored} == {(None, None), (1, "a")}
 
 
 def test_a_core_that_cannot_start_stops_the_others(tiny_llama_dir):

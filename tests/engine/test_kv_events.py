@@ -9,6 +9,7 @@ from array import array
 
 import msgspec
 import pytest
+import zmq
 
 from pagedserve.engine.frontend.llm_engine import LLMEngine
 from pagedserve.scheduler import SamplingParams
@@ -158,6 +159,12 @@ def test_the_array_encoding_decodes_with_vllms_earlier_structs(tiny_llama_dir):
         engine.add_request("a", SHARED, SamplingParams(max_tokens=1, temperature=0))
         while engine.has_unfinished_requests():
             engine.step()
+        # A malformed request (no 8-byte number) is ignored; the publisher answers the next.
+        bad = zmq.Context.instance().socket(zmq.DEALER)
+        bad.connect(f"tcp://127.0.0.1:{rep}")
+        bad.send_multipart((b"", b"xyz"))
+        assert not bad.poll(300)
+        bad.close(linger=0)
         batches = replay(f"tcp://127.0.0.1:{rep}", 0)
     finally:
         engine.close()
