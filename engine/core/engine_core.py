@@ -230,6 +230,7 @@ class EngineCore:
             rewound_to = self.scheduler.rewind(r.request_id, num_tokens)
             self.structured.restart(r.request_id, r.output_token_ids)
             outputs.append(SampleOutput(r.request_id, [], rewound_to=rewound_to))
+        self._publish_kv_events()  # (blocks cut back leave the cache now, not at the next step)
         return outputs
 
     def has_work(self) -> bool:
@@ -270,8 +271,12 @@ class EngineCore:
         finally:
             self.num_steps += 1
             self.step_seconds += time.perf_counter() - start
-            if self.kv_events is not None:
-                self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.event_log.take())
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """What the prefix cache gained and lost since the last batch, as one batch."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.event_log.take())
 
     def _schedule_and_run(self, synchronous: bool) -> list[SampleOutput]:
         sched_out = self.scheduler.schedule()
