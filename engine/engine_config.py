@@ -313,11 +313,6 @@ class EngineConfig(Options):
         return events if events.enabled else None
 
     def _check_lora(self) -> None:
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                "LoRA adapters are not split over tensor-parallel ranks yet: serve them with "
-                "--tensor-parallel-size 1 (replicas with --data-parallel-size work)"
-            )
         if self.task == "embed":
             raise ValueError(
                 "LoRA adapters apply to generation: drop --enable-lora with --task embed"

@@ -65,13 +65,20 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
     print(report)
     if options.enable_lora:
         from pagedserve.engine.lora.adapter import lora_slot_bytes
+        from pagedserve.engine.models.parallel import plan_shards
 
         itemsize = DTYPES[args.dtype].itemsize
-        lora_bytes = lora_slot_bytes(config, options.max_loras, options.max_lora_rank, itemsize)
+        tp = options.tensor_parallel_size
+        # With tensor parallelism each rank holds its slice's slots; rank 0's is the largest.
+        rank_config = config if tp == 1 else plan_shards(config, tp)[0].local_config(config)
+        lora_bytes = lora_slot_bytes(
+            rank_config, options.max_loras, options.max_lora_rank, itemsize
+        )
+        per_rank = "" if tp == 1 else " per rank"
         print(
             f"LoRA slots: {options.max_loras} adapters up to rank {options.max_lora_rank}, "
-            f"{lora_bytes} bytes ({lora_bytes / 2**20:.1f} MiB) in {args.dtype} beside the "
-            "weights (on a GPU the KV cache gets what they leave)"
+            f"{lora_bytes} bytes ({lora_bytes / 2**20:.1f} MiB){per_rank} in {args.dtype} "
+            "beside the weights (on a GPU the KV cache gets what they leave)"
         )
     if max_model_len > config.max_position_embeddings:
         print(

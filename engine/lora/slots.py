@@ -12,16 +12,23 @@ another needs the slot, so returning adapters cost nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from pagedserve.engine.lora.adapter import LoRAAdapter, load_adapter, projection_parts
+from pagedserve.engine.lora.adapter import (
+    LoRAAdapter,
+    LoRAWeights,
+    load_adapter,
+    projection_parts,
+)
 from pagedserve.engine.lora.layers import NO_SLOT, LoRAProjection, LoRAStep
 from pagedserve.engine.models.model import MLP, CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.parallel import TPShard
 from pagedserve.scheduler import LoRARequest
 
 
@@ -37,7 +44,12 @@ class LoRAManager:
         max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        base_config: ModelConfig | None = None,
     ) -> None:
+        # Adapters are read against the whole model (`base_config`); with tensor parallelism
+        # (`model.shard`) each projection then keeps this rank's part (TPShard.slice_lora).
+        self.base_config: ModelConfig = base_config or model.config
+        self.shard: TPShard | None = model.shard
         self.config: ModelConfig = model.config
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.step = LoRAStep(max_tokens, max_loras, dtype, device)
@@ -71,12 +83,24 @@ class LoRAManager:
         it does not fit the model); the least recently used one beyond max_cpu_loras goes."""
         adapter = self.host.get(lora.lora_int_id)
         if adapter is None:
-            adapter = load_adapter(lora.lora_path, self.config, self.max_rank, lora.lora_name)
+            adapter = load_adapter(lora.lora_path, self.base_config, self.max_rank, lora.lora_name)
+            if self.shard is not None:
+                adapter = self._rank_part(adapter)
             self.host[lora.lora_int_id] = adapter
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
         self.host.move_to_end(lora.lora_int_id)
         return adapter
+
+    def _rank_part(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        layers = [
+            {
+                name: LoRAWeights(*self.shard.slice_lora(name, w.a, w.b, self.base_config))
+                for name, w in layer.items()
+            }
+            for layer in adapter.layers
+        ]
+        return dataclasses.replace(adapter, layers=layers)
 
     def set_step(self, loras: Sequence[LoRARequest | None], query_lens: np.ndarray) -> None:
         """Put the step's adapters in slots and tell the layers each token's slot. `loras`: each

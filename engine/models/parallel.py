@@ -88,16 +88,46 @@ class TPShard:
             intermediate_size=self.intermediate[1] - self.intermediate[0],
         )
 
+    def _slices(self, config: ModelConfig) -> tuple[slice, slice, slice]:
+        """This rank's rows of q and of k (or v) out of the whole model's, and its MLP width."""
+        d = config.head_dim
+        q = slice(self.q_heads[0] * d, self.q_heads[1] * d)
+        kv = slice(self.kv_heads[0] * d, self.kv_heads[1] * d)
+        return q, kv, slice(*self.intermediate)
+
+    def _qkv_rows(self, stacked: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """This rank's rows of q, k and v stacked in that order (rows of the whole model's)."""
+        q, kv, _ = self._slices(config)
+        d = config.head_dim
+        q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+        qs, ks, vs = stacked.split((q_out, kv_out, kv_out))
+        return torch.cat((qs[q], ks[kv], vs[kv]))
+
+    def _gate_up_rows(self, stacked: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        gate, up = stacked.split((config.intermediate_size, config.intermediate_size))
+        inter = slice(*self.intermediate)
+        return torch.cat((gate[inter], up[inter]))
+
+    def slice_lora(
+        self, projection: str, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's weights for one projection (engine/lora/adapter.py's
+        layout: a [parts, rank, in], b [out, rank], whole-model sizes). A column-parallel
+        projection (qkv, gate_up) keeps A whole and takes its own rows of B; a row-parallel one
+        (o, down) takes its own columns of A and keeps B whole: each rank's B (A_r x_r) is a
+        partial sum that the all-reduce after the projection adds up with the base output's."""
+        q, _, inter = self._slices(config)
+        if projection == "qkv":
+            return a, self._qkv_rows(b, config)
+        if projection == "gate_up":
+            return a, self._gate_up_rows(b, config)
+        return (a[..., q] if projection == "o" else a[..., inter]), b
+
     def slice_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's part of each checkpoint tensor (Hugging Face names, full shapes)."""
-        d = config.head_dim
-        q = slice(self.q_heads[0] * d, self.q_heads[1] * d)
-        kv = slice(self.kv_heads[0] * d, self.kv_heads[1] * d)
-        inter = slice(*self.intermediate)
-        q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
-        width = config.intermediate_size
+        q, kv, inter = self._slices(config)
         for name, tensor in weights:
             attn = name.rsplit(".", 2)[-2] if ".self_attn." in name else None
             if attn == "q_proj":
@@ -107,15 +137,13 @@ class TPShard:
             elif attn == "o_proj":
                 tensor = tensor[:, q]
             elif attn == "qkv_proj":  # Phi-3 stores q, k and v stacked
-                qs, ks, vs = tensor.split((q_out, kv_out, kv_out))
-                tensor = torch.cat((qs[q], ks[kv], vs[kv]))
+                tensor = self._qkv_rows(tensor, config)
             elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
                 tensor = tensor[inter]
             elif name.endswith("mlp.down_proj.weight"):
                 tensor = tensor[:, inter]
             elif name.endswith("mlp.gate_up_proj.weight"):  # Phi-3: gate and up stacked
-                gate, up = tensor.split((width, width))
-                tensor = torch.cat((gate[inter], up[inter]))
+                tensor = self._gate_up_rows(tensor, config)
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 rows = tensor.new_zeros(self.vocab_rows, tensor.shape[1])
                 rows[: self.vocab[1] - self.vocab[0]] = tensor[slice(*self.vocab)]

@@ -243,6 +243,7 @@ class Worker:
             config.step_token_budget,
             self.dtype,
             self.device,
+            base_config=self.model_config,
         )
         logger.info(
             "LoRA: %d adapter slots up to rank %d, %.1f MiB on %s; %d adapters kept in host memory",

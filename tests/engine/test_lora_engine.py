@@ -161,5 +161,3 @@ def test_adapters_are_refused_with_a_reason_before_anything_is_queued(tiny_llama
     with pytest.raises(ValueError, match="gone"):
         llm.generate([[5, 6, 7]], lora_request=missing)
     assert not llm.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
-        LLM(str(tiny_llama_dir), device="cpu", enable_lora=True, tensor_parallel_size=2)

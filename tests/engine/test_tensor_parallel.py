@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine import LLM, LoRARequest, SamplingParams
 from pagedserve.engine.core.engine_core import EngineCore
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.messages import CoreRequest
@@ -22,6 +22,7 @@ from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 from pagedserve.scheduler import StructuredOutputs
 from tests.families import COMMON, build_family
 from tests.helpers import tiny_config
+from tests.lora_adapters import ALL_TARGETS, random_peft_model
 
 
 def _plan(size: int, **changes) -> list[tuple]:
@@ -253,6 +254,38 @@ def test_sampling_logprobs_preemption_and_drafts_across_two_ranks(tiny_llama_dir
     assert _tokens(got) == _tokens(want)
     assert llm.engine.core.scheduler.num_draft_tokens > 0
     llm.engine.close()
+
+
+def test_lora_adapters_split_over_three_ranks_equal_one_rank(tmp_path):
+    """Each rank keeps its slice of every adapter (TPShard.slice_lora): B's rows of the
+    column-parallel projections, A's columns of the row-parallel ones, on the split with
+    replicated KV heads (3 ranks over 2). Requests of two adapters and of the base model mixed
+    in the same steps give one rank's tokens (PEFT's, tests/engine/test_lora_engine.py)."""
+    from transformers import AutoModelForCausalLM
+
+    family, changes, size = MODELS["llama-3-ranks"]
+    _build(family, tmp_path / "model", changes)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    loras = []
+    for i, (r, alpha, rslora) in enumerate(((8, 16, False), (16, 8, True))):
+        adapter = random_peft_model(hf, r, alpha, ALL_TARGETS, seed=i + 1, use_rslora=rslora)
+        adapter.save_pretrained(tmp_path / f"adapter{i}")
+        loras.append(LoRARequest(f"adapter{i}", i + 1, str(tmp_path / f"adapter{i}")))
+    mixed = [(p, lora) for p in _prompts(256) for lora in (None, *loras)]
+    prompts, requests = [p for p, _ in mixed], [lora for _, lora in mixed]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for ranks in (1, size):
+        llm = LLM(
+            str(tmp_path / "model"), device="cpu", dtype="float32", block_size=4,
+            num_kv_blocks=512, tensor_parallel_size=ranks, enable_lora=True, max_loras=2,
+            max_num_batched_tokens=64,
+        )  # fmt: skip
+        tokens.append(_tokens(llm.generate(prompts, params, lora_request=requests)))
+        llm.engine.close()
+    assert tokens[1] == tokens[0]
+    base, first, second = (tokens[0][i::3] for i in range(3))
+    assert first != base and second != base and first != second
 
 
 SMOLLM2_PROMPTS = [

@@ -67,6 +67,15 @@ def test_kv_plan_counts_the_lora_slots(capsys):
         f"LoRA slots: 4 adapters up to rank 64, {expected} bytes (149.1 MiB) in bfloat16"
         in capsys.readouterr().out
     )
+    # On two ranks, rank 0's slice (6 of 9 query heads, 2 of 3 KV heads, 768 of the 1536 MLP
+    # width): qkv's B rows 384 + 2 x 128, o's A columns 384, gate_up's B 2 x 768, down's A 768.
+    assert main([*args, "--tensor-parallel-size", "2"]) == 0
+    per_layer = ((3 * 576 + 640) + (384 + 576) + (2 * 576 + 1536) + (768 + 576)) * 64
+    assert per_layer * 30 * 4 * 2 == 113049600
+    assert (
+        "LoRA slots: 4 adapters up to rank 64, 113049600 bytes (107.8 MiB) per rank in bfloat16"
+        in capsys.readouterr().out
+    )
 
 
 def test_kv_plan_splits_the_kv_heads_over_tensor_parallel_ranks(capsys):

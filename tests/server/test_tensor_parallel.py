@@ -1,7 +1,7 @@
 """`pagedserve serve --tensor-parallel-size 2` on CPU: the real SmolLM2 split over two processes
-(3 KV heads: 2 + 1) answers as the one-rank server does, and a rank that dies takes the server
-down at once: the open stream ends with an error event, /health turns 503, the exit status is 1,
-and no process is left behind."""
+(3 KV heads: 2 + 1) answers as the one-rank server does, with a LoRA adapter as PEFT does, and a
+rank that dies takes the server down at once: the open stream ends with an error event, /health
+turns 503, the exit status is 1, and no process is left behind."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from pagedserve.engine.tp_endpoint import free_port
 from tests.helpers import child_pids
-from tests.server.conftest import SMOLLM2_ARGS
+from tests.server.conftest import LORA_PROMPT, LORA_TOKENS, SMOLLM2_ARGS
 from tests.server.test_core_process import _server, _Stream, _wait_gone
 from tests.server.util import PAGEDSERVE
 
@@ -30,12 +30,20 @@ COMPLETION = {
 }
 
 
-def test_two_ranks_answer_as_one_and_a_dead_rank_stops_the_server(tmp_path, server):
+def test_two_ranks_answer_as_one_and_a_dead_rank_stops_the_server(
+    tmp_path, server, smollm2_lora_adapter
+):
     want = httpx.post(f"{server.v1}/completions", json=COMPLETION, timeout=60).json()
-    with _server(tmp_path, "--tensor-parallel-size", "2") as tp:
+    adapter, with_adapter, _ = smollm2_lora_adapter
+    lora = ("--lora-modules", f"sql={adapter}", "--max-lora-rank", "8")
+    with _server(tmp_path, "--tensor-parallel-size", "2", *lora) as tp:
         got = httpx.post(f"{tp.base}/v1/completions", json=COMPLETION, timeout=60).json()
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert got["usage"] == want["usage"]
+        # The adapter split over the ranks gives PEFT's tokens (tests/server/conftest.py).
+        sql = {**COMPLETION, "model": "sql", "prompt": LORA_PROMPT, "max_tokens": LORA_TOKENS}
+        answer = httpx.post(f"{tp.base}/v1/completions", json=sql, timeout=60).json()
+        assert answer["choices"][0]["text"] == with_adapter
         # A grammar is rank 0's alone (its sampler masks the logits; the other ranks take its
         # ids): the constrained answer is one rank's too.
         regex = {**COMPLETION, "max_tokens": 16, "structured_outputs": {"regex": REGEX}}
