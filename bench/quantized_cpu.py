@@ -1,16 +1,18 @@
-"""Quantized weights kept quantized on CPU (`--quantization gguf`) against the same GGUF file
-dequantized to bfloat16 at load (`--quantization none`), on the embedded SmolLM2 Q4_1 file:
+"""Quantized weights kept as the GGUF file's blocks (`--quantization gguf`) against the same file
+dequantized at load (`--quantization none`), on the embedded SmolLM2 Q4_1 file, in `--dtype`
+(float32 or bfloat16):
 
-    python -m pagedserve.bench.quantized_cpu                   # both parts
+    python -m pagedserve.bench.quantized_cpu                   # all three parts
     python -m pagedserve.bench.quantized_cpu --part matmul     # per-step matmul times by rows
     python -m pagedserve.bench.quantized_cpu --part agreement  # greedy agreement, 16 x 64 tokens
     python -m pagedserve.bench.quantized_cpu --part step       # decode step, 1 and 64 sequences
 
 matmul: the model's own weights (30 layers' q/k/v, o, gate/up, down and the lm_head), each
-multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: torch's
-int4/int8 kernels, pagedserve's compiled GEMM (kernels/csrc/cpu_quant.cpp, where the CPU level
-has it) and the dense bfloat16 weights (packed for oneDNN where the CPU lets it: `dense_packed`;
-else F.linear, as the engine does there), side by side, milliseconds per step.
+multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: the block
+dot products (kernels/csrc/cpu_gguf.cpp), the weights dequantized per step and multiplied dense,
+what `BlockWeight.linear` picks, and the dense weights of the dtype (packed for oneDNN where the
+CPU lets it: `dense_packed`; else F.linear, as the engine does there), side by side,
+milliseconds per step.
 
 step: decode steps of the engine with each kind of weights (`--batch` sequences of 8 prompt
 tokens, 64 new tokens each, so nearly every step decodes all of them): milliseconds per step in
@@ -30,9 +32,15 @@ import time
 
 import torch
 
+from pagedserve.engine.models import quantized_linear
 from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.engine.models.model_source import resolve_model
-from pagedserve.engine.models.quantized_linear import QuantizedRows, QuantizedWeight, compiled_gemm
+from pagedserve.engine.models.quantized_linear import (
+    BlockWeight,
+    QuantizedRows,
+    block_dot_isa,
+    block_ops,
+)
 from pagedserve.engine.models.weights import iter_gguf_weights
 
 PROMPTS = [
@@ -69,6 +77,7 @@ def _time(fn, iters: int) -> float:
 
 def matmul_part(args: argparse.Namespace) -> list[dict]:
     source = resolve_model("smollm2-135m-instruct")
+    dtype = getattr(torch, args.dtype)
     fused: dict[str, list[QuantizedRows]] = {}  # stacked as the model stacks them
     for name, rows in iter_gguf_weights(
         source.gguf_file, source.config, progress=False, keep_quantized=True
@@ -76,36 +85,39 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
         if isinstance(rows, QuantizedRows):
             stem, module = name.removesuffix(".weight").rsplit(".", 1)
             fused.setdefault(f"{stem}.{STACKED.get(module, module)}", []).append(rows)
-    kept = [QuantizedWeight.build(QuantizedRows.cat(parts)) for parts in fused.values()]
+    kept = [BlockWeight(QuantizedRows.cat(parts)) for parts in fused.values()]
     dense, packed = [], True
     for weight in kept:
-        param = torch.nn.Parameter(weight.dequantize(), requires_grad=False)
-        packed = pack(param)  # False on AVX2-only CPUs: oneDNN has no bf16 kernels there
+        param = torch.nn.Parameter(weight.dequantize(dtype), requires_grad=False)
+        packed = pack(param)  # False for bf16 on AVX2-only CPUs: oneDNN has no bf16 kernels
         dense.append(param)
+    block_linear = block_ops().gguf_block_linear
     results = []
     for rows in args.rows:
-        inputs = {k: torch.randn(rows, k).bfloat16() for k in {w.in_features for w in kept}}
-        outputs = {id(w): torch.empty(rows, w.out_features, dtype=torch.bfloat16) for w in kept}
-        record = {"rows": rows, "weights": len(kept)}
-        record["int_kernel_ms"] = _time(
-            lambda inputs=inputs: [w._int_matmul(inputs[w.in_features]) for w in kept], args.iters
-        )
-        if compiled_gemm():
-            record["compiled_gemm_ms"] = _time(
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in {w.in_features for w in kept}}
+        outputs = {id(w): torch.empty(rows, w.out_features, dtype=dtype) for w in kept}
+        record = {"dtype": args.dtype, "rows": rows, "weights": len(kept)}
+        if block_dot_isa():
+            record["block_dot_ms"] = _time(
                 lambda inputs=inputs, outputs=outputs: [
-                    w._gemm(inputs[w.in_features], outputs[id(w)]) for w in kept
+                    block_linear(inputs[w.in_features], w.blocks, int(w.qtype), outputs[id(w)])
+                    for w in kept
                 ],
                 args.iters,
             )
-        record["dense_packed"] = packed
-        record["dense_bf16_ms"] = _time(
-            lambda inputs=inputs: [linear(inputs[d.shape[1]], d) for d in dense], args.iters
+        record["dequantized_dense_ms"] = _time(
+            lambda inputs=inputs: [w._dense_linear(inputs[w.in_features]) for w in kept],
+            args.iters,
         )
         record["used_ms"] = _time(
             lambda inputs=inputs: [w.linear(inputs[w.in_features]) for w in kept], args.iters
         )
+        record["dense_packed"] = packed
+        record["dense_ms"] = _time(
+            lambda inputs=inputs: [linear(inputs[d.shape[1]], d) for d in dense], args.iters
+        )
         results.append(record)
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                           for k, v in record.items()}), flush=True)  # fmt: skip
     return results
 
@@ -130,7 +142,7 @@ def step_part(args: argparse.Namespace) -> list[dict]:
 
     results = []
     for quantization in ("gguf", "none"):
-        llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype="bfloat16")
+        llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype=args.dtype)
         lm_head = llm.engine.core.worker.model.matmul_weights()[-1]
         spent = dict.fromkeys(("matmuls", "lm_head", "attention"), 0.0)
         linear_fn, attention_fn = engine_model.linear, cpu_ops.paged_attention
@@ -149,7 +161,8 @@ def step_part(args: argparse.Namespace) -> list[dict]:
                 start = time.perf_counter()
                 llm.generate(prompts, params)
                 total = (time.perf_counter() - start) * 1e3 / 64
-                record = {"quantization": quantization, "batch": batch, "step_ms": total}
+                record = {"quantization": quantization, "dtype": args.dtype, "batch": batch,
+                          "step_ms": total}  # fmt: skip
                 record.update({f"{k}_ms": v * 1e3 / 64 for k, v in spent.items()})
                 record["rest_ms"] = total - sum(v * 1e3 / 64 for v in spent.values())
                 results.append(record)
@@ -191,22 +204,29 @@ def _agreement(model, reference, prompts: list[list[int]], tokens: int) -> dict:
 
 
 def agreement_part(args: argparse.Namespace) -> list[dict]:
-    """Kept quantized against dequantized, both bf16; and, for scale, dequantized bf16 against
-    dequantized float32 (what bf16 arithmetic alone changes)."""
+    """Kept quantized against dequantized, both in --dtype; and, for scale, dequantized bf16
+    against dequantized float32 (what bf16 arithmetic alone changes). The kept model multiplies
+    every step by the blocks, whatever its rows (`BLOCK_DOT_MAX_ROWS` raised): the teacher-forced
+    passes are long steps, which would otherwise take the dequantized weights, and a row's block
+    dot products do not depend on the other rows of its step, so each position scores as a
+    decode step would."""
     from pagedserve.engine import LLM
+
+    for dtype in quantized_linear.BLOCK_DOT_MAX_ROWS:
+        quantized_linear.BLOCK_DOT_MAX_ROWS[dtype] = 1 << 20
 
     def load(quantization: str, dtype: str) -> LLM:
         return LLM(
             "smollm2-135m-instruct", quantization=quantization, dtype=dtype, max_model_len=512
         )
 
-    dense = load("none", "bfloat16")
+    dense = load("none", args.dtype)
     prompts = [dense.get_tokenizer().encode(p) for p in PROMPTS]
     results = []
-    for name, model, reference in (
-        ("gguf_bf16_vs_none_bf16", load("gguf", "bfloat16"), dense),
-        ("none_bf16_vs_none_fp32", dense, load("none", "float32")),
-    ):
+    comparisons = [(f"gguf_vs_none_{args.dtype}", load("gguf", args.dtype), dense)]
+    if args.dtype == "bfloat16":
+        comparisons.append(("none_bf16_vs_none_fp32", dense, load("none", "float32")))
+    for name, model, reference in comparisons:
         record = {"comparison": name, **_agreement(model, reference, prompts, args.tokens)}
         print(json.dumps(record), flush=True)
         results.append(record)
@@ -219,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     return parser

@@ -15,7 +15,7 @@ may use any instruction of the set (a VM that hides movbe gets the level below, 
 
 The decisions derived from the level, each a function here and called by every place that takes
 it: `bf16_is_native` (the CPU's default dtype), `onednn_bf16` (whether oneDNN's bf16 weight
-packing may run), `quantized_gemm_allowed` (pagedserve's compiled GEMM for quantized weights),
+packing may run), `block_dot_allowed` (pagedserve's matmuls by a GGUF file's quantized blocks),
 `kernel_flags` / `march_flags` (the C++ kernels' compiler flags).
 
 PAGEDSERVE_CPU_ISA=<level> makes pagedserve take the decisions of that level on a CPU that has
@@ -196,18 +196,13 @@ def onednn_bf16() -> bool:
         return False
 
 
-def quantized_gemm_allowed(features: CPUFeatures | None = None) -> bool:
-    """Whether pagedserve's compiled GEMM for quantized weights (kernels/csrc/cpu_quant.cpp) may
-    be used: level avx512_bf16 (its vdpbf16ps tiles), and ATen's CPU capability AVX512, because
-    the GEMM reads torch's int4 pack in the layout ATen's AVX512 kernels write (blocks of 64
-    output features; its AVX2 kernels write blocks of 32). Whether the loaded library has it is
-    `torch.ops.pagedserve_cpu.quantized_gemm_available()`."""
+def block_dot_allowed(features: CPUFeatures | None = None) -> bool:
+    """Whether pagedserve's matmuls by GGUF blocks (kernels/csrc/cpu_gguf.cpp) may run: level
+    avx2 and above, whose libraries are compiled with AVX2, FMA and F16C (x86-64-v3); VNNI is
+    the compiler's to use where -march allows it. Whether the loaded library has them is
+    `torch.ops.pagedserve_cpu.block_dot_isa()` (empty without)."""
     features = features or cpu_features()
-    if not bf16_is_native(features):
-        return False
-    import torch
-
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return features.at_least("avx2")
 
 
 def march_flags(level: str) -> tuple[str, ...]:

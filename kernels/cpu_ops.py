@@ -1,9 +1,9 @@
 """The compiled CPU backend: paged attention from `kernels/csrc/cpu_attention.cpp`; RMSNorm,
 residual add + RMSNorm, SiLU-and-multiply and rotary + KV write from
 `kernels/csrc/cpu_layer_ops.cpp`; the other ops from `kernels.reference`.
-`kernels.get_backend("cpu")` returns this module. The same library holds the GEMM for weights
-kept quantized (`kernels/csrc/cpu_quant.cpp`) that `engine/models/quantized_linear.py` uses for
-steps of many rows.
+`kernels.get_backend("cpu")` returns this module. The same library holds the matmuls by a GGUF
+file's own blocks (`kernels/csrc/cpu_gguf.cpp`) that `engine/models/quantized_linear.py` uses for
+weights kept quantized.
 
 The C++ sources are compiled with the system's C++ compiler (OpenMP through torch's own runtime)
 for the CPU level `kernels.cpu_features` chose: -march=native at the CPU's own level (fastest),
@@ -84,15 +84,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(
-    _CSRC / name for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quant.cpp")
-)
+SOURCES = tuple(_CSRC / name for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_gguf.cpp"))
 HEADERS = (_CSRC / "cpu_math.h",)
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 # What falls back to the torch reference when no library loads (the one warning names them).
 COMPILED_OPS = (
-    "paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary + KV write and "
-    "the GEMM for quantized weights"
+    "paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply and rotary + KV write"
 )
 # Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
 # for decode and still even at 4 new tokens over a 1k context; from 8 new tokens over long
@@ -223,7 +220,11 @@ def _build(targets: list[tuple[Path, tuple[str, ...]]], compiler: str) -> None:
 
 
 def _fall_back(why: str) -> None:
-    logger.warning("%s fall back to the slower torch reference: %s", COMPILED_OPS, why)
+    logger.warning(
+        "%s fall back to the slower torch reference, and GGUF weights are dequantized at load: %s",
+        COMPILED_OPS,
+        why,
+    )
 
 
 @functools.cache

@@ -174,10 +174,16 @@ def dummy_server(dummy_config_file, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_llm():
-    """The embedded SmolLM2-135M-Instruct in float32 on CPU, shared by the real-model tests."""
+    """The embedded SmolLM2-135M-Instruct in float32 on CPU, shared by the real-model tests: its
+    weights dequantized at load (`quantization="none"`), the values transformers multiplies by,
+    so that greedy tokens can equal transformers' (weights kept quantized also round the
+    activations: tests/engine/test_quantized_linear.py)."""
     from pagedserve.engine import LLM
 
-    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", num_kv_blocks=2048)
+    return LLM(
+        "smollm2-135m-instruct", device="cpu", dtype="float32", quantization="none",
+        num_kv_blocks=2048,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

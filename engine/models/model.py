@@ -41,8 +41,8 @@ from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.parallel import TPGroup, TPShard
 from pagedserve.engine.models.quantized_linear import (
+    BlockWeight,
     QuantizedRows,
-    QuantizedWeight,
     attach,
     quantized,
 )
@@ -366,9 +366,9 @@ class CausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            kept = quantized(self.embed_tokens)  # a tied embedding kept in int8
+            kept = quantized(self.embed_tokens)  # a tied embedding kept quantized
             if kept is not None:
-                return kept.embedding(input_ids)
+                return kept.embedding(input_ids, self.embed_tokens.dtype)
             return F.embedding(input_ids, self.embed_tokens)
         # Vocab-parallel: ids outside this rank's rows look up zeros; the sum over the ranks
         # holds each id's one real row.
@@ -417,19 +417,19 @@ class CausalLM(nn.Module):
         weights.append(self.embed_tokens if self.lm_head is None else self.lm_head)
         return weights
 
-    def prepare_matmul_weights(self, *, pack_dense: bool) -> list[QuantizedWeight]:
+    def prepare_matmul_weights(self, *, pack_dense: bool) -> list[BlockWeight]:
         """After `load_weights`: keep quantized each matmul weight whose rows all came quantized
-        (engine/models/quantized_linear.py; a tied embedding only in int8, whose lookups can read
-        it), freeing its dense values; pre-pack the others for oneDNN when `pack_dense` (bf16 and
-        float32 on CPU; see engine/models/cpu_linear.py). Returns the weights kept quantized."""
+        in one block type (engine/models/quantized_linear.py; a tied embedding's lookups read its
+        blocks too), freeing its dense values; pre-pack the others for oneDNN when `pack_dense`
+        (bf16 and float32 on CPU; see engine/models/cpu_linear.py). Returns the weights kept
+        quantized."""
         kept = []
-        tied = self.embed_tokens if self.lm_head is None else None
         for param in self.matmul_weights():
             rows = self._quantized_rows.pop(param.untyped_storage().data_ptr(), None)
             if rows is not None and sum(r.shape[0] for _, r in rows) == param.shape[0]:
                 whole = QuantizedRows.cat([r for _, r in sorted(rows, key=lambda pr: pr[0])])
-                if QuantizedWeight.supports(whole) and (param is not tied or whole.kind == "int8"):
-                    weight = QuantizedWeight.build(whole)
+                if whole is not None:
+                    weight = BlockWeight(whole)
                     attach(param, weight)
                     kept.append(weight)
                     continue

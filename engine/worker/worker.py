@@ -27,7 +27,7 @@ from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import ModelSource
 from pagedserve.engine.models.parallel import TPGroup, describe_shards, plan_shards
-from pagedserve.engine.models.quantized_linear import describe, keep_quantized
+from pagedserve.engine.models.quantized_linear import describe, keep_quantized, quantized
 from pagedserve.engine.models.weights import load_weights
 from pagedserve.engine.models.whisper import WhisperModel, load_whisper_model
 from pagedserve.engine.models.whisper_config import WhisperDecoding
@@ -134,7 +134,11 @@ class Worker:
 
         start = time.perf_counter()
         self.model = self._build_model()
-        self.num_params = sum(p.numel() for p in self.model.parameters())
+        # A weight kept quantized holds no dense elements: count its shape.
+        self.num_params = sum(
+            kept.out_features * kept.in_features if (kept := quantized(p)) else p.numel()
+            for p in self.model.parameters()
+        )
         logger.info(
             "model %s (%s): %.1fM parameters, %s on %s, %s attention, loaded in %.1f s",
             config.model,

@@ -1,6 +1,7 @@
 """`python -m pagedserve.bench.quantized_cpu --part matmul` runs whole on the real SmolLM2 Q4_1
 file: one JSON line per row count, timing the same 121 weights (30 layers' stacked q/k/v, o,
-gate/up and down, and the tied embedding) through each kernel."""
+gate/up and down, and the tied embedding) through each route, in float32 (the block dot products
+where the CPU level has them)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedserve.engine.models.quantized_linear import compiled_gemm
+from pagedserve.engine.models.quantized_linear import block_dot_isa
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,14 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_matmul_part_times_every_kept_weight_by_rows():
     done = subprocess.run(
         [sys.executable, "-m", "pagedserve.bench.quantized_cpu", "--part", "matmul",
-         "--rows", "1", "9", "--iters", "1"],
+         "--rows", "1", "40", "--iters", "1", "--dtype", "float32"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [(r["rows"], r["weights"]) for r in records] == [(1, 121), (9, 121)]
-    keys = {"int_kernel_ms", "dense_bf16_ms", "used_ms"} | (
-        {"compiled_gemm_ms"} if compiled_gemm() else set()
+    assert [(r["rows"], r["weights"], r["dtype"]) for r in records] == [
+        (1, 121, "float32"),
+        (40, 121, "float32"),
+    ]
+    keys = {"dequantized_dense_ms", "dense_ms", "used_ms"} | (
+        {"block_dot_ms"} if block_dot_isa() else set()
     )
     for record in records:
         assert keys <= record.keys() and all(record[k] > 0 for k in keys)

@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.models.cpu_linear import can_pack
-from pagedserve.engine.models.quantized_linear import compiled_gemm
+from pagedserve.engine.models.quantized_linear import block_dot_isa, keep_quantized
 from pagedserve.kernels import cpu_features, cpu_ops
 
 REPORT_ENV = "PAGEDSERVE_LESSER_CPU_REPORT"
@@ -34,8 +34,10 @@ def test_the_process_decides_as_the_lesser_cpu():
             "march": library.march,
             "path": str(library.path),
         },
-        "library_quantized_gemm": bool(torch.ops.pagedserve_cpu.quantized_gemm_available()),
-        "compiled_gemm": compiled_gemm(),
+        "block_dot_isa": block_dot_isa(),
+        "keeps_gguf_float32": keep_quantized(
+            "auto", "gguf", torch.device("cpu"), torch.float32, sharded=False
+        ),
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_bf16_torch": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "packs_bf16": can_pack(torch.device("cpu"), torch.bfloat16),

@@ -2,17 +2,17 @@
 part of the suite under PAGEDSERVE_CPU_ISA=avx2, with torch's kernels and oneDNN lowered to AVX2
 too (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY: kernels/cpu_features.py `emulation_env`), so that
 an AVX512 machine checks what an AVX2-only CPU runs: no oneDNN bf16 packing (its reorder raises
-there), torch's int4/int8 kernels for every quantized step, the C++ kernels compiled for
-x86-64-v3, float32 by default. Skipped where the CPU's own level is avx2 or lower: the whole
-suite runs these paths natively there.
+there), GGUF weights kept quantized in float32 and multiplied by AVX2's vpmaddubsw, the C++
+kernels compiled for x86-64-v3, float32 by default. Skipped where the CPU's own level is avx2 or
+lower: the whole suite runs these paths natively there.
 
 The part was chosen for what it checks per second (about 60 s in all on the 2-core dev VM, 20 s
 of them the build): the decisions themselves (tests/engine/lesser_cpu_check.py), GGUF weights
-kept quantized (torch's int4/int8 kernels for every step), oneDNN packing (float32 only), the
-compiled kernels (paged attention, layer ops), the LoRA projections' masked path on unpacked
-bf16 weights, and real SmolLM2's greedy tokens equal to transformers'. The fp8 KV cache's
-agreement floor was set from measurements at both levels (tests/engine/test_kv_capacity.py) and
-is left to the suite's own run.
+kept quantized (the block matmuls without VNNI, against the reference), oneDNN packing (float32
+only), the compiled kernels (paged attention, layer ops), the LoRA projections' masked path on
+unpacked bf16 weights, and real SmolLM2's greedy tokens equal to transformers'. The fp8 KV
+cache's agreement floor was set from measurements at both levels
+(tests/engine/test_kv_capacity.py) and is left to the suite's own run.
 
 Its kernels come from a prebuilt library: `python -m pagedserve.kernels.cpu_ops --prebuilt
 --levels avx2` compiles it into a copy of the kernels package, which the process imports
@@ -47,9 +47,9 @@ SUBSET = [
     "tests/kernels/test_cpu_kernel.py",
     "tests/engine/test_real_model.py::test_greedy_tokens_equal_transformers_on_the_same_gguf",
 ]
-# What the part counts at avx2 (update with SUBSET): the compiled GEMM's tests (needs_gemm) and
-# the bf16 packing ones (needs_onednn_bf16) skip there.
-EXPECTED = "410 passed, 20 skipped"
+# What the part counts at avx2 (update with SUBSET): the bf16 packing tests (needs_onednn_bf16)
+# skip there.
+EXPECTED = "400 passed, 6 skipped"
 
 pytestmark = pytest.mark.skipif(
     not cpu_features.cpu_features().at_least("avx512"),
@@ -122,8 +122,8 @@ def test_the_engine_passes_its_cpu_tests_at_the_avx2_level(package_root, tmp_pat
             "march": ["-march=x86-64-v3"],
             "path": seen["library"]["path"],
         },  # fmt: skip
-        "library_quantized_gemm": False,
-        "compiled_gemm": False,
+        "block_dot_isa": "AVX2 vpmaddubsw",  # x86-64-v3 has no VNNI: the AVX2 dot products
+        "keeps_gguf_float32": True,
         "aten_capability": "AVX2",
         "onednn_bf16_torch": False,
         "packs_bf16": False,

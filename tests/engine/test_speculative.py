@@ -221,8 +221,8 @@ def test_real_model_greedy_outputs_equal_with_and_without_drafts(real_llm):
     conversations = [[{"role": "user", "content": text}] for text in texts]
     params = SamplingParams(temperature=0, max_tokens=32)
     expected = [o.outputs[0].token_ids for o in real_llm.chat(conversations, params)]
-    spec = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", num_kv_blocks=512,
-               speculative_ngram=4)  # fmt: skip
+    spec = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", quantization="none",
+               num_kv_blocks=512, speculative_ngram=4)  # fmt: skip
     got = [o.outputs[0].token_ids for o in spec.chat(conversations, params)]
     assert got == expected
     stats = spec.engine.stats()

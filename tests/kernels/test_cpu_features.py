@@ -1,6 +1,6 @@
 """The CPU decisions (kernels/cpu_features.py): levels read from /proc/cpuinfo texts of real CPUs,
 the PAGEDSERVE_CPU_ISA override (a lesser level only), and what each level decides: native bf16,
-oneDNN's bf16 packing, the compiled quantized GEMM, the kernels' compiler flags and the variables
+oneDNN's bf16 packing, the matmuls by GGUF blocks, the kernels' compiler flags and the variables
 that make torch and oneDNN act as that CPU."""
 
 from __future__ import annotations
@@ -63,24 +63,22 @@ def test_the_level_of_each_cpu(name, level):
 
 
 @pytest.mark.parametrize(
-    "name, native_bf16, onednn_bf16, gemm_level",
+    "name, native_bf16, onednn_bf16, block_dot",
     [
-        ("epyc_avx2", False, False, False),
-        ("xeon_avx512", False, True, False),
+        ("epyc_avx2", False, False, True),
+        ("xeon_avx512", False, True, True),
         ("epyc_avx512_bf16", True, True, True),
         ("xeon_amx", True, True, True),
-        ("xeon_avx2_ne_convert", False, True, False),
+        ("xeon_avx2_ne_convert", False, True, True),
         ("old_x86", False, False, False),
         ("arm", False, True, False),  # off x86, torch's own check decides
     ],
 )
-def test_what_each_cpu_decides_at_its_own_level(name, native_bf16, onednn_bf16, gemm_level):
+def test_what_each_cpu_decides_at_its_own_level(name, native_bf16, onednn_bf16, block_dot):
     f = features(name)
     assert cpu_features.bf16_is_native(f) is native_bf16
     assert cpu_features.onednn_bf16_level(f) is onednn_bf16
-    # The GEMM also needs the int4 layout of ATen's AVX512 kernels, which this torch has or not.
-    aten_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    assert cpu_features.quantized_gemm_allowed(f) is (gemm_level and aten_avx512)
+    assert cpu_features.block_dot_allowed(f) is block_dot
     assert cpu_features.kernel_flags(f) == ("-march=native",)  # own level: tuned for this CPU
 
 
@@ -89,7 +87,8 @@ def test_a_lesser_level_is_decided_by_and_compiled_for():
     assert (amx.detected, amx.level, amx.forced) == ("avx512_bf16", "avx2", True)
     assert not cpu_features.bf16_is_native(amx)
     assert not cpu_features.onednn_bf16_level(amx)
-    assert not cpu_features.quantized_gemm_allowed(amx)
+    assert cpu_features.block_dot_allowed(amx)  # AVX2 has them
+    assert not cpu_features.block_dot_allowed(features("xeon_amx", "baseline"))
     assert cpu_features.kernel_flags(amx) == ("-march=x86-64-v3",)
     # avx_ne_convert belongs to the CPU's own level: a forced avx2 does not keep it.
     assert cpu_features.onednn_bf16_level(features("xeon_avx2_ne_convert", "avx2"))  # own level

@@ -235,8 +235,8 @@ def test_empty_batch_and_bad_arguments():
 
 
 FALLBACK = (
-    "WARNING paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary + KV "
-    "write and the GEMM for quantized weights fall back to the slower torch reference: "
+    "WARNING paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply and rotary + KV "
+    "write fall back to the slower torch reference, and GGUF weights are dequantized at load: "
 )
 
 

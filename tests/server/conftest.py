@@ -32,7 +32,11 @@ ALLOWED_ORIGIN = "http://app.example"  # limited_server's --allowed-origins (COR
 
 
 # The real model as both servers run it.
-SMOLLM2_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN))
+# Dequantized weights (`--quantization none`): the values transformers and the shared offline
+# engine (tests/conftest.py `real_llm`) multiply by, so that answers can equal theirs.
+SMOLLM2_ARGS = (
+    "--dtype", "float32", "--quantization", "none", "--max-model-len", str(MAX_MODEL_LEN),
+)  # fmt: skip
 # The LoRA adapter's prompt and the greedy tokens its reference gives (tests/server/test_lora.py).
 LORA_PROMPT = "The capital of France is"
 LORA_TOKENS = 12

@@ -63,7 +63,7 @@ from tests.helpers import child_pids
 
 MODEL = "smollm2-135m-instruct"
 # Small engines: the CPU default KV cache (4 GiB) per replica would not fit this machine.
-ENGINE_ARGS = "--dtype float32 --max-model-len 1024 --kv-cache-memory 0.0625"
+ENGINE_ARGS = "--dtype float32 --quantization none --max-model-len 1024 --kv-cache-memory 0.0625"
 API_KEY = "ray-key-0123"
 PROMPT = "The capital of France is"
 REPLICA_DEPLOYMENT = "PagedServeReplica"
