@@ -62,10 +62,10 @@ class EngineConfig(Options):
     )
     quantization: str = option(
         "auto",
-        "a GGUF file's Q4_0/Q4_1/Q8_0 matmul weights: gguf = kept quantized (int4/int8, about 3x "
-        "fewer bytes than bfloat16 to hold and to read per step; CPU in bfloat16 only), none = "
-        "dequantized to the dtype at load (the reference), auto = gguf where it can be and the "
-        "compiled GEMM for many rows runs (AVX512-BF16), else none",
+        "a GGUF file's Q4_0/Q4_1/Q8_0 matmul weights: gguf = kept as the file's blocks (about 3x "
+        "fewer bytes than bfloat16, 6x than float32, to hold and to read per step; on CPU, in "
+        "float32 or bfloat16), none = dequantized to the dtype at load (the reference), auto = "
+        "gguf where it can be (an x86 CPU with AVX2 and the compiled kernels), else none",
         choices=QUANTIZATIONS,
         group="model",
     )
