@@ -288,12 +288,6 @@ std::string block_dot_isa() {
 #endif
 }
 
-float half_bits_to_float(const uint8_t* p) {
-  c10::Half h;
-  std::memcpy(&h.x, p, 2);
-  return static_cast<float>(h);
-}
-
 #if defined(PAGEDSERVE_BLOCK_DOT)
 // 8 floats stored as float32, or as bfloat16 rounded to nearest even (finite values).
 inline void store8(float* o, __m256 v) { _mm256_storeu_ps(o, v); }
@@ -330,10 +324,9 @@ inline void dequantize_block(const uint8_t* block, int64_t qtype, T* o) {
     }
   }
 }
-#endif
 
-// Rows of GGUF blocks as values (every build: the engine's lookups of a kept embedding, and
-// steps of many rows, where a dense GEMM beats the block dot products).
+// Rows of GGUF blocks as values: a kept embedding's lookups, and steps of many rows, where a
+// dense GEMM beats the block dot products.
 template <typename T>
 void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, int64_t qtype, T* out) {
   const int64_t nblocks = k / kBlock, bytes = block_bytes(qtype);
@@ -342,26 +335,12 @@ void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, int64_t qtype,
       for (int64_t b = 0; b < nblocks; ++b) {
         const uint8_t* block = weight + (row * nblocks + b) * bytes;
         T* o = out + row * k + b * kBlock;
-#if defined(PAGEDSERVE_BLOCK_DOT)
         dequantize_block(block, qtype, o);
-        continue;
-#endif
-        const float d = half_bits_to_float(block);
-        if (qtype == kQ8_0) {
-          const auto* q = reinterpret_cast<const int8_t*>(block + 2);
-          for (int i = 0; i < kBlock; ++i) o[i] = pagedserve_cpu::store<T>(d * q[i]);
-          continue;
-        }
-        const float m = qtype == kQ4_1 ? half_bits_to_float(block + 2) : -8.0f * d;
-        const uint8_t* qs = block + (qtype == kQ4_1 ? 4 : 2);
-        for (int i = 0; i < kBlock / 2; ++i) {
-          o[i] = pagedserve_cpu::store<T>(d * (qs[i] & 15) + m);
-          o[i + kBlock / 2] = pagedserve_cpu::store<T>(d * (qs[i] >> 4) + m);
-        }
       }
     }
   });
 }
+#endif
 
 // The checks both ops share: weight holds [N, K] values in `qtype`'s blocks; returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype) {
@@ -375,20 +354,23 @@ std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype
 }
 
 void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out) {
+  TORCH_CHECK(kHasBlockDot, "this build has no GGUF block kernels (they need AVX2, F16C and FMA)");
   const auto [n, k] = check_blocks(weight, qtype);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == k && out.is_contiguous() &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "out must be contiguous float32 or bfloat16 [", n, ", ", k, "]");
+#if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
   if (out.scalar_type() == at::kFloat)
     dequantize_rows(w, n, k, qtype, out.data_ptr<float>());
   else
     dequantize_rows(w, n, k, qtype, out.data_ptr<at::BFloat16>());
+#endif
 }
 
 void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                        at::Tensor& out) {
-  TORCH_CHECK(kHasBlockDot, "this build has no GGUF block matmul (it needs AVX2, F16C and FMA)");
+  TORCH_CHECK(kHasBlockDot, "this build has no GGUF block kernels (they need AVX2, F16C and FMA)");
   const auto [n, k] = check_blocks(weight, qtype);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
