@@ -1,6 +1,6 @@
 """Quantized weights kept as the GGUF file's blocks (`--quantization gguf`) against the same file
-dequantized at load (`--quantization none`), on the embedded SmolLM2 Q4_1 file, in `--dtype`
-(float32 or bfloat16):
+dequantized at load (`--quantization none`), on the embedded SmolLM2 Q4_1 file or `--model` (a
+GGUF file's path: a Q4_K_M one, say), in `--dtype` (float32 or bfloat16):
 
     python -m pagedserve.bench.quantized_cpu                   # all three parts
     python -m pagedserve.bench.quantized_cpu --part matmul     # per-step matmul times by rows
@@ -76,7 +76,7 @@ def _time(fn, iters: int) -> float:
 
 
 def matmul_part(args: argparse.Namespace) -> list[dict]:
-    source = resolve_model("smollm2-135m-instruct")
+    source = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     fused: dict[str, list[QuantizedRows]] = {}  # stacked as the model stacks them
     for name, rows in iter_gguf_weights(
@@ -85,7 +85,7 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
         if isinstance(rows, QuantizedRows):
             stem, module = name.removesuffix(".weight").rsplit(".", 1)
             fused.setdefault(f"{stem}.{STACKED.get(module, module)}", []).append(rows)
-    kept = [BlockWeight(QuantizedRows.cat(parts)) for parts in fused.values()]
+    kept = [BlockWeight(QuantizedRows.stack(parts)) for parts in fused.values()]
     dense, packed = [], True
     for weight in kept:
         param = torch.nn.Parameter(weight.dequantize(dtype), requires_grad=False)
@@ -95,13 +95,14 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
     results = []
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k).to(dtype) for k in {w.in_features for w in kept}}
-        outputs = {id(w): torch.empty(rows, w.out_features, dtype=dtype) for w in kept}
+        outputs = {id(p): torch.empty(rows, p.shape[0], dtype=dtype) for w in kept for p in w.parts}
         record = {"dtype": args.dtype, "rows": rows, "weights": len(kept)}
         if block_dot_isa():
             record["block_dot_ms"] = _time(
                 lambda inputs=inputs, outputs=outputs: [
-                    block_linear(inputs[w.in_features], w.blocks, int(w.qtype), outputs[id(w)])
+                    block_linear(inputs[w.in_features], p.blocks, int(p.qtype), outputs[id(p)])
                     for w in kept
+                    for p in w.parts
                 ],
                 args.iters,
             )
@@ -142,7 +143,7 @@ def step_part(args: argparse.Namespace) -> list[dict]:
 
     results = []
     for quantization in ("gguf", "none"):
-        llm = LLM("smollm2-135m-instruct", quantization=quantization, dtype=args.dtype)
+        llm = LLM(args.model, quantization=quantization, dtype=args.dtype)
         lm_head = llm.engine.core.worker.model.matmul_weights()[-1]
         spent = dict.fromkeys(("matmuls", "lm_head", "attention"), 0.0)
         linear_fn, attention_fn = engine_model.linear, cpu_ops.paged_attention
@@ -216,9 +217,7 @@ def agreement_part(args: argparse.Namespace) -> list[dict]:
         quantized_linear.BLOCK_DOT_MAX_ROWS[dtype] = 1 << 20
 
     def load(quantization: str, dtype: str) -> LLM:
-        return LLM(
-            "smollm2-135m-instruct", quantization=quantization, dtype=dtype, max_model_len=512
-        )
+        return LLM(args.model, quantization=quantization, dtype=dtype, max_model_len=512)
 
     dense = load("none", args.dtype)
     prompts = [dense.get_tokenizer().encode(p) for p in PROMPTS]
@@ -235,6 +234,7 @@ def agreement_part(args: argparse.Namespace) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--part", choices=("matmul", "step", "agreement", "all"), default="all")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])

@@ -62,7 +62,8 @@ class EngineConfig(Options):
     )
     quantization: str = option(
         "auto",
-        "a GGUF file's Q4_0/Q4_1/Q8_0 matmul weights: gguf = kept as the file's blocks (about 3x "
+        "a GGUF file's quantized matmul weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q4_K/Q5_K/Q6_K): gguf "
+        "= kept as the file's blocks (about 3x "
         "fewer bytes than bfloat16, 6x than float32, to hold and to read per step; on CPU, in "
         "float32 or bfloat16), none = dequantized to the dtype at load (the reference), auto = "
         "gguf where it can be (an x86 CPU with AVX2 and the compiled kernels), else none",

@@ -20,6 +20,7 @@ tiny checkpoints of tests/families.py (BENCHMARKS.md, "GGUF files of every famil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from pagedserve.engine.models.model_config import ModelConfig
+from tests import kquants
 
 # pagedserve family -> llama.cpp architecture name.
 LLAMA_CPP_ARCHITECTURES = {
@@ -60,13 +62,16 @@ def write_gguf_like_llama_cpp(
     config: ModelConfig,
     tensors: dict[str, torch.Tensor],
     *,
-    tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    tensor_type: gguf.GGMLQuantizationType
+    | Callable[[str], gguf.GGMLQuantizationType] = gguf.GGMLQuantizationType.F32,
     vocabulary: SentencePieceVocabulary | None = None,
 ) -> Path:
     """Write `tensors` (transformers' own names, as `config.weight_shapes()` lists them) and
     `config`'s metadata as llama.cpp's converter would. `tensor_type` other than F32 quantizes
-    every tensor of two or more dimensions with gguf's own quantizer (norms and other vectors
-    stay F32, as llama.cpp keeps them). `vocabulary` replaces the vocab_size stand-in."""
+    every tensor of two or more dimensions (norms and other vectors stay F32, as llama.cpp keeps
+    them) with gguf's own quantizer, or tests/kquants.py's for Q4_K / Q6_K; a function of the
+    tensor's transformers name picks a type per tensor, as llama.cpp's Q4_K_M mix does.
+    `vocabulary` replaces the vocab_size stand-in."""
     arch_name = LLAMA_CPP_ARCHITECTURES[config.architecture]
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
     writer = gguf.GGUFWriter(path, arch_name)
@@ -87,9 +92,9 @@ def write_gguf_like_llama_cpp(
             gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, f"gguf's TensorNameMap has no name for {name}"
             array = data.contiguous().numpy()
-            if tensor_type != gguf.GGMLQuantizationType.F32 and array.ndim >= 2:
-                quantized = gguf.quants.quantize(array, tensor_type)
-                writer.add_tensor(gguf_name, quantized, raw_dtype=tensor_type)
+            qtype = tensor_type(name) if callable(tensor_type) else tensor_type
+            if qtype != gguf.GGMLQuantizationType.F32 and array.ndim >= 2:
+                writer.add_tensor(gguf_name, kquants.quantize(array, qtype), raw_dtype=qtype)
             else:
                 writer.add_tensor(gguf_name, array)
     if config.rope_scaling_dict() and config.rope_scaling_dict()["rope_type"] == "longrope":

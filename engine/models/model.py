@@ -419,20 +419,19 @@ class CausalLM(nn.Module):
 
     def prepare_matmul_weights(self, *, pack_dense: bool) -> list[BlockWeight]:
         """After `load_weights`: keep quantized each matmul weight whose rows all came quantized
-        in one block type (engine/models/quantized_linear.py; a tied embedding's lookups read its
-        blocks too), freeing its dense values; pre-pack the others for oneDNN when `pack_dense`
-        (bf16 and float32 on CPU; see engine/models/cpu_linear.py). Returns the weights kept
-        quantized."""
+        (engine/models/quantized_linear.py; a tied embedding's lookups read its blocks too),
+        freeing its dense values; pre-pack the others for oneDNN when `pack_dense` (bf16 and
+        float32 on CPU; see engine/models/cpu_linear.py). Returns the weights kept quantized."""
         kept = []
         for param in self.matmul_weights():
             rows = self._quantized_rows.pop(param.untyped_storage().data_ptr(), None)
             if rows is not None and sum(r.shape[0] for _, r in rows) == param.shape[0]:
-                whole = QuantizedRows.cat([r for _, r in sorted(rows, key=lambda pr: pr[0])])
-                if whole is not None:
-                    weight = BlockWeight(whole)
-                    attach(param, weight)
-                    kept.append(weight)
-                    continue
+                weight = BlockWeight(
+                    QuantizedRows.stack([r for _, r in sorted(rows, key=lambda pr: pr[0])])
+                )
+                attach(param, weight)
+                kept.append(weight)
+                continue
             if pack_dense:
                 pack(param)
         self._quantized_rows.clear()

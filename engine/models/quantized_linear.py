@@ -1,5 +1,6 @@
-"""Matmul weights kept quantized on CPU: a GGUF file's Q4_0 / Q4_1 / Q8_0 weights kept as the
-file's own blocks, instead of dequantized to the model's dtype at load (`--quantization`).
+"""Matmul weights kept quantized on CPU: a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and
+Q4_K / Q5_K / Q6_K weights kept as the file's own blocks, instead of dequantized to the model's
+dtype at load (`--quantization`).
 
 A decode step of one stream reads every weight once for one row of activations, so its time is
 the weights' bytes: Q4_1 is 5 bits a value against bfloat16's 16 and float32's 32. The blocks are
@@ -14,9 +15,13 @@ their memory is the file's size), and the matmuls read them directly
   at a time, and multiplied by oneDNN / MKL as a dense weight: past the crossover the dense GEMM's
   speed outweighs dequantizing (measured: BENCHMARKS.md, "Quantized weights on every x86 CPU").
 
+A fused weight (q/k/v, gate/up) whose parts come in different block types (llama.cpp's Q4_K_M
+files store some layers' v in Q8_0 beside q and k in Q5_0) keeps each run of one type as a part
+and multiplies them into their own columns of the output.
+
 Activations are float32 or bfloat16, whichever the model runs in. Other quantization types
-(K-quants), other devices, tensor parallelism, and CPUs or builds without the block kernels (no
-AVX2, no C++ compiler) dequantize at load, as with `--quantization none`.
+(Q2_K, Q3_K, the IQ types), other devices, tensor parallelism, and CPUs or builds without the
+block kernels (no AVX2, no C++ compiler) dequantize at load, as with `--quantization none`.
 """
 
 from __future__ import annotations
@@ -32,12 +37,10 @@ import torch.nn.functional as F
 
 from pagedserve.engine.engine_config import QUANTIZATIONS
 
-GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block: values per scale
-KEPT_TYPES = (
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
-    gguf.GGMLQuantizationType.Q8_0,
-)
+_Q = gguf.GGMLQuantizationType
+# The block types the kernels multiply by (kernels/csrc/cpu_gguf.cpp): a row holds whole blocks of
+# gguf.GGML_QUANT_SIZES[type][0] values (32, or a K-quant's 256).
+KEPT_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # Steps of at most this many rows multiply by the blocks, more rows dequantize and run a dense
 # GEMM: where the two cross on the 2-core dev VMs, by activation dtype (BENCHMARKS.md, "Quantized
@@ -72,31 +75,42 @@ class QuantizedRows:
         return QuantizedRows(self.qtype, blocks, self.shape)
 
     @staticmethod
-    def cat(parts: list[QuantizedRows]) -> QuantizedRows | None:
-        """Rows of several weights stacked (a fused q/k/v or gate/up weight); None when their
-        block types differ (the weight is then dequantized)."""
-        if len({p.qtype for p in parts}) != 1:
-            return None
-        rows = sum(p.shape[0] for p in parts)
-        return QuantizedRows(
-            parts[0].qtype, torch.cat([p.blocks for p in parts]), (rows, parts[0].shape[1])
-        )
+    def stack(parts: list[QuantizedRows]) -> list[QuantizedRows]:
+        """Rows of several weights stacked in order (a fused q/k/v or gate/up weight): each run of
+        parts of one block type joined into one."""
+        runs: list[list[QuantizedRows]] = []
+        for part in parts:
+            if runs and runs[-1][0].qtype == part.qtype:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [
+            run[0]
+            if len(run) == 1
+            else QuantizedRows(
+                run[0].qtype,
+                torch.cat([p.blocks for p in run]),
+                (sum(p.shape[0] for p in run), run[0].shape[1]),
+            )
+            for run in runs
+        ]
 
 
 def gguf_rows(
     data: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]
 ) -> QuantizedRows:
-    """A Q4_0 / Q4_1 / Q8_0 tensor's blocks (a GGUFReader tensor's `data`) as the rows of an [N, K]
-    weight, copied out of the file's memory map."""
+    """A tensor's blocks (a GGUFReader tensor's `data`, of one of KEPT_TYPES) as the rows of an
+    [N, K] weight, copied out of the file's memory map."""
     if qtype not in KEPT_TYPES:
         raise ValueError(
             f"{qtype.name} weights are not kept quantized; kept: "
             + ", ".join(t.name for t in KEPT_TYPES)
         )
     n, k = shape
-    if k % GROUP:
-        raise ValueError(f"a {qtype.name} weight needs K divisible by {GROUP}, got {shape}")
-    row_bytes = k // GROUP * gguf.GGML_QUANT_SIZES[qtype][1]
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    if k % values:
+        raise ValueError(f"a {qtype.name} weight needs K divisible by {values}, got {shape}")
+    row_bytes = k // values * nbytes
     blocks = np.array(np.asarray(data, dtype=np.uint8).reshape(n, row_bytes), copy=True)
     return QuantizedRows(qtype, torch.from_numpy(blocks), (n, k))
 
@@ -139,18 +153,23 @@ def _scratch_rows(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class BlockWeight:
-    """A [N, K] matmul weight as a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, with `linear`,
-    `embedding` (a tied embedding's lookups) and `dequantize`."""
+    """A [N, K] matmul weight as a GGUF file's blocks, with `linear`, `embedding` (a tied
+    embedding's lookups) and `dequantize`: the rows of one or more parts (`QuantizedRows.stack`),
+    each of one block type."""
 
-    def __init__(self, rows: QuantizedRows) -> None:
-        self.qtype = rows.qtype
-        self.kind = rows.qtype.name
-        self.blocks = rows.blocks
-        self.out_features, self.in_features = rows.shape
+    def __init__(self, parts: QuantizedRows | list[QuantizedRows]) -> None:
+        self.parts = [parts] if isinstance(parts, QuantizedRows) else list(parts)
+        if not self.parts or len({p.shape[1] for p in self.parts}) != 1:
+            raise ValueError("a block weight needs one or more parts of the same K")
+        self.in_features = self.parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        # Each part's first output column.
+        self._starts = [sum(p.shape[0] for p in self.parts[:i]) for i in range(len(self.parts))]
+        self.kinds = [p.qtype.name for p in self.parts]
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return sum(p.blocks.nbytes for p in self.parts)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` for float32 or bfloat16 x of shape [rows, K]."""
@@ -159,39 +178,50 @@ class BlockWeight:
         x = x.contiguous()
         if x.shape[0] <= BLOCK_DOT_MAX_ROWS[x.dtype] and block_dot_isa():
             y = x.new_empty(x.shape[0], self.out_features)
-            block_ops().gguf_block_linear(x, self.blocks, int(self.qtype), y)
+            ops = block_ops()
+            for part, start in zip(self.parts, self._starts, strict=True):
+                ops.gguf_block_linear(
+                    x, part.blocks, int(part.qtype), y[:, start : start + part.shape[0]]
+                )
         else:
             y = self._dense_linear(x)
         return y if bias is None else y.add_(bias)
 
     def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the weight dequantized, a slab of rows at a time."""
-        n, k = self.out_features, self.in_features
-        slab = max(1, SCRATCH_BYTES // (k * x.element_size()))
-        if n <= slab:
-            return F.linear(x, self._dequantize_into(0, n, x.dtype))
-        y = x.new_empty(x.shape[0], n)
-        for start in range(0, n, slab):
-            end = min(n, start + slab)
-            y[:, start:end] = F.linear(x, self._dequantize_into(start, end, x.dtype))
+        slab = max(1, SCRATCH_BYTES // (self.in_features * x.element_size()))
+        if len(self.parts) == 1 and self.out_features <= slab:
+            return F.linear(x, self._dequantize_into(self.parts[0], 0, self.out_features, x.dtype))
+        y = x.new_empty(x.shape[0], self.out_features)
+        for part, offset in zip(self.parts, self._starts, strict=True):
+            for start in range(0, part.shape[0], slab):
+                end = min(part.shape[0], start + slab)
+                y[:, offset + start : offset + end] = F.linear(
+                    x, self._dequantize_into(part, start, end, x.dtype)
+                )
         return y
 
-    def _dequantize_into(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantize_into(
+        self, part: QuantizedRows, start: int, end: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         out = _scratch_rows(end - start, self.in_features, dtype)
-        block_ops().gguf_block_dequantize(self.blocks[start:end], int(self.qtype), out)
+        block_ops().gguf_block_dequantize(part.blocks[start:end], int(part.qtype), out)
         return out
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` of the weight (a tied embedding's lookup) in `dtype`."""
+        """Rows `ids` of the weight (a tied embedding's lookup, one part) in `dtype`."""
+        (part,) = self.parts
         out = torch.empty(ids.numel(), self.in_features, dtype=dtype)
-        rows = self.blocks.index_select(0, ids.reshape(-1))
-        block_ops().gguf_block_dequantize(rows, int(self.qtype), out)
+        rows = part.blocks.index_select(0, ids.reshape(-1))
+        block_ops().gguf_block_dequantize(rows, int(part.qtype), out)
         return out.view(*ids.shape, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`: the values the matmuls multiply by (for tests and references)."""
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        block_ops().gguf_block_dequantize(self.blocks, int(self.qtype), out)
+        for part, start in zip(self.parts, self._starts, strict=True):
+            view = out[start : start + part.shape[0]]
+            block_ops().gguf_block_dequantize(part.blocks, int(part.qtype), view)
         return out
 
 
@@ -211,12 +241,12 @@ def weight_bytes(rows: int, cols: int, dtype: torch.dtype) -> int:
 
 
 def describe(weights: list[BlockWeight], dtype: torch.dtype) -> str:
-    """One log line: how many weights are kept in which block type, their bytes against `dtype`,
-    and the instructions their matmuls run on."""
+    """One log line: how many weights (parts of a fused weight apart) are kept in which block
+    type, their bytes against `dtype`, and the instructions their matmuls run on."""
     kept = sum(w.nbytes for w in weights)
     dense = sum(weight_bytes(w.out_features, w.in_features, dtype) for w in weights)
-    kinds = sorted({w.kind for w in weights})
-    counts = ", ".join(f"{sum(w.kind == kind for w in weights)} {kind}" for kind in kinds)
+    parts = [kind for w in weights for kind in w.kinds]
+    counts = ", ".join(f"{parts.count(kind)} {kind}" for kind in sorted(set(parts)))
     return (
         f"quantized matmul weights kept as the GGUF file's blocks ({counts}): "
         f"{kept / 2**20:.1f} MiB instead of {dense / 2**20:.1f} MiB in "

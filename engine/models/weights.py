@@ -154,7 +154,8 @@ def iter_gguf_weights(
     llama/mistral/mixtral files, and the 1 + w it stores for Gemma's norms. Every tensor is
     checked against the shape `config` expects (`gguf_weight_shapes`).
 
-    `keep_quantized`: Q4_0 / Q4_1 / Q8_0 matmul weights come as `QuantizedRows` (the file's
+    `keep_quantized`: matmul weights of the kept block types (quantized_linear.py `KEPT_TYPES`:
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) come as `QuantizedRows` (the file's
     blocks, rows unpermuted likewise) instead (engine/models/quantized_linear.py).
     """
     reader = path if isinstance(path, gguf.GGUFReader) else GGUFFile(path)

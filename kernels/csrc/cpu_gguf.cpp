@@ -1,18 +1,26 @@
-// Matmuls by a GGUF file's own blocks (Q4_0, Q4_1, Q8_0), kept as the file stores them, on any
-// x86 CPU with AVX2: `engine/models/quantized_linear.py` `BlockWeight` calls them.
+// Matmuls by a GGUF file's own blocks, kept as the file stores them, on any x86 CPU with AVX2:
+// `engine/models/quantized_linear.py` `BlockWeight` calls them. The types: Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0 (blocks of 32 values) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256: 8 sub-blocks
+// of 32 with 6-bit scales and mins; Q6_K 16 of 16 with int8 scales), what llama.cpp's Q4_K_M and
+// Q5_K_M files hold (with Q5_0 / Q8_0 where a row is not a multiple of 256).
 //
 // As llama.cpp does, the activations are quantized too, each row in blocks of 32 to int8 with a
 // float scale (dx = max|x| / 127; sx = dx * the block's code sum), so that a block's product is
-// one integer dot product of 32 bytes by 32 bytes:
+// one integer dot product of 32 bytes by 32 bytes (c the activation's codes, q the weight's):
 //
-//   Q8_0   w = d * q (q int8)            sum_i w_i x_i = d * dx * sum_i q_i c_i
-//   Q4_1   w = d * q + m (q 0..15)       sum_i w_i x_i = d * dx * sum_i q_i c_i + m * sx
-//   Q4_0   w = d * (q - 8)               Q4_1 with m = -8 d
+//   Q8_0   w = d * q (q int8)              sum_i w_i x_i = d * dx * sum_i q_i c_i
+//   Q4_1   w = d * q + m (q 0..15)         sum_i w_i x_i = d * dx * sum_i q_i c_i + m * sx
+//   Q4_0   w = d * (q - 8)                 Q4_1 with m = -8 d
+//   Q5_1   Q4_1 with q 0..31 (a fifth bit per value from a 32-bit mask); Q5_0: m = -16 d
+//   Q4_K   sub-block j: Q4_1 with d = d * sc_j and m = -dmin * m_j; Q5_K: Q5_1's likewise
+//   Q6_K   w = d * sc_h * (q - 32), q 0..63, sc_h per half block of 16 values: the integer sums
+//          of each half are kept apart (lanes 0-3 and 4-7 of the dot's 8) and scaled by their own
+//          sc_h; the -32 comes off as 32 * sum c, one dot per activation block for all rows
 //
-// (c the activation's codes). The integer dot is `vpdpbusd` where the CPU has AVX-VNNI or
-// AVX512-VNNI, else `vpmaddubsw` + `vpmaddwd` (unsigned by signed bytes: Q8_0's signs move onto
-// the activations). Blocks are GGUF's: a float16 d, Q4_1's float16 m, then the codes (Q4: 16
-// bytes, low nibbles values 0..15, high nibbles 16..31; Q8_0: 32 int8).
+// The integer dot is `vpdpbusd` where the CPU has AVX-VNNI or AVX512-VNNI, else `vpmaddubsw` +
+// `vpmaddwd` (unsigned by signed bytes: Q8_0's signs move onto the activations). Blocks are
+// GGUF's (ggml-common.h): a float16 d, Q4_1's float16 m, then the codes (Q4: 16 bytes, low
+// nibbles values 0..15, high nibbles 16..31; Q8_0: 32 int8).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -24,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -38,16 +47,29 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 // GGML's type ids (gguf.GGMLQuantizationType), as the Python side passes them.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+                  kQ6_K = 14;
 
+// A file block's bytes (a K-quant's super-block of 256 values).
 constexpr int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
     default: return 0;
   }
 }
+
+constexpr bool is_k_quant(int64_t qtype) {
+  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
+}
+// Blocks of 32 per file block: a K-quant's super-block holds 8.
+constexpr int64_t sub_blocks(int64_t qtype) { return is_k_quant(qtype) ? 8 : 1; }
 
 #if defined(PAGEDSERVE_BLOCK_DOT)
 constexpr bool kHasBlockDot = true;
@@ -130,6 +152,94 @@ inline __m256i q4_codes(const uint8_t* qs) {
   return _mm256_and_si256(both, _mm256_set1_epi8(15));
 }
 
+// A 32-bit mask as 32 bytes, byte i 16 where bit i is set (Q5's fifth bits), else 0.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t mask;
+  std::memcpy(&mask, qh, 4);
+  // Byte i takes the mask's byte i / 8, then keeps bit i % 8 of it.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(mask)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                       3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+// The 32 codes of block `b` of a row, one byte each in value order: unsigned (0..15, 0..31, 0..63)
+// but Q8_0's, signed. Q4_K's sub-block j is the low (even j) or high (odd j) nibbles of 32 bytes;
+// Q5_K's adds a fifth bit; Q6_K's sub-block s = 4 n + t takes 4 bits of ql[64 n + 32 (t & 1) ...] (low nibbles for t < 2)
+// and bits 2 t, 2 t + 1 of qh[128 + 32 n ...] (ggml's dequantize_row_q6_K).
+template <int64_t QType>
+inline __m256i block_codes(const uint8_t* row, int64_t b) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if constexpr (QType == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 34 + 2));
+  } else if constexpr (QType == kQ4_0 || QType == kQ4_1) {
+    return q4_codes(row + b * block_bytes(QType) + (QType == kQ4_1 ? 4 : 2));
+  } else if constexpr (QType == kQ5_0 || QType == kQ5_1) {
+    const uint8_t* block = row + b * block_bytes(QType) + (QType == kQ5_1 ? 4 : 2);
+    return _mm256_or_si256(q4_codes(block + 4), fifth_bits(block));
+  } else if constexpr (QType == kQ4_K || QType == kQ5_K) {
+    const int64_t s = b % 8;
+    const uint8_t* block = row + b / 8 * block_bytes(QType);
+    const __m256i bytes = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(block + (QType == kQ5_K ? 48 : 16) + 32 * (s / 2)));
+    const __m256i codes = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+    if constexpr (QType == kQ4_K) return codes;
+    // Q5_K: value i's fifth bit is bit s of qh[i] (32 bytes after the scales).
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+    return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  } else {  // Q6_K
+    const int64_t s = b % 8, n = s / 4, t = s % 4;
+    const uint8_t* block = row + b / 8 * 210;
+    const __m256i ql = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(block + 64 * n + 32 * (t & 1)));
+    const __m256i qh =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * n));
+    const __m256i low = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    const __m256i high = _mm256_and_si256(
+        _mm256_slli_epi16(_mm256_srli_epi16(qh, static_cast<int>(2 * t)), 4),
+        _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(low, high);
+  }
+}
+
+// A block-of-32 type's (d, m): w = d * code + m.
+template <int64_t QType>
+inline __m128 block_pair(const uint8_t* block) {
+  int32_t halves;  // Q4_1, Q5_1: d and m, two float16; Q4_0, Q5_0: d, then other bytes
+  std::memcpy(&halves, block, 4);
+  const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+  if constexpr (QType == kQ4_0 || QType == kQ5_0) {
+    const float offset = QType == kQ4_0 ? -8.0f : -16.0f;
+    return _mm_mul_ps(_mm_broadcastss_ps(pair), _mm_setr_ps(1.0f, offset, 0.0f, 0.0f));
+  }
+  return pair;
+}
+
+// A K-quant super-block's scales, per block of 32: Q4_K's and Q5_K's (d sc_j, -dmin m_j) pairs in
+// `pairs[2 j]`, `pairs[2 j + 1]`; Q6_K's d sc_h per half block of 16 in `pairs[0..15]`.
+template <int64_t QType>
+inline void super_block_scales(const uint8_t* block, float* pairs) {
+  if constexpr (QType == kQ4_K || QType == kQ5_K) {
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    const uint8_t* q = block + 4;  // 12 bytes: 6-bit scales and mins (ggml's get_scale_min_k4)
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+      pairs[2 * j] = d * static_cast<float>(sc);
+      pairs[2 * j + 1] = -dmin * static_cast<float>(m);
+    }
+  } else {
+    const float d = half_to_float(block + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
+    for (int h = 0; h < 16; ++h) pairs[h] = d * static_cast<float>(sc[h]);
+  }
+}
+
 // The activations after quantization: codes [M, K], and per block each row's (dx, sx) pair,
 // block by block ([K / 32, M, 2]): a tile's rows have theirs side by side.
 struct QuantizedActivations {
@@ -162,10 +272,12 @@ constexpr int kPrefetchBytes = 512;
 // dot product of weight row r and activation row j. Each block's weight codes are expanded once
 // for the RX rows, each activation block loaded once for the RW rows. A block's two factors come
 // as one pair: (d, m) * (dx, sx) = (d dx, m sx), the first the integer sum's scale, the second
-// the offset's share, summed lane-wise (Q8_0: no offset).
+// the offset's share, summed lane-wise (Q8_0, Q6_K: no offset). K-quants decode each row's
+// super-block scales once for its 8 blocks.
 template <int64_t QType, int RW, int RX>
 void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t first,
               float* out) {
+  constexpr int64_t kSub = sub_blocks(QType);
   const int64_t nblocks = x.k / kBlock;
   __m256 acc[RW][RX];
   __m128 offset[RW][RX];
@@ -174,33 +286,56 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
       acc[r][j] = _mm256_setzero_ps();
       offset[r][j] = _mm_setzero_ps();
     }
-  // Q4_0's (d, m) from d alone: (d, -8 d).
-  const __m128 q4_0_pair = _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f);
+  float scales[RW][16];  // K-quants: the super-block's (see super_block_scales)
   for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t s = b % kSub;
+    if constexpr (is_k_quant(QType)) {
+      if (s == 0) {
+        for (int r = 0; r < RW; ++r) {
+          const uint8_t* block = rows[r] + b / kSub * block_bytes(QType);
+          for (int line = 0; line < 4; ++line)  // a super-block spans up to 4 cache lines
+            _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + 64 * line),
+                         _MM_HINT_T0);
+          super_block_scales<QType>(block, scales[r]);
+        }
+      }
+    }
     __m256i c[RX];
     for (int j = 0; j < RX; ++j)
       c[j] = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(x.codes.data() + (first + j) * x.k + b * kBlock));
     const float* xs = x.scales.data() + (b * x.m + first) * 2;
+    [[maybe_unused]] __m256i bias[RX];  // Q6_K: 32 * sum c per half block, lanes 0-3 and 4-7
+    if constexpr (QType == kQ6_K)
+      for (int j = 0; j < RX; ++j) bias[j] = dot_u8s8(_mm256_set1_epi8(32), c[j]);
     for (int r = 0; r < RW; ++r) {
-      const uint8_t* block = rows[r] + b * block_bytes(QType);
-      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
+      if constexpr (!is_k_quant(QType))
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r] + b * block_bytes(QType) +
+                                                   kPrefetchBytes),
+                     _MM_HINT_T0);
+      const __m256i codes = block_codes<QType>(rows[r], b);
       if constexpr (QType == kQ8_0) {
-        const float d = half_to_float(block);
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        const float d = half_to_float(rows[r] + b * 34);
+        const __m256i magnitude = _mm256_sign_epi8(codes, codes);
         for (int j = 0; j < RX; ++j) {
-          const __m256i sums = dot_u8s8(magnitude, _mm256_sign_epi8(c[j], w));
+          const __m256i sums = dot_u8s8(magnitude, _mm256_sign_epi8(c[j], codes));
           acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * xs[2 * j]),
                                       acc[r][j]);
         }
+      } else if constexpr (QType == kQ6_K) {
+        const __m256 halves = _mm256_set_m128(_mm_set1_ps(scales[r][2 * s + 1]),
+                                              _mm_set1_ps(scales[r][2 * s]));
+        for (int j = 0; j < RX; ++j) {
+          const __m256i sums = _mm256_sub_epi32(dot_u8s8(codes, c[j]), bias[j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                      _mm256_mul_ps(halves, _mm256_set1_ps(xs[2 * j])), acc[r][j]);
+        }
       } else {
-        int32_t halves;  // Q4_1: d and m, two float16; Q4_0: d, then the codes
-        std::memcpy(&halves, block, 4);
-        __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
-        if constexpr (QType == kQ4_0)
-          pair = _mm_mul_ps(_mm_broadcastss_ps(pair), q4_0_pair);
-        const __m256i codes = q4_codes(block + (QType == kQ4_1 ? 4 : 2));
+        __m128 pair;
+        if constexpr (is_k_quant(QType))
+          pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales[r] + 2 * s)));
+        else
+          pair = block_pair<QType>(rows[r] + b * block_bytes(QType));
         for (int j = 0; j < RX; ++j) {
           const __m256i sums = dot_u8s8(codes, c[j]);
           const __m128 factors = _mm_mul_ps(
@@ -214,7 +349,9 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
   }
   for (int r = 0; r < RW; ++r)
     for (int j = 0; j < RX; ++j) {
-      const float off = QType == kQ8_0 ? 0.0f : _mm_cvtss_f32(_mm_movehdup_ps(offset[r][j]));
+      const float off = QType == kQ8_0 || QType == kQ6_K
+                            ? 0.0f
+                            : _mm_cvtss_f32(_mm_movehdup_ps(offset[r][j]));
       out[r * RX + j] = hsum(acc[r][j]) + off;
     }
 }
@@ -248,8 +385,9 @@ void dot_tile_any(int nrows, int cols, const uint8_t* const* rows, const Quantiz
 }
 
 template <int64_t QType, typename T>
-void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, T* out) {
-  const int64_t row_bytes = k / kBlock * block_bytes(QType);
+void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, T* out,
+                  int64_t ldo) {
+  const int64_t row_bytes = k / kBlock / sub_blocks(QType) * block_bytes(QType);
   const QuantizedActivations xq(x, m, k);
   // Threads split the weight rows (each reads only its own); every activation row is
   // multiplied by a tile of weight rows while they are in the core's caches.
@@ -266,7 +404,7 @@ void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64
         dot_tile_any<QType>(count, cols, rows, xq, i, sums);
         for (int r = 0; r < count; ++r)
           for (int j = 0; j < cols; ++j)
-            out[(i + j) * n + first + r] = pagedserve_cpu::store<T>(sums[r * cols + j]);
+            out[(i + j) * ldo + first + r] = pagedserve_cpu::store<T>(sums[r * cols + j]);
       }
     }
   });
@@ -301,56 +439,87 @@ inline void store8(c10::BFloat16* o, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(o), halves);
 }
 
-// One block's 32 values: d * code + m (Q4), d * code (Q8_0, m = 0).
-template <typename T>
-inline void dequantize_block(const uint8_t* block, int64_t qtype, T* o) {
-  const __m256 d = _mm256_set1_ps(half_to_float(block));
-  __m256i codes;
-  __m256 m = _mm256_setzero_ps();
-  if (qtype == kQ8_0) {
-    codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+// Block b's 32 values (w = d * code + m, per half block for Q6_K) of one row; `scales` the
+// super-block's for K-quants. The products are exact in float32 (Q6_K's rounded once, as gguf's
+// d * sc * (q - 32) is), so the values are gguf's own.
+template <int64_t QType, typename T>
+inline void dequantize_block(const uint8_t* row, int64_t b, const float* scales, T* o) {
+  const __m256i codes = block_codes<QType>(row, b);
+  const int64_t s = b % sub_blocks(QType);
+  __m256 d[2], m[2];
+  if constexpr (QType == kQ6_K) {
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_set1_ps(scales[2 * s + h]);
+      m[h] = _mm256_mul_ps(d[h], _mm256_set1_ps(-32.0f));
+    }
   } else {
-    codes = q4_codes(block + (qtype == kQ4_1 ? 4 : 2));
-    m = qtype == kQ4_1 ? _mm256_set1_ps(half_to_float(block + 2))
-                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    float pair[4];
+    if constexpr (is_k_quant(QType)) {
+      pair[0] = scales[2 * s], pair[1] = scales[2 * s + 1];
+    } else if constexpr (QType == kQ8_0) {
+      pair[0] = half_to_float(row + b * 34), pair[1] = 0.0f;
+    } else {
+      _mm_storeu_ps(pair, block_pair<QType>(row + b * block_bytes(QType)));
+    }
+    d[0] = d[1] = _mm256_set1_ps(pair[0]);
+    m[0] = m[1] = _mm256_set1_ps(pair[1]);
   }
   const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
   for (int h = 0; h < 2; ++h) {
     for (int q = 0; q < 2; ++q) {
       const __m128i eight = q == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
       const __m256i wide =
-          qtype == kQ8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-      store8(o + 16 * h + 8 * q, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(wide), m));
+          QType == kQ8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+      store8(o + 16 * h + 8 * q, _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(wide), m[h]));
     }
   }
 }
 
 // Rows of GGUF blocks as values: a kept embedding's lookups, and steps of many rows, where a
 // dense GEMM beats the block dot products.
-template <typename T>
-void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, int64_t qtype, T* out) {
-  const int64_t nblocks = k / kBlock, bytes = block_bytes(qtype);
+template <int64_t QType, typename T>
+void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, T* out) {
+  const int64_t nblocks = k / kBlock, row_bytes = nblocks / sub_blocks(QType) * block_bytes(QType);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float scales[16];
     for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* w = weight + row * row_bytes;
       for (int64_t b = 0; b < nblocks; ++b) {
-        const uint8_t* block = weight + (row * nblocks + b) * bytes;
-        T* o = out + row * k + b * kBlock;
-        dequantize_block(block, qtype, o);
+        if (is_k_quant(QType) && b % 8 == 0)
+          super_block_scales<QType>(w + b / 8 * block_bytes(QType), scales);
+        dequantize_block<QType>(w, b, scales, out + row * k + b * kBlock);
       }
     }
   });
+}
+
+// Calls f with the type's template instance (a std::integral_constant<int64_t, QType>).
+template <typename F>
+void with_qtype(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    default: return f(std::integral_constant<int64_t, kQ6_K>{});
+  }
 }
 #endif
 
 // The checks both ops share: weight holds [N, K] values in `qtype`'s blocks; returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype) {
-  const int64_t bytes = block_bytes(qtype);
-  TORCH_CHECK(bytes > 0, "GGUF block weights are Q4_0 (2), Q4_1 (3) or Q8_0 (8), got type ",
+  const int64_t bytes = block_bytes(qtype), values = kBlock * sub_blocks(qtype);
+  TORCH_CHECK(bytes > 0,
+              "GGUF block weights are Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
+              "Q5_K (13) or Q6_K (14), got type ",
               qtype);
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) % bytes == 0,
-              "weight must be contiguous uint8 [N, K / 32 * ", bytes, "] (GGUF blocks)");
-  return {weight.size(0), weight.size(1) / bytes * kBlock};
+              "weight must be contiguous uint8 [N, K / ", values, " * ", bytes, "] (GGUF blocks)");
+  return {weight.size(0), weight.size(1) / bytes * values};
 }
 
 void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out) {
@@ -361,10 +530,12 @@ void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& 
               "out must be contiguous float32 or bfloat16 [", n, ", ", k, "]");
 #if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
-  if (out.scalar_type() == at::kFloat)
-    dequantize_rows(w, n, k, qtype, out.data_ptr<float>());
-  else
-    dequantize_rows(w, n, k, qtype, out.data_ptr<at::BFloat16>());
+  with_qtype(qtype, [&](auto type) {
+    if (out.scalar_type() == at::kFloat)
+      dequantize_rows<decltype(type)::value>(w, n, k, out.data_ptr<float>());
+    else
+      dequantize_rows<decltype(type)::value>(w, n, k, out.data_ptr<at::BFloat16>());
+  });
 #endif
 }
 
@@ -375,23 +546,22 @@ void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be contiguous float32 or bfloat16 [rows, ", k, "]");
+  // out may be a slice of wider rows: a weight stacked from parts of different block types
+  // writes each part's columns.
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
-                  out.is_contiguous() && out.scalar_type() == x.scalar_type(),
-              "out must be contiguous [", x.size(0), ", ", n, "] of x's dtype");
+                  out.stride(1) == 1 && out.stride(0) >= n && out.scalar_type() == x.scalar_type(),
+              "out must be [", x.size(0), ", ", n, "] of x's dtype with contiguous rows");
 #if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
   const int64_t m = x.size(0);
-  auto run = [&](auto* xs, auto* os) {
-    switch (qtype) {
-      case kQ4_0: return block_linear<kQ4_0>(xs, m, k, w, n, os);
-      case kQ4_1: return block_linear<kQ4_1>(xs, m, k, w, n, os);
-      default: return block_linear<kQ8_0>(xs, m, k, w, n, os);
-    }
-  };
-  if (x.scalar_type() == at::kFloat)
-    run(x.data_ptr<float>(), out.data_ptr<float>());
-  else
-    run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  with_qtype(qtype, [&](auto type) {
+    if (x.scalar_type() == at::kFloat)
+      block_linear<decltype(type)::value>(x.data_ptr<float>(), m, k, w, n, out.data_ptr<float>(),
+                                          out.stride(0));
+    else
+      block_linear<decltype(type)::value>(x.data_ptr<at::BFloat16>(), m, k, w, n,
+                                          out.data_ptr<at::BFloat16>(), out.stride(0));
+  });
 #endif
 }
 

@@ -49,7 +49,7 @@ SUBSET = [
 ]
 # What the part counts at avx2 (update with SUBSET): the bf16 packing tests (needs_onednn_bf16)
 # skip there.
-EXPECTED = "400 passed, 6 skipped"
+EXPECTED = "425 passed, 6 skipped"
 
 pytestmark = pytest.mark.skipif(
     not cpu_features.cpu_features().at_least("avx512"),

@@ -1,11 +1,13 @@
 """Quantized weights kept as a GGUF file's blocks on CPU (engine/models/quantized_linear.py,
-kernels/csrc/cpu_gguf.cpp): the blocks are the file's bytes and dequantize to gguf's values, the
-block dot products equal a float64 product of the weights by the activations quantized as the
-kernel quantizes them (int8 per block of 32), the dense route of longer steps equals F.linear
-of the dequantized weight, a tiny Llama GGUF runs through the engine with every matmul weight
-kept and scores its tokens as the dense model of the same values does, and the real SmolLM2 Q4_1
-file keeps its 92 MiB. The suite runs this file at the CPU's own level (VNNI where it has it) and,
-through tests/engine/test_lesser_cpu.py, at the avx2 level (vpmaddubsw).
+kernels/csrc/cpu_gguf.cpp), for every kept block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K): the blocks are the file's bytes and dequantize to gguf's values, the block dot
+products equal a float64 product of the weights by the activations quantized as the kernel
+quantizes them (int8 per block of 32), the dense route of longer steps equals F.linear of the
+dequantized weight, a weight stacked from parts of different types multiplies each into its own
+columns, tiny Llama GGUFs (one type throughout, and a Q4_K_M-like mix) run through the engine with
+every matmul weight kept and score their tokens as the dense model of the same values does, and
+the real SmolLM2 Q4_1 file keeps its 92 MiB. The suite runs this file at the CPU's own level (VNNI
+where it has it) and, through tests/engine/test_lesser_cpu.py, at the avx2 level (vpmaddubsw).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pagedserve.engine.models.quantized_linear import (
     quantized,
 )
 from pagedserve.kernels import cpu_features
+from tests import kquants
 from tests.gguf_writer import write_gguf_like_llama_cpp
 
 Q = gguf.GGMLQuantizationType
@@ -41,12 +44,26 @@ needs_block_dot = pytest.mark.skipif(
 )
 
 
-def _file_weight(qtype: Q, n: int = 128, k: int = 96, seed: int = 0):
-    """A random [n, k] weight quantized by gguf: (its blocks, gguf's dequantized values)."""
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def _cols(qtype: Q) -> int:
+    """A K for tests of `qtype`: 5 blocks of 32, or 2 super-blocks of 256."""
+    return 512 if qtype in K_QUANTS else 160
+
+
+def _original(n: int, k: int, seed: int) -> np.ndarray:
+    """The float32 weight `_file_weight` quantizes."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[3, :40] *= 20  # a row with an outlier region
-    data = gguf.quants.quantize(w, qtype)
+    return w
+
+
+def _file_weight(qtype: Q, n: int = 128, k: int = 96, seed: int = 0):
+    """A random [n, k] weight quantized by gguf (tests/kquants.py for Q4_K / Q6_K): (its blocks,
+    gguf's dequantized values)."""
+    data = kquants.quantize(_original(n, k, seed), qtype)
     return data, torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(n, k).copy())
 
 
@@ -64,15 +81,19 @@ def _activations_as_quantized(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (top / 127.0).double()).view(x.shape)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_gguf_blocks_are_the_files_bytes_and_dequantize_to_ggufs_values(qtype):
-    data, values = _file_weight(qtype)
-    rows = gguf_rows(data, qtype, (128, 96))
+    k = 512 if qtype in K_QUANTS else 96
+    data, values = _file_weight(qtype, k=k)
+    rows = gguf_rows(data, qtype, (128, k))
     assert rows.blocks.dtype == torch.uint8 and rows.blocks.shape[0] == 128
     assert rows.blocks.numpy().tobytes() == np.asarray(data).tobytes()
     assert torch.equal(rows.dequantize(), values)
+    # The test quantizer's blocks hold the weight's values (round to nearest: within one step).
+    assert (values[4:] - torch.from_numpy(_original(128, k, 0)[4:])).abs().max() < 0.05
     weight = BlockWeight(rows)
-    assert weight.nbytes == np.asarray(data).nbytes == 128 * 3 * gguf.GGML_QUANT_SIZES[qtype][1]
+    values_per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    assert weight.nbytes == np.asarray(data).nbytes == 128 * k // values_per_block * block_bytes
     if block_dot_isa():
         assert torch.equal(weight.dequantize(), values)
         assert torch.equal(weight.dequantize(torch.bfloat16), values.bfloat16())
@@ -80,32 +101,51 @@ def test_gguf_blocks_are_the_files_bytes_and_dequantize_to_ggufs_values(qtype):
         assert torch.equal(weight.embedding(ids, torch.float32), values[ids])
 
 
+@pytest.mark.parametrize("qtype", ql.KEPT_TYPES)
+def test_random_blocks_dequantize_to_ggufs_values(qtype):
+    """Blocks of random codes and scales (every bit pattern of the codes, Q5_K's too, which no
+    quantizer here writes)."""
+    k = _cols(qtype)
+    blocks = kquants.random_blocks(qtype, 37, k, seed=int(qtype))
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(37, k).copy())
+    rows = gguf_rows(blocks, qtype, (37, k))
+    assert torch.equal(rows.dequantize(), values)
+    if block_dot_isa():
+        assert torch.equal(BlockWeight(rows).dequantize(), values)
+        assert torch.equal(BlockWeight(rows).dequantize(torch.bfloat16), values.bfloat16())
+
+
 def test_unsupported_blocks_and_shapes_are_refused():
-    data, _ = _file_weight(Q.Q5_0)
-    with pytest.raises(ValueError, match="Q5_0 weights are not kept quantized; kept: Q4_0, Q4_1"):
-        gguf_rows(data, Q.Q5_0, (128, 96))
+    with pytest.raises(ValueError, match="Q3_K weights are not kept quantized; kept: Q4_0, Q4_1"):
+        gguf_rows(np.zeros(110, np.uint8), Q.Q3_K, (1, 256))
     with pytest.raises(ValueError, match="K divisible by 32"):
         gguf_rows(np.zeros(10, np.uint8), Q.Q8_0, (2, 40))
+    with pytest.raises(ValueError, match=r"a Q4_K weight needs K divisible by 256, got \(2, 576\)"):
+        gguf_rows(np.zeros(10, np.uint8), Q.Q4_K, (2, 576))
     q4 = gguf_rows(_file_weight(Q.Q4_1, n=96)[0], Q.Q4_1, (96, 96))
-    assert QuantizedRows.cat([q4, q4]).shape == (192, 96)
-    # Blocks of two types cannot stack: the fused weight is then dequantized.
-    assert QuantizedRows.cat([q4, gguf_rows(_file_weight(Q.Q8_0)[0], Q.Q8_0, (128, 96))]) is None
+    q8 = gguf_rows(_file_weight(Q.Q8_0)[0], Q.Q8_0, (128, 96))
+    # Runs of one type join; another type starts a part of its own.
+    (joined,) = QuantizedRows.stack([q4, q4])
+    assert joined.shape == (192, 96) and joined.qtype == Q.Q4_1
+    parts = QuantizedRows.stack([q4, q4, q8, q4])
+    assert [(p.qtype, p.shape[0]) for p in parts] == [(Q.Q4_1, 192), (Q.Q8_0, 128), (Q.Q4_1, 96)]
 
 
 @needs_block_dot
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", ql.KEPT_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_dot_products_equal_a_float64_product_on_the_quantized_activations(qtype, dtype):
     """Every tile shape (4 weight rows by 1 to 4 activation rows, and the remainders: 67 rows of
-    weights, 1 to 9 of activations)."""
-    weight = _weight(qtype, n=67, k=160, seed=5)
+    weights, 1 to 9 of activations), on random blocks (every code's bit pattern)."""
+    k = _cols(qtype)
+    weight = BlockWeight(gguf_rows(kquants.random_blocks(qtype, 67, k, seed=5), qtype, (67, k)))
     for rows in range(1, 10):
-        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         x[0, :32] = 0.0  # a block of zeros (dx = 0)
         expected = _activations_as_quantized(x) @ weight.dequantize().double().T
         out = torch.empty(rows, 67, dtype=dtype)
-        torch.ops.pagedserve_cpu.gguf_block_linear(x, weight.blocks, int(qtype), out)
-        # float32 sums of 5 blocks; bfloat16 outputs rounded once.
+        torch.ops.pagedserve_cpu.gguf_block_linear(x, weight.parts[0].blocks, int(qtype), out)
+        # float32 sums of 5 to 16 blocks; bfloat16 outputs rounded once.
         scale = expected.abs().max().item()
         tolerance = scale * (1e-5 if dtype == torch.float32 else 2**-8)
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=tolerance)
@@ -128,13 +168,41 @@ def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_
             assert torch.equal(out, F.linear(x, dense) + bias)
         else:
             expected = torch.empty(rows, 192, dtype=dtype)
-            torch.ops.pagedserve_cpu.gguf_block_linear(x, weight.blocks, int(Q.Q4_1), expected)
+            torch.ops.pagedserve_cpu.gguf_block_linear(
+                x, weight.parts[0].blocks, int(Q.Q4_1), expected
+            )
             assert torch.equal(out, expected + bias)
     # A weight larger than the scratch budget is dequantized a slab of rows at a time.
     x = torch.randn(40, 128).to(dtype)
     whole = weight.linear(x)
     monkeypatch.setattr(ql, "SCRATCH_BYTES", 50 * 128 * x.element_size())  # slabs of 50 rows
     assert torch.equal(weight.linear(x), whole)
+
+
+@needs_block_dot
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_of_parts_of_different_types_multiplies_each_into_its_columns(dtype, monkeypatch):
+    """A fused q/k/v as llama.cpp's Q4_K_M files store some layers': q and k in Q5_0 (rows of
+    576 values fall back from Q4_K), v in Q8_0."""
+    q, k, v = (
+        gguf_rows(kquants.random_blocks(qtype, n, 64, seed=n), qtype, (n, 64))
+        for qtype, n in ((Q.Q5_0, 48), (Q.Q5_0, 16), (Q.Q8_0, 24))
+    )
+    weight = BlockWeight(QuantizedRows.stack([q, k, v]))
+    assert weight.kinds == ["Q5_0", "Q8_0"]
+    assert (weight.out_features, weight.in_features) == (88, 64)
+    assert weight.nbytes == q.blocks.nbytes + k.blocks.nbytes + v.blocks.nbytes
+    singles = [BlockWeight(part) for part in (q, k, v)]
+    assert torch.equal(weight.dequantize(dtype), torch.cat([w.dequantize(dtype) for w in singles]))
+    most = ql.BLOCK_DOT_MAX_ROWS[dtype]
+    for rows in (1, 3, most):  # the block dot products: each output is its own row's
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        assert torch.equal(weight.linear(x), torch.cat([w.linear(x) for w in singles], dim=1))
+    x = torch.randn(most + 5, 64).to(dtype)
+    dense = F.linear(x, weight.dequantize(dtype))
+    torch.testing.assert_close(weight.linear(x), dense)
+    monkeypatch.setattr(ql, "SCRATCH_BYTES", 10 * 64 * x.element_size())  # slabs of 10 rows
+    torch.testing.assert_close(weight.linear(x), dense)
 
 
 @needs_block_dot
@@ -187,25 +255,32 @@ def test_gguf_where_it_cannot_apply_says_what_to_change():
 # ---- through the engine ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A tiny tied-embedding Llama whose matmul weights have 64-multiple output features, and
-    its GGUF files in Q4_1 and Q8_0 (q/k rows permuted as llama.cpp writes them)."""
+def _tiny_llama(folder, hidden: int, initializer_range: float) -> tuple[ModelConfig, dict]:
+    """A random tied-embedding Llama of 2 layers, 4 heads and 2 KV heads, saved in `folder`:
+    its config and weights."""
     import transformers
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        max_position_embeddings=256, initializer_range=initializer_range,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(folder)
-    mc = ModelConfig.from_json_file(folder / "config.json")
+    return ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama whose matmul weights have 64-multiple output features, and its GGUF files in
+    Q4_1 and Q8_0 (q/k rows permuted as llama.cpp writes them)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config, weights = _tiny_llama(folder, hidden=64, initializer_range=0.3)
     return {
         qtype.name: write_gguf_like_llama_cpp(
-            folder / f"tiny.{qtype.name}.gguf", mc, hf.state_dict(), tensor_type=qtype
+            folder / f"tiny.{qtype.name}.gguf", config, weights, tensor_type=qtype
         )
         for qtype in (Q.Q4_1, Q.Q8_0)
     }
@@ -240,42 +315,81 @@ def _token_logprobs(llm: LLM, sequences) -> list[float]:
 PROMPTS = [[5], [7, 8, 9, 10, 11], list(range(20, 33)), list(range(40, 70))]
 
 
-@needs_block_dot
-@pytest.mark.parametrize("qtype, dtype", [("Q4_1", "float32"), ("Q8_0", "bfloat16")])
-def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(tiny_llama, qtype, dtype, caplog):
-    with caplog.at_level(logging.INFO, logger="pagedserve"):
-        kept = _llm(tiny_llama[qtype], "gguf", dtype)
+def _kept_and_dense(path, dtype: str) -> tuple[LLM, LLM]:
+    """Engines of the file with its weights kept and dequantized at load; checks that they hold
+    the same values and that each token of the dense model's greedy continuations is about as
+    likely under the kept weights (a weight in the wrong place would move them by nats; greedy
+    tokens alone are no test: sums moved by the activations' int8 rounding flip near-ties)."""
+    kept, dense = _llm(path, "gguf", dtype), _llm(path, "none", dtype)
     model = kept.engine.core.worker.model
-    for layer in model.layers:
-        for param in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                      layer.mlp.down_proj):  # fmt: skip
-            assert quantized(param) is not None and param.numel() == 0
-            assert quantized(param).kind == qtype
-    qkv = quantized(model.layers[0].self_attn.qkv_proj)
-    assert (qkv.out_features, qkv.in_features) == (128, 64)
-    # A tied embedding is also the lm_head: kept too, its lookups dequantize their rows.
-    assert quantized(model.embed_tokens).kind == qtype and model.embed_tokens.numel() == 0
-    assert f"quantized matmul weights kept as the GGUF file's blocks (9 {qtype})" in caplog.text
-    assert f"({block_dot_isa()}), longer ones by the weights dequantized" in caplog.text
-    # The dequantized model holds the same values (the file's): what differs is the activations'
-    # int8 rounding in the block dot products (and, for the dense route, which GEMM sums them).
-    # Each token of the dequantized model's greedy continuations is about as likely under the
-    # kept weights; a weight in the wrong place would move them by nats. (Greedy tokens alone
-    # are no test: sums moved by rounding flip near-ties.)
-    dense = _llm(tiny_llama[qtype], "none", dtype)
     assert all(quantized(p) is None for p in dense.engine.core.worker.model.matmul_weights())
     for param, kept_param in zip(
         dense.engine.core.worker.model.matmul_weights(), model.matmul_weights(), strict=True
     ):
-        values = quantized(kept_param).dequantize().to(param.dtype)
-        assert torch.equal(param, values)
+        assert kept_param.numel() == 0
+        assert torch.equal(param, quantized(kept_param).dequantize().to(param.dtype))
     sequences = [p + t for p, t in zip(PROMPTS, _greedy(dense, PROMPTS), strict=True)]
     expected, got = _token_logprobs(dense, sequences), _token_logprobs(kept, sequences)
     assert len(got) == sum(len(s) - 1 for s in sequences) and min(expected) < -1.0
     differences = [abs(a - b) for a, b in zip(got, expected, strict=True)]
     # Measured at the avx512_bf16 level (VNNI): Q4_1 float32 0.19 apart at most, 0.013 on
-    # average; Q8_0 bfloat16 0.04, 0.002; at the avx2 level (vpmaddubsw) the same sums.
+    # average; Q8_0 bfloat16 0.04, 0.002; the Q4_K_M mix in float32 0.13, 0.0095; at the avx2
+    # level (vpmaddubsw) the same sums.
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+    return kept, dense
+
+
+@needs_block_dot
+@pytest.mark.parametrize("qtype, dtype", [("Q4_1", "float32"), ("Q8_0", "bfloat16")])
+def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(tiny_llama, qtype, dtype, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        kept, _ = _kept_and_dense(tiny_llama[qtype], dtype)
+    model = kept.engine.core.worker.model
+    for layer in model.layers:
+        for param in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj):  # fmt: skip
+            assert quantized(param).kinds == [qtype]
+    qkv = quantized(model.layers[0].self_attn.qkv_proj)
+    assert (qkv.out_features, qkv.in_features) == (128, 64)
+    # A tied embedding is also the lm_head: kept too, its lookups dequantize their rows.
+    assert quantized(model.embed_tokens).kinds == [qtype] and model.embed_tokens.numel() == 0
+    assert f"quantized matmul weights kept as the GGUF file's blocks (9 {qtype})" in caplog.text
+    assert f"({block_dot_isa()}), longer ones by the weights dequantized" in caplog.text
+
+
+def _q4_k_m(name: str) -> Q:
+    """llama.cpp's Q4_K_M mix, as it falls on the tiny model (llama-quantize on SmolLM2 writes
+    the same kinds): Q4_K, v and down in Q6_K, the embedding in Q8_0, and layer 1's q and k in
+    Q5_0 (llama.cpp's fallback for rows that are no multiple of 256)."""
+    if "v_proj" in name or "down_proj" in name:
+        return Q.Q6_K
+    if "embed_tokens" in name:
+        return Q.Q8_0
+    if "layers.1." in name and ("q_proj" in name or "k_proj" in name):
+        return Q.Q5_0
+    return Q.Q4_K
+
+
+@needs_block_dot
+def test_a_q4_k_m_model_keeps_its_k_quants_and_mixed_fused_weights(tmp_path, caplog):
+    """Rows of 256 values (K-quants need whole super-blocks)."""
+    config, weights = _tiny_llama(tmp_path, hidden=256, initializer_range=0.15)
+    path = write_gguf_like_llama_cpp(
+        tmp_path / "tiny.Q4_K_M.gguf", config, weights, tensor_type=_q4_k_m
+    )
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        kept, _ = _kept_and_dense(path, "float32")
+    layers = kept.engine.core.worker.model.layers
+    kinds = [
+        [quantized(p).kinds for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        for layer in layers
+    ]  # fmt: skip
+    assert kinds == [
+        [["Q4_K", "Q6_K"], ["Q4_K"], ["Q4_K"], ["Q6_K"]],
+        [["Q5_0", "Q6_K"], ["Q4_K"], ["Q4_K"], ["Q6_K"]],
+    ]
+    assert "blocks (5 Q4_K, 1 Q5_0, 4 Q6_K, 1 Q8_0)" in caplog.text
 
 
 @needs_block_dot
