@@ -9,8 +9,9 @@ GGUF file's path: a Q4_K_M one, say), in `--dtype` (float32 or bfloat16):
 
 matmul: the model's own weights (30 layers' q/k/v, o, gate/up, down and the lm_head), each
 multiplied once by a [rows, K] activation, as one decode step of `rows` sequences does: the block
-dot products (kernels/csrc/cpu_gguf.cpp), the weights dequantized per step and multiplied dense,
-what `BlockWeight.linear` picks, and the dense weights of the dtype (packed for oneDNN where the
+dot products (kernels/csrc/cpu_gguf.cpp), in bfloat16 with AMX the AMX tiles of weights
+dequantized in cache, the weights dequantized per step and multiplied dense, what
+`BlockWeight.linear` picks, and the dense weights of the dtype (packed for oneDNN where the
 CPU lets it: `dense_packed`; else F.linear, as the engine does there), side by side,
 milliseconds per step.
 
@@ -38,6 +39,7 @@ from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.models.quantized_linear import (
     BlockWeight,
     QuantizedRows,
+    amx_tiles,
     block_dot_isa,
     block_ops,
 )
@@ -91,16 +93,19 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
         param = torch.nn.Parameter(weight.dequantize(dtype), requires_grad=False)
         packed = pack(param)  # False for bf16 on AVX2-only CPUs: oneDNN has no bf16 kernels
         dense.append(param)
-    block_linear = block_ops().gguf_block_linear
+    # Each kept route by its op (x, blocks, qtype, out), over every part of every weight.
+    routes = {"block_dot_ms": block_ops().gguf_block_linear} if block_dot_isa() else {}
+    if dtype == torch.bfloat16 and amx_tiles():
+        routes["amx_ms"] = block_ops().gguf_amx_linear
     results = []
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k).to(dtype) for k in {w.in_features for w in kept}}
         outputs = {id(p): torch.empty(rows, p.shape[0], dtype=dtype) for w in kept for p in w.parts}
         record = {"dtype": args.dtype, "rows": rows, "weights": len(kept)}
-        if block_dot_isa():
-            record["block_dot_ms"] = _time(
-                lambda inputs=inputs, outputs=outputs: [
-                    block_linear(inputs[w.in_features], p.blocks, int(p.qtype), outputs[id(p)])
+        for key, op in routes.items():
+            record[key] = _time(
+                lambda inputs=inputs, outputs=outputs, op=op: [
+                    op(inputs[w.in_features], p.blocks, int(p.qtype), outputs[id(p)])
                     for w in kept
                     for p in w.parts
                 ],

@@ -11,9 +11,13 @@ their memory is the file's size), and the matmuls read them directly
 - steps of few rows (`BLOCK_DOT_MAX_ROWS` by dtype): the activations are quantized per block of
   32 to int8, as llama.cpp does, and each block's product is an integer dot product (AVX-VNNI /
   AVX512-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`);
-- steps of more rows (prefill): each weight is dequantized into a scratch buffer, a slab of rows
-  at a time, and multiplied by oneDNN / MKL as a dense weight: past the crossover the dense GEMM's
-  speed outweighs dequantizing (measured: BENCHMARKS.md, "Quantized weights on every x86 CPU").
+- steps of more rows in bfloat16 on CPUs with AMX (a native build): each tile of 16 weight rows
+  is dequantized in the core's caches and multiplied by AMX's bf16 tiles (`AMX_MAX_ROWS`), so the
+  weights are read once per step as blocks;
+- other steps of more rows (prefill): each weight is dequantized into a scratch buffer, a slab of
+  rows at a time, and multiplied by oneDNN / MKL as a dense weight: past the crossover the dense
+  GEMM's speed outweighs dequantizing (measured: BENCHMARKS.md, "Quantized weights on every x86
+  CPU").
 
 A fused weight (q/k/v, gate/up) whose parts come in different block types (llama.cpp's Q4_K_M
 files store some layers' v in Q8_0 beside q and k in Q5_0) keeps each run of one type as a part
@@ -46,6 +50,10 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # GEMM: where the two cross on the 2-core dev VMs, by activation dtype (BENCHMARKS.md, "Quantized
 # weights on every x86 CPU").
 BLOCK_DOT_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 32}
+# With AMX, bfloat16 steps of more than AMX_MIN_ROWS and up to AMX_MAX_ROWS rows take the AMX
+# tiles (where they beat the block dot products and the dense route: BENCHMARKS.md).
+AMX_MIN_ROWS = 6
+AMX_MAX_ROWS = 512
 # The dense route dequantizes a weight in slabs of at most this many bytes (a tied embedding of
 # 49152 x 576 would otherwise need 113 MB of float32 at once).
 SCRATCH_BYTES = 8 << 20
@@ -128,6 +136,14 @@ def block_dot_isa() -> str:
 
 
 @functools.cache
+def amx_tiles() -> bool:
+    """Whether bfloat16 steps of several rows multiply by AMX tiles here: the block matmuls run
+    (`block_dot_isa`) and the library was built with AMX (natively, on a CPU with AMX-BF16) and
+    Linux granted the process the tiles."""
+    return bool(block_dot_isa()) and bool(block_ops().amx_available())
+
+
+@functools.cache
 def block_ops():
     """The kernel library's ops, loaded on first use (`kernels/cpu_ops.py`)."""
     from pagedserve.kernels import cpu_ops
@@ -176,16 +192,21 @@ class BlockWeight:
         if x.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"quantized weights multiply float32 or bfloat16, got {x.dtype}")
         x = x.contiguous()
-        if x.shape[0] <= BLOCK_DOT_MAX_ROWS[x.dtype] and block_dot_isa():
-            y = x.new_empty(x.shape[0], self.out_features)
-            ops = block_ops()
-            for part, start in zip(self.parts, self._starts, strict=True):
-                ops.gguf_block_linear(
-                    x, part.blocks, int(part.qtype), y[:, start : start + part.shape[0]]
-                )
+        rows = x.shape[0]
+        if x.dtype == torch.bfloat16 and AMX_MIN_ROWS < rows <= AMX_MAX_ROWS and amx_tiles():
+            y = self._by_parts(x, block_ops().gguf_amx_linear)
+        elif rows <= BLOCK_DOT_MAX_ROWS[x.dtype] and block_dot_isa():
+            y = self._by_parts(x, block_ops().gguf_block_linear)
         else:
             y = self._dense_linear(x)
         return y if bias is None else y.add_(bias)
+
+    def _by_parts(self, x: torch.Tensor, op) -> torch.Tensor:
+        """x @ W^T by `op` (x, blocks, qtype, out), each part into its own columns."""
+        y = x.new_empty(x.shape[0], self.out_features)
+        for part, start in zip(self.parts, self._starts, strict=True):
+            op(x, part.blocks, int(part.qtype), y[:, start : start + part.shape[0]])
+        return y
 
     def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the weight dequantized, a slab of rows at a time."""
@@ -247,12 +268,21 @@ def describe(weights: list[BlockWeight], dtype: torch.dtype) -> str:
     dense = sum(weight_bytes(w.out_features, w.in_features, dtype) for w in weights)
     parts = [kind for w in weights for kind in w.kinds]
     counts = ", ".join(f"{parts.count(kind)} {kind}" for kind in sorted(set(parts)))
+    if dtype == torch.bfloat16 and amx_tiles():
+        routes = (
+            f"steps of up to {AMX_MIN_ROWS} rows multiply by the blocks ({block_dot_isa()}), up "
+            f"to {AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer ones "
+            "by the weights dequantized"
+        )
+    else:
+        routes = (
+            f"steps of up to {BLOCK_DOT_MAX_ROWS[dtype]} rows multiply by the blocks "
+            f"({block_dot_isa()}), longer ones by the weights dequantized"
+        )
     return (
         f"quantized matmul weights kept as the GGUF file's blocks ({counts}): "
         f"{kept / 2**20:.1f} MiB instead of {dense / 2**20:.1f} MiB in "
-        f"{str(dtype).removeprefix('torch.')} ({dense / max(kept, 1):.1f}x less); steps of up to "
-        f"{BLOCK_DOT_MAX_ROWS[dtype]} rows multiply by the blocks ({block_dot_isa()}), longer "
-        "ones by the weights dequantized"
+        f"{str(dtype).removeprefix('torch.')} ({dense / max(kept, 1):.1f}x less); {routes}"
     )
 
 

@@ -25,6 +25,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -439,19 +441,33 @@ inline void store8(c10::BFloat16* o, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(o), halves);
 }
 
-// Block b's 32 values (w = d * code + m, per half block for Q6_K) of one row; `scales` the
+#if defined(__AVX512F__)
+// 16 floats stored as float32, or as bfloat16 rounded to nearest even: one instruction with
+// AVX512-BF16 (the same rounding, finite values), else store8's integer rounding per half (the
+// AVX2 builds' code, which their tests cover).
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+inline void store16(c10::BFloat16* o, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  store8(o, _mm512_castps512_ps256(v));
+  store8(o + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#endif
+}
+#endif
+
+// Block b's 32 values (w = d * code + m, per half block of 16 for Q6_K) of one row; `scales` the
 // super-block's for K-quants. The products are exact in float32 (Q6_K's rounded once, as gguf's
-// d * sc * (q - 32) is), so the values are gguf's own.
+// d * sc * (q - 32) is), so the values are gguf's own. AVX-512 builds take a half block per
+// instruction: the AMX path dequantizes every weight tile it multiplies, in the caches, where
+// the instructions are the cost.
 template <int64_t QType, typename T>
 inline void dequantize_block(const uint8_t* row, int64_t b, const float* scales, T* o) {
   const __m256i codes = block_codes<QType>(row, b);
   const int64_t s = b % sub_blocks(QType);
-  __m256 d[2], m[2];
+  float d[2], m[2];  // per half block
   if constexpr (QType == kQ6_K) {
-    for (int h = 0; h < 2; ++h) {
-      d[h] = _mm256_set1_ps(scales[2 * s + h]);
-      m[h] = _mm256_mul_ps(d[h], _mm256_set1_ps(-32.0f));
-    }
+    for (int h = 0; h < 2; ++h) d[h] = scales[2 * s + h], m[h] = -32.0f * d[h];
   } else {
     float pair[4];
     if constexpr (is_k_quant(QType)) {
@@ -461,17 +477,25 @@ inline void dequantize_block(const uint8_t* row, int64_t b, const float* scales,
     } else {
       _mm_storeu_ps(pair, block_pair<QType>(row + b * block_bytes(QType)));
     }
-    d[0] = d[1] = _mm256_set1_ps(pair[0]);
-    m[0] = m[1] = _mm256_set1_ps(pair[1]);
+    d[0] = d[1] = pair[0];
+    m[0] = m[1] = pair[1];
   }
   const __m128i halves[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
   for (int h = 0; h < 2; ++h) {
+#if defined(__AVX512F__)
+    const __m512i wide =
+        QType == kQ8_0 ? _mm512_cvtepi8_epi32(halves[h]) : _mm512_cvtepu8_epi32(halves[h]);
+    store16(o + 16 * h, _mm512_fmadd_ps(_mm512_set1_ps(d[h]), _mm512_cvtepi32_ps(wide),
+                                        _mm512_set1_ps(m[h])));
+#else
     for (int q = 0; q < 2; ++q) {
       const __m128i eight = q == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
       const __m256i wide =
           QType == kQ8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-      store8(o + 16 * h + 8 * q, _mm256_fmadd_ps(d[h], _mm256_cvtepi32_ps(wide), m[h]));
+      store8(o + 16 * h + 8 * q, _mm256_fmadd_ps(_mm256_set1_ps(d[h]), _mm256_cvtepi32_ps(wide),
+                                                 _mm256_set1_ps(m[h])));
     }
+#endif
   }
 }
 
@@ -508,6 +532,193 @@ void with_qtype(int64_t qtype, F&& f) {
   }
 }
 #endif
+
+#if defined(PAGEDSERVE_BLOCK_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDSERVE_AMX 1
+// Steps of more rows in bfloat16 on CPUs with AMX: each tile of 16 weight rows is dequantized
+// into the core's caches (32 KB at K = 1024) and multiplied there by AMX's bf16 tiles, so that
+// the weights are read as blocks once per step and no dequantized weight goes through memory
+// (the dense route writes and reads back every weight in bf16; measured: BENCHMARKS.md).
+//
+// The roles are swapped to fit AMX's layouts without a transpose of the weights: a product tile
+// is out^T, 16 weight rows by 16 activation rows, C += A B with A the weight tile (16 rows x 32
+// values of K, row-major as dequantized) and B 16 activation rows in AMX's pair layout (K / 2
+// rows of 16 (k, k + 1) pairs), which is built once per call. Tiles 0-3 accumulate 4 chunks of
+// 16 activation rows, tile 4 holds the weights, tile 5 the activations.
+
+constexpr int kAmxRows = 16;     // rows of a tile: weight rows, and activation rows per chunk
+constexpr int kAmxChunks = 4;    // activation chunks a weight tile meets per pass (tiles 0-3)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX's tile state only to a process that asks (XTILEDATA, once per process).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// x [m, k] bf16 as AMX B tiles: chunk c (16 rows, zero-padded), block kb -> 16 x 16 pairs.
+std::vector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m, int64_t k) {
+  const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, nblocks = k / kBlock;
+  std::vector<uint32_t> tiles(chunks * nblocks * 256, 0);
+  for (int64_t i = 0; i < m; ++i) {
+    const auto* row = reinterpret_cast<const uint32_t*>(x + i * k);  // (k, k + 1) pairs
+    uint32_t* chunk = tiles.data() + i / kAmxRows * nblocks * 256 + i % kAmxRows;
+    for (int64_t pair = 0; pair < k / 2; ++pair)
+      chunk[pair / 16 * 256 + pair % 16 * kAmxRows] = row[pair];
+  }
+  return tiles;
+}
+
+// Block b of a row as 32 bfloat16 values, gguf's values rounded as dequantize_block rounds
+// them. A block of 4- or 5-bit codes has at most 32 distinct values: they are computed once (d q
+// + m for q = 0..31, in float32, rounded to bf16) and looked up by code (vpermw), half the
+// instructions of converting each value; Q8_0 and Q6_K convert.
+template <int64_t QType>
+inline void dequantize_bf16(const uint8_t* row, int64_t b, const float* scales,
+                            c10::BFloat16* o) {
+  if constexpr (QType == kQ8_0 || QType == kQ6_K) {
+    dequantize_block<QType>(row, b, scales, o);
+  } else {
+    float pair[4];
+    if constexpr (is_k_quant(QType)) {
+      pair[0] = scales[2 * (b % 8)], pair[1] = scales[2 * (b % 8) + 1];
+    } else {
+      _mm_storeu_ps(pair, block_pair<QType>(row + b * block_bytes(QType)));
+    }
+    const __m512 d = _mm512_set1_ps(pair[0]), m = _mm512_set1_ps(pair[1]);
+    const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i table_low = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(d, low, m));
+    __m512i table = _mm512_castsi256_si512(table_low);
+    if constexpr (QType == kQ5_0 || QType == kQ5_1 || QType == kQ5_K) {
+      const __m512 high = _mm512_add_ps(low, _mm512_set1_ps(16.0f));
+      table = _mm512_inserti64x4(table, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(d, high, m)),
+                                 1);
+    }
+    const __m512i codes = _mm512_cvtepu8_epi16(block_codes<QType>(row, b));
+    _mm512_storeu_si512(o, _mm512_permutexvar_epi16(codes, table));
+  }
+}
+
+template <int C>
+inline void tile_pass(const c10::BFloat16* weights, const uint32_t* activations, int64_t nblocks,
+                      float (*products)[kAmxRows * kAmxRows]) {
+  _tile_zero(0);
+  if constexpr (C > 1) _tile_zero(1);
+  if constexpr (C > 2) _tile_zero(2);
+  if constexpr (C > 3) _tile_zero(3);
+  for (int64_t kb = 0; kb < nblocks; ++kb) {
+    _tile_loadd(4, weights + kb * kAmxRows * kBlock, kBlock * 2);
+    const uint32_t* b = activations + kb * 256;
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (C > 1) {
+      _tile_loadd(5, b + nblocks * 256, 64);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (C > 2) {
+      _tile_loadd(5, b + 2 * nblocks * 256, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (C > 3) {
+      _tile_loadd(5, b + 3 * nblocks * 256, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, products[0], 64);
+  if constexpr (C > 1) _tile_stored(1, products[1], 64);
+  if constexpr (C > 2) _tile_stored(2, products[2], 64);
+  if constexpr (C > 3) _tile_stored(3, products[3], 64);
+}
+
+template <int64_t QType>
+void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n,
+                c10::BFloat16* out, int64_t ldo) {
+  const int64_t nblocks = k / kBlock;
+  const int64_t row_bytes = nblocks / sub_blocks(QType) * block_bytes(QType);
+  const int64_t chunks = (m + kAmxRows - 1) / kAmxRows;
+  const std::vector<uint32_t> activations = activation_tiles(x, m, k);
+  const int64_t tiles = (n + kAmxRows - 1) / kAmxRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;
+    for (int t = 0; t < 6; ++t) config.rows[t] = kAmxRows, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+    // The weight tile, block-major: [nblocks][16 rows][32 values].
+    std::vector<c10::BFloat16> weights(nblocks * kAmxRows * kBlock);
+    alignas(64) float products[kAmxChunks][kAmxRows * kAmxRows];
+    float scales[16];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = t * kAmxRows;
+      const int count = static_cast<int>(std::min<int64_t>(kAmxRows, n - first));
+      // The next tile's blocks are fetched while this one is multiplied: 16 rows' streams at
+      // once outrun the hardware prefetcher (as in the block dot products).
+      if (t + 1 < end) {
+        const uint8_t* next = weight + (first + kAmxRows) * row_bytes;
+        const int64_t bytes = std::min<int64_t>(kAmxRows, n - first - kAmxRows) * row_bytes;
+        for (int64_t offset = 0; offset < bytes; offset += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T1);
+      }
+      for (int r = 0; r < kAmxRows; ++r) {
+        c10::BFloat16* dst = weights.data() + r * kBlock;
+        if (r >= count) {  // rows past the weight's last: zeros
+          for (int64_t kb = 0; kb < nblocks; ++kb)
+            std::memset(dst + kb * kAmxRows * kBlock, 0, kBlock * 2);
+          continue;
+        }
+        const uint8_t* row = weight + (first + r) * row_bytes;
+        for (int64_t kb = 0; kb < nblocks; ++kb) {
+          if (is_k_quant(QType) && kb % 8 == 0)
+            super_block_scales<QType>(row + kb / 8 * block_bytes(QType), scales);
+          dequantize_bf16<QType>(row, kb, scales, dst + kb * kAmxRows * kBlock);
+        }
+      }
+      for (int64_t c0 = 0; c0 < chunks; c0 += kAmxChunks) {
+        const int pass = static_cast<int>(std::min<int64_t>(kAmxChunks, chunks - c0));
+        const uint32_t* a = activations.data() + c0 * nblocks * 256;
+        switch (pass) {
+          case 4: tile_pass<4>(weights.data(), a, nblocks, products); break;
+          case 3: tile_pass<3>(weights.data(), a, nblocks, products); break;
+          case 2: tile_pass<2>(weights.data(), a, nblocks, products); break;
+          default: tile_pass<1>(weights.data(), a, nblocks, products); break;
+        }
+        // products[c][r][j]: weight row first + r by activation row (c0 + c) * 16 + j; an
+        // output row's 16 values are a column of the tile (gathered at a stride of 16).
+        const __m512i column = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(kAmxRows));
+        const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+        for (int c = 0; c < pass; ++c)
+          for (int j = 0; j < kAmxRows; ++j) {
+            const int64_t i = (c0 + c) * kAmxRows + j;
+            if (i >= m) break;
+            const __m512 values = _mm512_i32gather_ps(column, products[c] + j, 4);
+            _mm256_mask_storeu_epi16(out + i * ldo + first, valid,
+                                     (__m256i)_mm512_cvtneps_pbh(values));
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool amx_available() {
+#if defined(PAGEDSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // The checks both ops share: weight holds [N, K] values in `qtype`'s blocks; returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype) {
@@ -565,9 +776,32 @@ void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
 #endif
 }
 
+void gguf_amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                     at::Tensor& out) {
+  TORCH_CHECK(amx_available(),
+              "this build or process has no AMX tiles (they need a CPU with AMX-BF16, a native "
+              "build and the kernel's permission)");
+  const auto [n, k] = check_blocks(weight, qtype);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.is_contiguous() &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be contiguous bfloat16 [rows, ", k, "]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
+                  out.stride(1) == 1 && out.stride(0) >= n && out.scalar_type() == at::kBFloat16,
+              "out must be bfloat16 [", x.size(0), ", ", n, "] with contiguous rows");
+#if defined(PAGEDSERVE_AMX)
+  with_qtype(qtype, [&](auto type) {
+    amx_linear<decltype(type)::value>(x.data_ptr<at::BFloat16>(), x.size(0), k,
+                                      weight.data_ptr<uint8_t>(), n,
+                                      out.data_ptr<at::BFloat16>(), out.stride(0));
+  });
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("amx_available() -> bool");
+  m.def("gguf_amx_linear(Tensor x, Tensor weight, int qtype, Tensor(a!) out) -> ()");
   m.def("block_dot_isa() -> str");
   m.def("gguf_block_linear(Tensor x, Tensor weight, int qtype, Tensor(a!) out) -> ()");
   m.def("gguf_block_dequantize(Tensor weight, int qtype, Tensor(a!) out) -> ()");
@@ -576,8 +810,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("gguf_block_linear", &gguf_block_linear);
   m.impl("gguf_block_dequantize", &gguf_block_dequantize);
+  m.impl("gguf_amx_linear", &gguf_amx_linear);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("block_dot_isa", &block_dot_isa);
+  m.impl("amx_available", &amx_available);
 }

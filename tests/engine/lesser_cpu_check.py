@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.engine import EngineConfig
 from pagedserve.engine.models.cpu_linear import can_pack
-from pagedserve.engine.models.quantized_linear import block_dot_isa, keep_quantized
+from pagedserve.engine.models.quantized_linear import amx_tiles, block_dot_isa, keep_quantized
 from pagedserve.kernels import cpu_features, cpu_ops
 
 REPORT_ENV = "PAGEDSERVE_LESSER_CPU_REPORT"
@@ -35,6 +35,7 @@ def test_the_process_decides_as_the_lesser_cpu():
             "path": str(library.path),
         },
         "block_dot_isa": block_dot_isa(),
+        "amx_tiles": amx_tiles(),
         "keeps_gguf_float32": keep_quantized(
             "auto", "gguf", torch.device("cpu"), torch.float32, sharded=False
         ),

@@ -42,6 +42,11 @@ needs_block_dot = pytest.mark.skipif(
     reason="the block matmuls need a C++ compiler and level avx2 or above: this CPU/level has "
     f"{cpu_features.cpu_features().level}",
 )
+needs_amx = pytest.mark.skipif(
+    not ql.amx_tiles(),
+    reason="the AMX route needs a CPU with AMX-BF16 (Intel Xeon of the 4th generation or later) "
+    "and the kernels built natively for it: this machine's build has no AMX",
+)
 
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -156,6 +161,8 @@ def test_block_dot_products_equal_a_float64_product_on_the_quantized_activations
 def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_more(
     dtype, monkeypatch
 ):
+    """Without AMX (the AMX route's own test is below)."""
+    monkeypatch.setattr(ql, "amx_tiles", lambda: False)
     weight = _weight(Q.Q4_1, n=192, k=128)
     bias = torch.randn(192).to(dtype)
     most = ql.BLOCK_DOT_MAX_ROWS[dtype]
@@ -183,7 +190,9 @@ def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_weight_of_parts_of_different_types_multiplies_each_into_its_columns(dtype, monkeypatch):
     """A fused q/k/v as llama.cpp's Q4_K_M files store some layers': q and k in Q5_0 (rows of
-    576 values fall back from Q4_K), v in Q8_0."""
+    576 values fall back from Q4_K), v in Q8_0. The block dot products and the dense route (the
+    AMX route's test below covers parts too)."""
+    monkeypatch.setattr(ql, "amx_tiles", lambda: False)
     q, k, v = (
         gguf_rows(kquants.random_blocks(qtype, n, 64, seed=n), qtype, (n, 64))
         for qtype, n in ((Q.Q5_0, 48), (Q.Q5_0, 16), (Q.Q8_0, 24))
@@ -203,6 +212,53 @@ def test_a_weight_of_parts_of_different_types_multiplies_each_into_its_columns(d
     torch.testing.assert_close(weight.linear(x), dense)
     monkeypatch.setattr(ql, "SCRATCH_BYTES", 10 * 64 * x.element_size())  # slabs of 10 rows
     torch.testing.assert_close(weight.linear(x), dense)
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", ql.KEPT_TYPES)
+def test_amx_tiles_multiply_by_the_weights_dequantized_to_bf16(qtype):
+    k, n = _cols(qtype), 37  # a partial tile of weight rows
+    weight = BlockWeight(gguf_rows(kquants.random_blocks(qtype, n, k, seed=7), qtype, (n, k)))
+    blocks, dense = weight.parts[0].blocks, weight.dequantize(torch.bfloat16)
+    amx_linear = torch.ops.pagedserve_cpu.gguf_amx_linear
+    # Rows of the identity give the weight back exactly (one product each, rounded once): the
+    # tiles hold the values the dense route's dequantizing gives.
+    out = torch.empty(k, n, dtype=torch.bfloat16)
+    amx_linear(torch.eye(k, dtype=torch.bfloat16), blocks, int(qtype), out)
+    assert torch.equal(out, dense.T)
+    for rows in (1, 15, 16, 17, 64, 65, 130):  # partial chunks, passes of 4 chunks and more
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        expected = x.double() @ dense.double().T
+        wide = torch.full((rows, n + 5), 7.0, dtype=torch.bfloat16)
+        amx_linear(x, blocks, int(qtype), wide[:, 2 : 2 + n])  # columns of wider rows
+        # float32 sums of bf16 products, the output rounded to bf16 once.
+        tolerance = expected.abs().max().item() * 2**-8
+        torch.testing.assert_close(wide[:, 2 : 2 + n].double(), expected, rtol=0, atol=tolerance)
+        assert (wide[:, :2] == 7).all() and (wide[:, 2 + n :] == 7).all()
+
+
+@needs_amx
+def test_bf16_linear_takes_the_amx_tiles_between_few_rows_and_long_steps():
+    q4, q8 = _file_weight(Q.Q4_1, n=96, k=128)[0], _file_weight(Q.Q8_0, n=40, k=128)[0]
+    weight = BlockWeight([gguf_rows(q4, Q.Q4_1, (96, 128)), gguf_rows(q8, Q.Q8_0, (40, 128))])
+    dense = weight.dequantize(torch.bfloat16)
+    ops = torch.ops.pagedserve_cpu
+    routes = [
+        (ql.AMX_MIN_ROWS, ops.gguf_block_linear),
+        (ql.AMX_MIN_ROWS + 1, ops.gguf_amx_linear),
+        (ql.AMX_MAX_ROWS, ops.gguf_amx_linear),
+        (ql.AMX_MAX_ROWS + 1, None),  # the dense route
+    ]
+    for rows, op in routes:
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        out = weight.linear(x)
+        if op is None:
+            assert torch.equal(out, F.linear(x, dense))
+            continue
+        expected = torch.empty(rows, 136, dtype=torch.bfloat16)
+        for part, start in ((weight.parts[0], 0), (weight.parts[1], 96)):
+            op(x, part.blocks, int(part.qtype), expected[:, start : start + part.shape[0]])
+        assert torch.equal(out, expected)
 
 
 @needs_block_dot
@@ -354,7 +410,19 @@ def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(tiny_llama, qt
     # A tied embedding is also the lm_head: kept too, its lookups dequantize their rows.
     assert quantized(model.embed_tokens).kinds == [qtype] and model.embed_tokens.numel() == 0
     assert f"quantized matmul weights kept as the GGUF file's blocks (9 {qtype})" in caplog.text
-    assert f"({block_dot_isa()}), longer ones by the weights dequantized" in caplog.text
+    if dtype == "bfloat16" and ql.amx_tiles():
+        routes = (
+            f"steps of up to {ql.AMX_MIN_ROWS} rows multiply by the blocks ({block_dot_isa()}), "
+            f"up to {ql.AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer "
+            "ones by the weights dequantized"
+        )
+    else:
+        rows = ql.BLOCK_DOT_MAX_ROWS[getattr(torch, dtype)]
+        routes = (
+            f"steps of up to {rows} rows multiply by the blocks ({block_dot_isa()}), longer ones "
+            "by the weights dequantized"
+        )
+    assert routes in caplog.text
 
 
 def _q4_k_m(name: str) -> Q:
