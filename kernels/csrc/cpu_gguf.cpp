@@ -170,8 +170,9 @@ inline __m256i fifth_bits(const uint8_t* qh) {
 
 // The 32 codes of block `b` of a row, one byte each in value order: unsigned (0..15, 0..31, 0..63)
 // but Q8_0's, signed. Q4_K's sub-block j is the low (even j) or high (odd j) nibbles of 32 bytes;
-// Q5_K's adds a fifth bit; Q6_K's sub-block s = 4 n + t takes 4 bits of ql[64 n + 32 (t & 1) ...] (low nibbles for t < 2)
-// and bits 2 t, 2 t + 1 of qh[128 + 32 n ...] (ggml's dequantize_row_q6_K).
+// Q5_K's adds a fifth bit; Q6_K's sub-block s = 4 n + t takes 4 bits of ql[64 n + 32 (t & 1) ...]
+// (low nibbles for t < 2) and bits 2 t, 2 t + 1 of qh[128 + 32 n ...] (ggml's
+// dequantize_row_q6_K).
 template <int64_t QType>
 inline __m256i block_codes(const uint8_t* row, int64_t b) {
   const __m256i low4 = _mm256_set1_epi8(15);
@@ -548,7 +549,6 @@ void with_qtype(int64_t qtype, F&& f) {
 // 16 activation rows, tile 4 holds the weights, tile 5 the activations.
 
 constexpr int kAmxRows = 16;     // rows of a tile: weight rows, and activation rows per chunk
-constexpr int kAmxChunks = 4;    // activation chunks a weight tile meets per pass (tiles 0-3)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -567,16 +567,55 @@ bool amx_permitted() {
   return permitted;
 }
 
-// x [m, k] bf16 as AMX B tiles: chunk c (16 rows, zero-padded), block kb -> 16 x 16 pairs.
+// A 16 x 16 tile of 32-bit values (rows `stride` floats apart) as its columns: columns[c][r] =
+// tile[r][c] (4 rounds of shuffles).
+inline void transpose16(const float* tile, int64_t stride, __m512 columns[16]) {
+  __m512 t[16], u[16];
+  for (int r = 0; r < 16; r += 2) {  // lane-wise pairs of rows
+    const __m512 a = _mm512_loadu_ps(tile + r * stride);
+    const __m512 b = _mm512_loadu_ps(tile + (r + 1) * stride);
+    t[r] = _mm512_unpacklo_ps(a, b), t[r + 1] = _mm512_unpackhi_ps(a, b);
+  }
+  for (int g = 0; g < 16; g += 4) {  // lane L of u[g + q]: column 4 L + q of rows g..g+3
+    u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+    u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
+    u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+    u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+  }
+  for (int q = 0; q < 4; ++q) {  // lane L of the 4 row groups side by side: column 4 L + q
+    const __m512 even_lo = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x88);
+    const __m512 odd_lo = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xDD);
+    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xDD);
+    columns[q] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    columns[q + 8] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xDD);
+    columns[q + 4] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    columns[q + 12] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+
+// x [m, k] bf16 as AMX B tiles: chunk c (16 rows, zero-padded), block kb -> 16 x 16 (k, k + 1)
+// pairs, [pair][row]: the transpose of the chunk's [row][pair] (bf16 pairs moved as floats).
 std::vector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m, int64_t k) {
   const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, nblocks = k / kBlock;
-  std::vector<uint32_t> tiles(chunks * nblocks * 256, 0);
-  for (int64_t i = 0; i < m; ++i) {
-    const auto* row = reinterpret_cast<const uint32_t*>(x + i * k);  // (k, k + 1) pairs
-    uint32_t* chunk = tiles.data() + i / kAmxRows * nblocks * 256 + i % kAmxRows;
-    for (int64_t pair = 0; pair < k / 2; ++pair)
-      chunk[pair / 16 * 256 + pair % 16 * kAmxRows] = row[pair];
-  }
+  std::vector<uint32_t> tiles(chunks * nblocks * 256);
+  at::parallel_for(0, chunks * nblocks, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float padded[16 * 16] = {};  // a last chunk's rows, zeros past row m
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t c = index / nblocks, kb = index % nblocks;
+      const int64_t rows = std::min<int64_t>(16, m - 16 * c);
+      const auto* source = reinterpret_cast<const float*>(x + 16 * c * k + kb * kBlock);
+      int64_t stride = k / 2;
+      if (rows < 16) {
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(padded + r * 16, source + r * stride, 64);
+        source = padded, stride = 16;
+      }
+      __m512 columns[16];
+      transpose16(source, stride, columns);
+      auto* tile = reinterpret_cast<float*>(tiles.data() + index * 256);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_ps(tile + p * 16, columns[p]);
+    }
+  });
   return tiles;
 }
 
@@ -610,35 +649,39 @@ inline void dequantize_bf16(const uint8_t* row, int64_t b, const float* scales,
   }
 }
 
-template <int C>
-inline void tile_pass(const c10::BFloat16* weights, const uint32_t* activations, int64_t nblocks,
-                      float (*products)[kAmxRows * kAmxRows]) {
+// One pass over K of WT weight tiles (16 rows each, `weights` + w * tile) by CH activation
+// chunks (16 rows each, `activations` + c * chunk): product tile w * 2 + c in `products`. Tiles
+// 4-5 hold the weights, 6-7 the activations, 0-3 the products: each block's 4 loads feed 4
+// multiplications, and no tile is loaded again while a multiplication may still read it.
+template <int WT, int CH>
+inline void tile_pass(const c10::BFloat16* weights, int64_t tile, const uint32_t* activations,
+                      int64_t chunk, int64_t nblocks, float (*products)[kAmxRows * kAmxRows]) {
   _tile_zero(0);
-  if constexpr (C > 1) _tile_zero(1);
-  if constexpr (C > 2) _tile_zero(2);
-  if constexpr (C > 3) _tile_zero(3);
+  if constexpr (CH > 1) _tile_zero(1);
+  if constexpr (WT > 1) _tile_zero(2);
+  if constexpr (WT > 1 && CH > 1) _tile_zero(3);
   for (int64_t kb = 0; kb < nblocks; ++kb) {
     _tile_loadd(4, weights + kb * kAmxRows * kBlock, kBlock * 2);
-    const uint32_t* b = activations + kb * 256;
-    _tile_loadd(5, b, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (C > 1) {
-      _tile_loadd(5, b + nblocks * 256, 64);
-      _tile_dpbf16ps(1, 4, 5);
-    }
-    if constexpr (C > 2) {
-      _tile_loadd(5, b + 2 * nblocks * 256, 64);
-      _tile_dpbf16ps(2, 4, 5);
-    }
-    if constexpr (C > 3) {
-      _tile_loadd(5, b + 3 * nblocks * 256, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+    if constexpr (WT > 1) _tile_loadd(5, weights + tile + kb * kAmxRows * kBlock, kBlock * 2);
+    _tile_loadd(6, activations + kb * 256, 64);
+    if constexpr (CH > 1) _tile_loadd(7, activations + chunk + kb * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CH > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (WT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (WT > 1 && CH > 1) _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, products[0], 64);
-  if constexpr (C > 1) _tile_stored(1, products[1], 64);
-  if constexpr (C > 2) _tile_stored(2, products[2], 64);
-  if constexpr (C > 3) _tile_stored(3, products[3], 64);
+  if constexpr (CH > 1) _tile_stored(1, products[1], 64);
+  if constexpr (WT > 1) _tile_stored(2, products[2], 64);
+  if constexpr (WT > 1 && CH > 1) _tile_stored(3, products[3], 64);
+}
+
+inline void tile_pass_any(int wt, int ch, const c10::BFloat16* weights, int64_t tile,
+                          const uint32_t* activations, int64_t chunk, int64_t nblocks,
+                          float (*products)[kAmxRows * kAmxRows]) {
+  const auto pass = wt == 2 ? (ch == 2 ? tile_pass<2, 2> : tile_pass<2, 1>)
+                            : (ch == 2 ? tile_pass<1, 2> : tile_pass<1, 1>);
+  pass(weights, tile, activations, chunk, nblocks, products);
 }
 
 template <int64_t QType>
@@ -646,30 +689,33 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
                 c10::BFloat16* out, int64_t ldo) {
   const int64_t nblocks = k / kBlock;
   const int64_t row_bytes = nblocks / sub_blocks(QType) * block_bytes(QType);
-  const int64_t chunks = (m + kAmxRows - 1) / kAmxRows;
+  const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, chunk = nblocks * 256;
   const std::vector<uint32_t> activations = activation_tiles(x, m, k);
-  const int64_t tiles = (n + kAmxRows - 1) / kAmxRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  // Threads take pairs of weight tiles (32 rows), dequantized block-major: [2][nblocks][16][32].
+  const int64_t tile = nblocks * kAmxRows * kBlock;
+  const int64_t pairs = (n + 2 * kAmxRows - 1) / (2 * kAmxRows);
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     TileConfig config;
-    for (int t = 0; t < 6; ++t) config.rows[t] = kAmxRows, config.colsb[t] = 64;
+    for (int t = 0; t < 8; ++t) config.rows[t] = kAmxRows, config.colsb[t] = 64;
     _tile_loadconfig(&config);
-    // The weight tile, block-major: [nblocks][16 rows][32 values].
-    std::vector<c10::BFloat16> weights(nblocks * kAmxRows * kBlock);
-    alignas(64) float products[kAmxChunks][kAmxRows * kAmxRows];
+    std::vector<c10::BFloat16> weights(2 * tile);
+    alignas(64) float products[4][kAmxRows * kAmxRows];
     float scales[16];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = t * kAmxRows;
-      const int count = static_cast<int>(std::min<int64_t>(kAmxRows, n - first));
-      // The next tile's blocks are fetched while this one is multiplied: 16 rows' streams at
+      const int64_t first = t * 2 * kAmxRows;
+      const int count = static_cast<int>(std::min<int64_t>(2 * kAmxRows, n - first));
+      // The next pair's blocks are fetched while this one is multiplied: 32 rows' streams at
       // once outrun the hardware prefetcher (as in the block dot products).
       if (t + 1 < end) {
-        const uint8_t* next = weight + (first + kAmxRows) * row_bytes;
-        const int64_t bytes = std::min<int64_t>(kAmxRows, n - first - kAmxRows) * row_bytes;
+        const uint8_t* next = weight + (first + 2 * kAmxRows) * row_bytes;
+        const int64_t bytes =
+            std::min<int64_t>(2 * kAmxRows, n - first - 2 * kAmxRows) * row_bytes;
         for (int64_t offset = 0; offset < bytes; offset += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T1);
       }
-      for (int r = 0; r < kAmxRows; ++r) {
-        c10::BFloat16* dst = weights.data() + r * kBlock;
+      const int wt = count > kAmxRows ? 2 : 1;
+      for (int r = 0; r < wt * kAmxRows; ++r) {
+        c10::BFloat16* dst = weights.data() + r / kAmxRows * tile + r % kAmxRows * kBlock;
         if (r >= count) {  // rows past the weight's last: zeros
           for (int64_t kb = 0; kb < nblocks; ++kb)
             std::memset(dst + kb * kAmxRows * kBlock, 0, kBlock * 2);
@@ -682,29 +728,26 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
           dequantize_bf16<QType>(row, kb, scales, dst + kb * kAmxRows * kBlock);
         }
       }
-      for (int64_t c0 = 0; c0 < chunks; c0 += kAmxChunks) {
-        const int pass = static_cast<int>(std::min<int64_t>(kAmxChunks, chunks - c0));
-        const uint32_t* a = activations.data() + c0 * nblocks * 256;
-        switch (pass) {
-          case 4: tile_pass<4>(weights.data(), a, nblocks, products); break;
-          case 3: tile_pass<3>(weights.data(), a, nblocks, products); break;
-          case 2: tile_pass<2>(weights.data(), a, nblocks, products); break;
-          default: tile_pass<1>(weights.data(), a, nblocks, products); break;
-        }
-        // products[c][r][j]: weight row first + r by activation row (c0 + c) * 16 + j; an
-        // output row's 16 values are a column of the tile (gathered at a stride of 16).
-        const __m512i column = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(kAmxRows));
-        const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
-        for (int c = 0; c < pass; ++c)
-          for (int j = 0; j < kAmxRows; ++j) {
-            const int64_t i = (c0 + c) * kAmxRows + j;
-            if (i >= m) break;
-            const __m512 values = _mm512_i32gather_ps(column, products[c] + j, 4);
-            _mm256_mask_storeu_epi16(out + i * ldo + first, valid,
-                                     (__m256i)_mm512_cvtneps_pbh(values));
+      for (int64_t c0 = 0; c0 < chunks; c0 += 2) {
+        const int ch = static_cast<int>(std::min<int64_t>(2, chunks - c0));
+        tile_pass_any(wt, ch, weights.data(), tile, activations.data() + c0 * chunk, chunk,
+                            nblocks, products);
+        // Product tile w * 2 + c is out^T: its column j holds weight rows first + 16 w ... by
+        // activation row (c0 + c) * 16 + j.
+        for (int w = 0; w < wt; ++w) {
+          const int rows = std::min(kAmxRows, count - w * kAmxRows);
+          const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1);
+          for (int c = 0; c < ch; ++c) {
+            __m512 columns[16];
+            transpose16(products[w * 2 + c], 16, columns);
+            for (int j = 0; j < kAmxRows; ++j) {
+              const int64_t i = (c0 + c) * kAmxRows + j;
+              if (i >= m) break;
+              _mm256_mask_storeu_epi16(out + i * ldo + first + w * kAmxRows, valid,
+                                       (__m256i)_mm512_cvtneps_pbh(columns[j]));
+            }
           }
+        }
       }
     }
     _tile_release();
