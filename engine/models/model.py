@@ -340,7 +340,8 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else _empty(vocab_rows, config.hidden_size)
         )
-        self._quantized_rows: dict[int, list[tuple[int, QuantizedRows]]] = {}  # load_weights'
+        # load_weights': parameter storage -> (the parameter's view they fill, the rows).
+        self._quantized_rows: dict[int, list[tuple[torch.Tensor, QuantizedRows]]] = {}
 
     def _rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
         if self.local_rotary is not None and layer.self_attn.sliding_window is not None:
@@ -424,16 +425,21 @@ class CausalLM(nn.Module):
         float32 on CPU; see engine/models/cpu_linear.py). Returns the weights kept quantized."""
         kept = []
         for param in self.matmul_weights():
-            rows = self._quantized_rows.pop(param.untyped_storage().data_ptr(), None)
-            if rows is not None and sum(r.shape[0] for _, r in rows) == param.shape[0]:
-                weight = BlockWeight(
-                    QuantizedRows.stack([r for _, r in sorted(rows, key=lambda pr: pr[0])])
-                )
+            rows = self._quantized_rows.pop(param.untyped_storage().data_ptr(), [])
+            # Views of a fused weight (q/k/v, gate/up) start at increasing addresses.
+            rows.sort(key=lambda view_rows: view_rows[0].data_ptr())
+            if rows and sum(r.shape[0] for _, r in rows) == param.shape[0]:
+                weight = BlockWeight(QuantizedRows.stack([r for _, r in rows]))
                 attach(param, weight)
                 kept.append(weight)
                 continue
+            for view, part in rows:  # beside dense parts: dequantized like them
+                view.copy_(part.dequantize())
             if pack_dense:
                 pack(param)
+        for leftover in self._quantized_rows.values():  # weights `linear` does not multiply
+            for view, part in leftover:
+                view.copy_(part.dequantize())
         self._quantized_rows.clear()
         return kept
 
@@ -443,11 +449,11 @@ class CausalLM(nn.Module):
         """Copy Hugging Face-named tensors into the (stacked) parameters; every parameter must be
         written exactly once or a ValueError names what is missing or unexpected. Quantized rows
         (a GGUF file's, engine/models/weights.py `iter_gguf_weights(keep_quantized=True)`) are
-        written dequantized and kept for `prepare_matmul_weights`."""
+        checked like the others and kept for `prepare_matmul_weights`, which writes them
+        dequantized only where it does not keep them: the dense values of a kept weight are never
+        written, so its pages are never touched and the process holds the blocks alone."""
         targets = self._weight_targets()
-        # Parameter storage -> (address of the rows' view, the rows): views of a fused weight
-        # (q/k/v, gate/up) start at increasing addresses, which orders its parts.
-        self._quantized_rows: dict[int, list[tuple[int, QuantizedRows]]] = {}
+        self._quantized_rows = {}
         kv_scales = self._kv_scale_targets()
         shapes = self.config.weight_shapes()
         for name, param in (("model.embed_tokens.weight", self.embed_tokens),
@@ -460,7 +466,7 @@ class CausalLM(nn.Module):
                 continue  # tied: some checkpoints store a copy of the embedding anyway
             rows = tensor if isinstance(tensor, QuantizedRows) else None
             if rows is not None:
-                tensor = rows.dequantize()
+                tensor = torch.empty(rows.shape)  # no pages touched: the shape, for the checks
             if name in kv_scales:
                 if tensor.numel() != 1:
                     raise ValueError(
@@ -484,11 +490,12 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor)
             filled[key] += tensor.numel()
-            if rows is not None:
+            if rows is None:
+                dest.copy_(tensor)
+            else:
                 storage = dest.untyped_storage().data_ptr()
-                self._quantized_rows.setdefault(storage, []).append((dest.data_ptr(), rows))
+                self._quantized_rows.setdefault(storage, []).append((dest, rows))
         missing = [key for key, n in filled.items() if n < math.prod(shapes[key])]
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
