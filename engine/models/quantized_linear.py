@@ -11,9 +11,9 @@ their memory is the file's size), and the matmuls read them directly
 - steps of few rows (`BLOCK_DOT_MAX_ROWS` by dtype): the activations are quantized per block of
   32 to int8, as llama.cpp does, and each block's product is an integer dot product (AVX-VNNI /
   AVX512-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`);
-- steps of more rows in bfloat16 on CPUs with AMX (a native build): each tile of 16 weight rows
-  is dequantized in the core's caches and multiplied by AMX's bf16 tiles (`AMX_MAX_ROWS`), so the
-  weights are read once per step as blocks;
+- steps of more rows in bfloat16 on CPUs with AMX (a native build): tiles of 16 weight rows are
+  dequantized in the core's caches and multiplied by AMX's bf16 tiles (`AMX_MIN_ROWS`,
+  `AMX_MAX_ROWS`), so the weights are read once per step as blocks;
 - other steps of more rows (prefill): each weight is dequantized into a scratch buffer, a slab of
   rows at a time, and multiplied by oneDNN / MKL as a dense weight: past the crossover the dense
   GEMM's speed outweighs dequantizing (measured: BENCHMARKS.md, "Quantized weights on every x86

@@ -537,16 +537,17 @@ void with_qtype(int64_t qtype, F&& f) {
 #if defined(PAGEDSERVE_BLOCK_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDSERVE_AMX 1
-// Steps of more rows in bfloat16 on CPUs with AMX: each tile of 16 weight rows is dequantized
-// into the core's caches (32 KB at K = 1024) and multiplied there by AMX's bf16 tiles, so that
-// the weights are read as blocks once per step and no dequantized weight goes through memory
-// (the dense route writes and reads back every weight in bf16; measured: BENCHMARKS.md).
+// Steps of more rows in bfloat16 on CPUs with AMX: each thread dequantizes a pair of 16-row
+// weight tiles into its core's caches (64 KB at K = 1024) and multiplies them there by AMX's bf16
+// tiles, so that the weights are read as blocks once per step and no dequantized weight goes
+// through memory (the dense route writes and reads back every weight in bf16; measured:
+// BENCHMARKS.md).
 //
 // The roles are swapped to fit AMX's layouts without a transpose of the weights: a product tile
-// is out^T, 16 weight rows by 16 activation rows, C += A B with A the weight tile (16 rows x 32
-// values of K, row-major as dequantized) and B 16 activation rows in AMX's pair layout (K / 2
-// rows of 16 (k, k + 1) pairs), which is built once per call. Tiles 0-3 accumulate 4 chunks of
-// 16 activation rows, tile 4 holds the weights, tile 5 the activations.
+// is out^T, 16 weight rows by 16 activation rows, C += A B with A a weight tile (16 rows x 32
+// values of K, row-major as dequantized) and B a chunk of 16 activation rows in AMX's pair layout
+// (K / 2 rows of 16 (k, k + 1) pairs), built once per call; product tiles are transposed in
+// registers into rows of the output.
 
 constexpr int kAmxRows = 16;     // rows of a tile: weight rows, and activation rows per chunk
 
