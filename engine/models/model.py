@@ -466,7 +466,7 @@ class CausalLM(nn.Module):
                 continue  # tied: some checkpoints store a copy of the embedding anyway
             rows = tensor if isinstance(tensor, QuantizedRows) else None
             if rows is not None:
-                tensor = torch.empty(rows.shape)  # no pages touched: the shape, for the checks
+                tensor = torch.empty(rows.shape, device="meta")  # the shape, for the checks
             if name in kv_scales:
                 if tensor.numel() != 1:
                     raise ValueError(

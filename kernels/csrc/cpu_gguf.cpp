@@ -732,7 +732,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
       for (int64_t c0 = 0; c0 < chunks; c0 += 2) {
         const int ch = static_cast<int>(std::min<int64_t>(2, chunks - c0));
         tile_pass_any(wt, ch, weights.data(), tile, activations.data() + c0 * chunk, chunk,
-                            nblocks, products);
+                      nblocks, products);
         // Product tile w * 2 + c is out^T: its column j holds weight rows first + 16 w ... by
         // activation row (c0 + c) * 16 + j.
         for (int w = 0; w < wt; ++w) {
