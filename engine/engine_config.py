@@ -175,7 +175,8 @@ class EngineConfig(Options):
     )
     enforce_eager: bool = option(
         False,
-        "CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+        "run decode steps layer by layer: on CUDA instead of replaying captured CUDA graphs, on "
+        "CPU instead of one compiled call per step (GGUF weights kept quantized)",
         group="model",
     )
     max_cuda_graph_batch_size: int | None = option(

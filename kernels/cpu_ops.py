@@ -84,8 +84,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_gguf.cpp"))
-HEADERS = (_CSRC / "cpu_math.h",)
+SOURCES = tuple(
+    _CSRC / name
+    for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_gguf.cpp", "cpu_decoder.cpp")
+)
+HEADERS = (_CSRC / "cpu_math.h", _CSRC / "cpu_kernels.h")
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 # What falls back to the torch reference when no library loads (the one warning names them).
 COMPILED_OPS = (

@@ -46,7 +46,8 @@ def test_the_wheel_holds_every_file_of_the_runtime_packages(dists):
     checkout |= {f for f in _checkout_files() if f.startswith("bench/") and f.endswith(".py")}
     assert checkout - installed == set()
     # The files the compiled kernels and the dashboard need, by name (a glob may miss them).
-    for needed in ("kernels/csrc/cpu_math.h", "kernels/csrc/cpu_attention.cpp",
+    for needed in ("kernels/csrc/cpu_math.h", "kernels/csrc/cpu_kernels.h",
+                   "kernels/csrc/cpu_attention.cpp", "kernels/csrc/cpu_decoder.cpp",
                    "server/dashboard.html"):  # fmt: skip
         assert needed in installed
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.engine.models.attention_metadata import AttentionMetadata
+from pagedserve.engine.models.compiled_step import CompiledStep
 from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.parallel import TPGroup, TPShard
@@ -342,6 +343,9 @@ class CausalLM(nn.Module):
         )
         # load_weights': parameter storage -> (the parameter's view they fill, the rows).
         self._quantized_rows: dict[int, list[tuple[torch.Tensor, QuantizedRows]]] = {}
+        # The layers as one compiled call for the steps it takes (engine/models/compiled_step.py),
+        # set by the worker after prepare_matmul_weights where the model allows it.
+        self.compiled_step: CompiledStep | None = None
 
     def _rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
         if self.local_rotary is not None and layer.self_attn.sliding_window is not None:
@@ -356,6 +360,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self._embed(input_ids)
+        if self.compiled_step is not None and self.compiled_step.takes(x, meta, kv_caches):
+            return self.compiled_step(x, positions, kv_caches, meta)
         if self.embed_scale is not None:
             x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None

@@ -156,6 +156,16 @@ def block_ops():
     return torch.ops.pagedserve_cpu
 
 
+def route(rows: int, dtype: torch.dtype) -> str:
+    """How a step of `rows` activation rows in `dtype` multiplies by kept weights here: "amx"
+    (AMX tiles), "blocks" (the blocks' integer dot products) or "dense" (dequantized)."""
+    if dtype == torch.bfloat16 and AMX_MIN_ROWS < rows <= AMX_MAX_ROWS and amx_tiles():
+        return "amx"
+    if rows <= BLOCK_DOT_MAX_ROWS[dtype] and block_dot_isa():
+        return "blocks"
+    return "dense"
+
+
 _scratch: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -192,10 +202,10 @@ class BlockWeight:
         if x.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"quantized weights multiply float32 or bfloat16, got {x.dtype}")
         x = x.contiguous()
-        rows = x.shape[0]
-        if x.dtype == torch.bfloat16 and AMX_MIN_ROWS < rows <= AMX_MAX_ROWS and amx_tiles():
+        way = route(x.shape[0], x.dtype)
+        if way == "amx":
             y = self._by_parts(x, block_ops().gguf_amx_linear)
-        elif rows <= BLOCK_DOT_MAX_ROWS[x.dtype] and block_dot_isa():
+        elif way == "blocks":
             y = self._by_parts(x, block_ops().gguf_block_linear)
         else:
             y = self._dense_linear(x)

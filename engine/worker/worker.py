@@ -22,6 +22,7 @@ from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.lora.slots import LoRAManager
 from pagedserve.engine.models.bert import BertModel, load_bert_model
 from pagedserve.engine.models.bert_config import embedding_pooling
+from pagedserve.engine.models.compiled_step import CompiledStep, unsupported
 from pagedserve.engine.models.cpu_linear import can_pack
 from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
@@ -305,8 +306,17 @@ class Worker:
         model.load_weights(weights)
         model.use_kv_cache_dtype(self.kv_cache_dtype)
         kept = model.prepare_matmul_weights(pack_dense=can_pack(self.device, self.dtype))
-        if kept and self.is_driver:
-            logger.info(describe(kept, self.dtype))
+        if kept:
+            why_not = "--enforce-eager" if self.config.enforce_eager else unsupported(model)
+            model.compiled_step = CompiledStep(model) if why_not is None else None
+            if self.is_driver:
+                logger.info(describe(kept, self.dtype))
+                logger.info(
+                    "decode steps run %s",
+                    "as one compiled call (kernels/csrc/cpu_decoder.cpp)"
+                    if why_not is None
+                    else f"layer by layer ({why_not})",
+                )
         return model.eval()
 
     def _profile_kv_cache_budget(self) -> int:

@@ -27,6 +27,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -249,6 +250,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
 }
 
+}  // namespace
+
+namespace pagedserve_cpu {
+
 // The Python wrapper (`kernels.cpu_ops.paged_attention`) has checked every argument with
 // `kernels.validation`; these checks only guard the raw pointer arithmetic below.
 void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -301,7 +306,7 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   }
 }
 
-}  // namespace
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
@@ -310,4 +315,4 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "int max_q_len, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &pagedserve_cpu::paged_attention); }

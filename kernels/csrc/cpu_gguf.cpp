@@ -43,6 +43,7 @@
 #define PAGEDSERVE_BLOCK_DOT 1
 #endif
 
+#include "cpu_kernels.h"
 #include "cpu_math.h"
 
 namespace {
@@ -777,6 +778,10 @@ std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype
   return {weight.size(0), weight.size(1) / bytes * values};
 }
 
+}  // namespace
+
+namespace pagedserve_cpu {
+
 void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out) {
   TORCH_CHECK(kHasBlockDot, "this build has no GGUF block kernels (they need AVX2, F16C and FMA)");
   const auto [n, k] = check_blocks(weight, qtype);
@@ -841,7 +846,7 @@ void gguf_amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtyp
 #endif
 }
 
-}  // namespace
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("amx_available() -> bool");
@@ -852,9 +857,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
-  m.impl("gguf_block_linear", &gguf_block_linear);
-  m.impl("gguf_block_dequantize", &gguf_block_dequantize);
-  m.impl("gguf_amx_linear", &gguf_amx_linear);
+  m.impl("gguf_block_linear", &pagedserve_cpu::gguf_block_linear);
+  m.impl("gguf_block_dequantize", &pagedserve_cpu::gguf_block_dequantize);
+  m.impl("gguf_amx_linear", &pagedserve_cpu::gguf_amx_linear);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_math.h"
 
 namespace {
@@ -70,6 +71,37 @@ inline void add_row(const T* x, T* residual, int64_t h) {
   for (int64_t i = 0; i < h; ++i) residual[i] = store<T>(load(x[i]) + load(residual[i]));
 }
 
+// silu(gate) = gate * sigmoid(gate), rounded to T, times up, rounded again. sigmoid through
+// e = exp(-|gate|) <= 1 (no overflow): 1 / (1 + e) for gate >= 0, e / (1 + e) below.
+template <typename T>
+inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t inter) {
+#pragma omp simd
+  for (int64_t i = 0; i < inter; ++i) {
+    const float g = load(gate[i]);
+    const float e = exp_nonpositive(-std::fabs(g));
+    const float silu = g * (g >= 0.f ? 1.f : e) / (1.f + e);
+    out[i] = store<T>(round_as<T>(silu) * load(up[i]));
+  }
+}
+
+// x * cos + rot(x) * sin with rot([x1 | x2]) = [-x2 | x1], the tables' values rounded to T first,
+// rot(x) * sin rounded to T, then the sum rounded (the reference's mul_ then addcmul_).
+template <typename T>
+inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = load(x[i]), x2 = load(x[i + half]);
+    const float r1 = round_as<T>(-x2 * load(sin[i]));
+    const float r2 = round_as<T>(x1 * load(sin[i + half]));
+    out[i] = store<T>(r1 + x1 * load(cos[i]));
+    out[i + half] = store<T>(r2 + x2 * load(cos[i + half]));
+  }
+}
+
+}  // namespace
+
+namespace pagedserve_cpu {
+
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset,
               at::Tensor& out) {
   check_rows(x, "x");
@@ -114,19 +146,6 @@ void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   });
 }
 
-// silu(gate) = gate * sigmoid(gate), rounded to T, times up, rounded again. sigmoid through
-// e = exp(-|gate|) <= 1 (no overflow): 1 / (1 + e) for gate >= 0, e / (1 + e) below.
-template <typename T>
-inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t inter) {
-#pragma omp simd
-  for (int64_t i = 0; i < inter; ++i) {
-    const float g = load(gate[i]);
-    const float e = exp_nonpositive(-std::fabs(g));
-    const float silu = g * (g >= 0.f ? 1.f : e) / (1.f + e);
-    out[i] = store<T>(round_as<T>(silu) * load(up[i]));
-  }
-}
-
 void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "gate_up");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
@@ -141,20 +160,6 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
         silu_and_mul_row(gp + r * stride, gp + r * stride + inter, op + r * inter, inter);
     });
   });
-}
-
-// x * cos + rot(x) * sin with rot([x1 | x2]) = [-x2 | x1], the tables' values rounded to T first,
-// rot(x) * sin rounded to T, then the sum rounded (the reference's mul_ then addcmul_).
-template <typename T>
-inline void rotate_head(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = load(x[i]), x2 = load(x[i + half]);
-    const float r1 = round_as<T>(-x2 * load(sin[i]));
-    const float r2 = round_as<T>(x1 * load(sin[i + half]));
-    out[i] = store<T>(r1 + x1 * load(cos[i]));
-    out[i + half] = store<T>(r2 + x2 * load(cos[i + half]));
-  }
 }
 
 void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
@@ -234,7 +239,7 @@ void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
   });
 }
 
-}  // namespace
+}  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset, Tensor(a!) out) -> ()");
@@ -249,8 +254,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_and_cache", &rotary_and_cache);
+  m.impl("rms_norm", &pagedserve_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &pagedserve_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &pagedserve_cpu::silu_and_mul);
+  m.impl("rotary_and_cache", &pagedserve_cpu::rotary_and_cache);
 }

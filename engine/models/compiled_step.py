@@ -1,0 +1,115 @@
+"""The decoder's steps of few new tokens per sequence as one compiled call, on CPU.
+
+A decode step of one stream on CPU is some 450 small ops dispatched from Python; on the 2-core dev
+VM the gaps between them took as long as the ops and slowed the matmuls themselves, whose weights
+went cold in the caches meanwhile (BENCHMARKS.md, "The decode step as one call"). For the models
+and steps below, `CausalLM.forward` hands all its layers to one C++ call instead
+(`kernels/csrc/cpu_decoder.cpp`): the same kernels, in the same order, on the same values, so the
+hidden states are the Python path's bit for bit (tests/engine/test_compiled_step.py).
+
+Models: the Llama family's layers (Llama, SmolLM2, Mistral, Qwen2 with its q/k/v bias, Phi-3) with
+every layer's matmul weights kept as a GGUF file's blocks (engine/models/quantized_linear.py), the
+compiled CPU backend, one process (no tensor parallelism). Gemma's norms, per-head q/k norms,
+soft-capping and mixtures of experts stay on the Python path, as does a model with dense weights.
+
+Steps: every sequence brings at most `KERNEL_MAX_NEW_TOKENS` new tokens (decodes, speculative
+verifies) and the step's rows take the blocks' dot products or the AMX tiles
+(`quantized_linear.route`); other steps (prefills), and steps with LoRA adapters attached or an
+fp8 KV cache, run layer by layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.engine.models.attention_metadata import AttentionMetadata
+from pagedserve.engine.models.quantized_linear import BlockWeight, quantized, route
+from pagedserve.kernels import cpu_ops
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def unsupported(model) -> str | None:
+    """Why `model` (a CausalLM) cannot run its steps compiled, or None where it can."""
+    from pagedserve.engine.models.model import MLP
+
+    config = model.config
+    first = model.layers[0].self_attn if len(model.layers) else None
+    reasons = {
+        "the model has no layers": first is None,
+        "the compiled CPU backend is not the model's": first is not None
+        and first.ops is not cpu_ops,
+        "the CPU kernels did not load": not cpu_ops.available(),
+        "tensor parallelism": model.tp is not None,
+        "Gemma's norms": config.is_gemma,
+        "per-head q/k norms": config.qk_norm,
+        "soft-capped attention": config.attn_logit_softcapping is not None,
+        f"the {config.hidden_act} activation": config.hidden_act != "silu",
+        "an fp8 KV cache": first is not None and bool(first.kv_scales),
+        "a mixture of experts": any(not isinstance(layer.mlp, MLP) for layer in model.layers),
+    }
+    found = [reason for reason, applies in reasons.items() if applies]
+    if found:
+        return ", ".join(found)
+    for layer in model.layers:
+        weights = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_up_proj, layer.mlp.down_proj)  # fmt: skip
+        if any(quantized(w) is None for w in weights):
+            return "matmul weights not kept as GGUF blocks"
+    return None
+
+
+def _parts(weight: BlockWeight) -> tuple[list[torch.Tensor], list[int]]:
+    return [p.blocks for p in weight.parts], [int(p.qtype) for p in weight.parts]
+
+
+class CompiledStep:
+    """A CausalLM's layers and final norm as one `torch.classes.pagedserve_cpu.DecoderLayers`;
+    `takes` says whether a step can run there, calling it runs the step."""
+
+    def __init__(self, model) -> None:
+        config = model.config
+        first = model.layers[0].self_attn
+        self._first = first
+        self._layers = torch.classes.pagedserve_cpu.DecoderLayers(
+            first.num_heads, first.num_kv_heads, first.head_dim, config.rms_norm_eps,
+            first.scale, model.norm.weight,
+        )  # fmt: skip
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            rotary = model._rotary_of(layer)
+            self._layers.add_layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                *_parts(quantized(attn.qkv_proj)), attn.qkv_bias,
+                *_parts(quantized(attn.o_proj)), *_parts(quantized(mlp.gate_up_proj)),
+                *_parts(quantized(mlp.down_proj)), rotary.cos, rotary.sin,
+                attn.sliding_window or 0, attn.kv_group,
+            )  # fmt: skip
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
+        """Whether this step runs compiled: its rows take the kept weights' block routes, no
+        sequence brings more than KERNEL_MAX_NEW_TOKENS tokens, no LoRA adapter is attached, and
+        the cache holds the activations' dtype."""
+        if route(x.shape[0], x.dtype) == "dense" or self._first.qkv_lora is not None:
+            return False
+        if self._first.calibrate_dtype is not None or kv_caches[0][0].dtype != x.dtype:
+            return False
+        if x.shape[0] == meta.seq_lens.shape[0]:  # one new token each: a decode step
+            return True
+        starts = meta.query_start_loc
+        return int((starts[1:] - starts[:-1]).max()) <= cpu_ops.KERNEL_MAX_NEW_TOKENS
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final normed hidden states of the step's tokens, `x` their embeddings (overwritten:
+        the residual stream)."""
+        return self._layers.forward(
+            x.contiguous(), positions.contiguous(), [k for k, _ in kv_caches],
+            [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, route(x.shape[0], x.dtype) == "amx",
+        )  # fmt: skip

@@ -1,0 +1,40 @@
+// The entry points of pagedserve's CPU kernels, as the torch ops `pagedserve_cpu::<name>` run them
+// (each source registers its own) and as the compiled decoder step (cpu_decoder.cpp) calls them
+// directly, without a trip through Python or the dispatcher. Each is defined, with its contract,
+// in the source named beside it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace pagedserve_cpu {
+
+// cpu_attention.cpp: `kernels.reference.paged_attention` for sequences of up to max_q_len new
+// tokens (0: all); sliding_window 0 and softcap 0 mean none.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                     double softcap, int64_t max_q_len, at::Tensor out);
+
+// cpu_layer_ops.cpp: the reference's rms_norm, fused_add_rms_norm, silu_and_mul and
+// rotary_and_cache, writing into the given outputs.
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset,
+              at::Tensor& out);
+void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps, bool unit_offset, at::Tensor& out);
+void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out);
+void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
+                      const at::Tensor& cos_table, const at::Tensor& sin_table,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor& q);
+
+// cpu_gguf.cpp: out (rows may be strided) = x @ W^T for W a GGUF file's blocks of `qtype`, by
+// integer dot products of the blocks (block_linear) or by AMX bf16 tiles (amx_linear).
+void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                       at::Tensor& out);
+void gguf_amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
+                     at::Tensor& out);
+void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out);
+
+}  // namespace pagedserve_cpu

@@ -1,0 +1,187 @@
+"""The decode step as one compiled call (engine/models/compiled_step.py,
+kernels/csrc/cpu_decoder.cpp): for the models it takes, its steps give exactly the layer-by-layer
+path's values (it runs the same kernels in the same order), and the models and steps it does not
+take run layer by layer, with the start-up log saying why."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import pytest
+import torch
+
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.models import compiled_step
+from pagedserve.engine.models.compiled_step import CompiledStep
+from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.kernels import cpu_ops
+from tests.engine.test_quantized_linear import _q4_k_m, _tiny_llama, needs_block_dot
+from tests.families import COMMON, build_family
+from tests.gguf_writer import write_gguf_like_llama_cpp
+
+Q = gguf.GGMLQuantizationType
+pytestmark = needs_block_dot
+
+# 1 to 30 prompt tokens; the last repeats itself, so that n-gram speculation drafts for it.
+PROMPTS = [[5], [7, 8, 9, 10, 11], list(range(20, 33)), [40, 41, 42, 43] * 7 + [40, 41]]
+COMPILED_LOG = "decode steps run as one compiled call (kernels/csrc/cpu_decoder.cpp)"
+
+
+def _qwen2(folder) -> tuple[ModelConfig, dict]:
+    """A tiny Qwen2: q/k/v with biases."""
+    import transformers
+
+    config = transformers.Qwen2Config(**{**COMMON, "hidden_size": 64, "head_dim": 16})
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    hf.save_pretrained(folder)
+    return ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+
+
+def _phi3(folder) -> tuple[ModelConfig, dict]:
+    """tests/families.py's Phi-3: fused q/k/v and gate/up, longrope, and a sliding window of 8
+    tokens, which the 13- and 30-token prompts cross."""
+    hf = build_family("phi3", folder)
+    return ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+
+
+def _gguf(tmp_path, family: str, tensor_type) -> str:
+    folder = tmp_path / family
+    folder.mkdir()
+    if family == "llama":
+        config, weights = _tiny_llama(folder, hidden=64, initializer_range=0.3)
+    elif family == "llama_256":  # rows of 256 values: K-quant blocks
+        config, weights = _tiny_llama(folder, hidden=256, initializer_range=0.15)
+    elif family == "qwen2":
+        config, weights = _qwen2(folder)
+    else:
+        config, weights = _phi3(folder)
+    return str(write_gguf_like_llama_cpp(folder / "m.gguf", config, weights,
+                                         tensor_type=tensor_type))  # fmt: skip
+
+
+def _llm(path: str, dtype: str, **kwargs) -> LLM:
+    return LLM(
+        path, device="cpu", dtype=dtype, quantization="gguf", num_kv_blocks=128, block_size=4,
+        max_model_len=64, max_num_batched_tokens=64, **kwargs,
+    )  # fmt: skip
+
+
+def _run(llm: LLM, prompts: list[list[int]], logprobs: int | None) -> list:
+    """Each prompt's greedy tokens and, with `logprobs`, their top logprobs (token, logprob,
+    rank) per position."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=logprobs)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [sorted((t, lp.logprob, lp.rank) for t, lp in step.items())
+             for step in o.outputs[0].logprobs or []],
+        )
+        for o in llm.generate(prompts, params)
+    ]  # fmt: skip
+
+
+def _mixed_q4_k_m(name: str) -> Q:
+    """llama.cpp's Q4_K_M mix without test_quantized_linear's F32 part: q/k/v of Q4_K and Q6_K
+    parts, gate/up of Q5_0 in layer 1."""
+    kind = _q4_k_m(name)
+    return Q.Q4_K if kind == Q.F32 else kind
+
+
+CASES = {
+    "llama Q4_1 float32": ("llama", Q.Q4_1, "float32", {}, PROMPTS),
+    "llama Q8_0 bfloat16": ("llama", Q.Q8_0, "bfloat16", {}, PROMPTS),
+    # Steps of 8 rows: the AMX tiles where the CPU has them (quantized_linear.route).
+    "llama Q4_1 bfloat16, 8 sequences": ("llama", Q.Q4_1, "bfloat16", {}, PROMPTS * 2),
+    "llama Q4_K_M mix float32": ("llama_256", _mixed_q4_k_m, "float32", {}, PROMPTS),
+    "qwen2 q/k/v bias Q8_0 float32": ("qwen2", Q.Q8_0, "float32", {}, PROMPTS),
+    "phi3 window Q8_0 bfloat16": ("phi3", Q.Q8_0, "bfloat16", {}, PROMPTS),
+    "llama Q8_0 float32, n-gram verify steps": ("llama", Q.Q8_0, "float32",
+                                                {"speculative_ngram": 3}, PROMPTS),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_steps_equal_the_layer_by_layer_steps_exactly(case, tmp_path, caplog, monkeypatch):
+    """Greedy tokens and their logprobs, decoding sequences of 1 to 30 prompt tokens together
+    (steps of 4 or 8 rows, speculative verify steps of up to 4 tokens per sequence): equal to the
+    last bit with --enforce-eager, which runs the same steps layer by layer."""
+    family, tensor_type, dtype, options, prompts = CASES[case]
+    path = _gguf(tmp_path, family, tensor_type)
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        eager = _llm(path, dtype, enforce_eager=True, **options)
+    assert "decode steps run layer by layer (--enforce-eager)" in caplog.text
+    assert eager.engine.core.worker.model.compiled_step is None
+    # Requests with logprobs get no speculative drafts: those cases compare the tokens alone.
+    logprobs = None if "speculative_ngram" in options else 3
+    expected = _run(eager, prompts, logprobs)
+    del eager
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        llm = _llm(path, dtype, **options)
+    assert COMPILED_LOG in caplog.text
+    calls = []
+    real_call = CompiledStep.__call__
+
+    def counted(self, x, *args):
+        calls.append(x.shape[0])
+        return real_call(self, x, *args)
+
+    monkeypatch.setattr(CompiledStep, "__call__", counted)
+    assert _run(llm, prompts, logprobs) == expected
+    # Every step after the prompts' (one prefill step) ran compiled: 11 steps of a row per
+    # sequence, or verify steps of up to 4 tokens per sequence.
+    if "speculative_ngram" in options:
+        assert len(calls) >= 1 and max(calls) > 4 and all(n <= 16 for n in calls)
+    else:
+        assert calls == [len(prompts)] * 11
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_steps_it_does_not_take_run_layer_by_layer(tmp_path):
+    llm = _llm(_gguf(tmp_path, "llama", Q.Q8_0), "float32")
+    step = llm.engine.core.worker.model.compiled_step
+    kv_caches = llm.engine.core.worker.runner.kv_caches
+    hidden = 64
+
+    def meta(lengths: list[int]):
+        starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        return compiled_step.AttentionMetadata(
+            slot_mapping=torch.zeros(1, sum(lengths), dtype=torch.int64),
+            block_tables=torch.zeros(1, len(lengths), 4, dtype=torch.int32),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32) + 3,
+            query_start_loc=starts,
+        )
+
+    def takes(lengths: list[int], dtype=torch.float32) -> bool:
+        return step.takes(torch.zeros(sum(lengths), hidden, dtype=dtype), meta(lengths), kv_caches)
+
+    assert takes([1, 1, 1]) and takes([4, 1, 2])
+    assert not takes([cpu_ops.KERNEL_MAX_NEW_TOKENS + 1, 1])  # a prefill in the step
+    assert not takes([1] * 33)  # float32 steps of more than 32 rows multiply dequantized weights
+    assert not takes([1, 1], torch.bfloat16)  # the cache holds float32
+    step._first.qkv_lora = object()  # a LoRA adapter's delta on the layers
+    assert not takes([1, 1])
+
+
+def test_models_it_does_not_take_say_why(tmp_path, caplog):
+    path = _gguf(tmp_path, "llama_256", _q4_k_m)  # layer 1's q/k/v has an F32 part: dense
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        llm = _llm(path, "float32")
+    assert "decode steps run layer by layer (matmul weights not kept as GGUF blocks)" in caplog.text
+    assert llm.engine.core.worker.model.compiled_step is None
+
+    folder = tmp_path / "gemma2"
+    hf = build_family("gemma2", folder, query_pre_attn_scalar=COMMON["head_dim"])
+    config = ModelConfig.from_json_file(folder / "config.json")
+    path = write_gguf_like_llama_cpp(folder / "m.gguf", config, hf.state_dict(),
+                                     tensor_type=Q.Q8_0)  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        llm = _llm(str(path), "float32")
+    assert (
+        "decode steps run layer by layer (Gemma's norms, soft-capped attention, the "
+        "gelu_pytorch_tanh activation)" in caplog.text
+    )
