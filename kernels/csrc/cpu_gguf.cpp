@@ -269,8 +269,11 @@ struct QuantizedActivations {
 };
 
 // How far ahead of the block it reads each weight row's stream is fetched: one stream per tile
-// row outruns the hardware prefetcher (measured: BENCHMARKS.md).
-constexpr int kPrefetchBytes = 512;
+// row outruns the hardware prefetcher, and a step of few rows is bound by how many bytes are in
+// flight from memory (about bandwidth x latency: 4 KiB on the dev VMs). 4 KiB made a decode step
+// of one stream, lm_head included, 1.6x faster than 512 bytes did (BENCHMARKS.md, "The decode
+// step as one call").
+constexpr int kPrefetchBytes = 4096;
 
 // RW weight rows (`rows[r]`) by RX activation rows (from row `first`): out[r * RX + j] = the
 // dot product of weight row r and activation row j. Each block's weight codes are expanded once
