@@ -17,7 +17,9 @@ milliseconds per step.
 
 step: decode steps of the engine with each kind of weights (`--batch` sequences of 8 prompt
 tokens, 64 new tokens each, so nearly every step decodes all of them): milliseconds per step in
-the layers' matmuls, the lm_head, paged attention and the rest.
+the layers' matmuls, the lm_head, paged attention and the rest, run layer by layer
+(`--enforce-eager`); and for the kept weights also as one compiled call per step
+(engine/models/compiled_step.py), whose time is `compiled_ms` (layers, attention and all).
 
 agreement: greedy continuations of both models for the same prompts: how many are identical,
 their common prefix, and teacher-forced top-1 agreement (at each position of the dequantized
@@ -144,19 +146,22 @@ def _timed(fn, spent: dict[str, float], part_of):
 def step_part(args: argparse.Namespace) -> list[dict]:
     from pagedserve.engine import LLM, SamplingParams
     from pagedserve.engine.models import model as engine_model
+    from pagedserve.engine.models.compiled_step import CompiledStep
     from pagedserve.kernels import cpu_ops
 
     results = []
-    for quantization in ("gguf", "none"):
-        llm = LLM(args.model, quantization=quantization, dtype=args.dtype)
+    for quantization, eager in (("gguf", False), ("gguf", True), ("none", True)):
+        llm = LLM(args.model, quantization=quantization, dtype=args.dtype, enforce_eager=eager)
         lm_head = llm.engine.core.worker.model.matmul_weights()[-1]
-        spent = dict.fromkeys(("matmuls", "lm_head", "attention"), 0.0)
+        spent = dict.fromkeys(("matmuls", "lm_head", "attention", "compiled"), 0.0)
         linear_fn, attention_fn = engine_model.linear, cpu_ops.paged_attention
+        compiled_fn = CompiledStep.__call__
 
         engine_model.linear = _timed(
             linear_fn, spent, lambda a, head=lm_head: "lm_head" if a[1] is head else "matmuls"
         )
         cpu_ops.paged_attention = _timed(attention_fn, spent, lambda a: "attention")
+        CompiledStep.__call__ = _timed(compiled_fn, spent, lambda a: "compiled")
         try:
             for batch in args.batch:
                 prompts = [[100 + i + j for j in range(8)] for i in range(batch)]
@@ -167,8 +172,8 @@ def step_part(args: argparse.Namespace) -> list[dict]:
                 start = time.perf_counter()
                 llm.generate(prompts, params)
                 total = (time.perf_counter() - start) * 1e3 / 64
-                record = {"quantization": quantization, "dtype": args.dtype, "batch": batch,
-                          "step_ms": total}  # fmt: skip
+                record = {"quantization": quantization, "eager": eager, "dtype": args.dtype,
+                          "batch": batch, "step_ms": total}  # fmt: skip
                 record.update({f"{k}_ms": v * 1e3 / 64 for k, v in spent.items()})
                 record["rest_ms"] = total - sum(v * 1e3 / 64 for v in spent.values())
                 results.append(record)
@@ -176,6 +181,7 @@ def step_part(args: argparse.Namespace) -> list[dict]:
                                   for k, v in record.items()}), flush=True)  # fmt: skip
         finally:
             engine_model.linear, cpu_ops.paged_attention = linear_fn, attention_fn
+            CompiledStep.__call__ = compiled_fn
     return results
 
 
