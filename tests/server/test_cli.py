@@ -266,7 +266,7 @@ def test_the_help_states_each_default_once_and_right(capsys):
     assert "(default: no cap; `serve` on CPU: 256)" in help_text
     assert EngineConfig(max_num_seqs=4096).step_token_budget == 4096
     assert EngineConfig().step_token_budget == 2048
-    assert "captured CUDA graphs (default: False)" in help_text
+    assert "one compiled call per step (GGUF weights kept quantized) (default: False)" in help_text
 
 
 def test_the_server_options_are_flags_in_their_groups(capsys):
