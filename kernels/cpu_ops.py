@@ -22,7 +22,7 @@ compiler, a source or header missing, a compile error, a damaged library) makes 
 False with one warning saying why: every op here then runs the torch reference, and the engine's
 "auto" backend on CPU is the reference.
 
-The kernel attends to decode sequences and to extends of up to KERNEL_MAX_NEW_TOKENS new tokens;
+The kernel attends to decode sequences, short extends and short prompts (`kernel_attends`);
 longer prefills/extends in the same batch go to the reference's SDPA, one call per sequence,
 because SDPA's GEMMs beat the kernel's dot products there (the kernel computes them correctly too:
 the tests raise the limit). fp8 caches go to the reference (the kernel reads float32, bfloat16 and
@@ -94,14 +94,22 @@ PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 COMPILED_OPS = (
     "paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply and rotary + KV write"
 )
-# Measured on the 2-core dev VM (BENCHMARKS.md): the kernel is 1.6-4x faster than the reference
-# for decode and still even at 4 new tokens over a 1k context; from 8 new tokens over long
-# contexts, and for whole prompts, SDPA is faster.
+# Which sequences the kernel attends to (`kernel_attends`), the others going to the reference's
+# SDPA one call each: decodes and extends of up to KERNEL_MAX_NEW_TOKENS always (1.6-4x faster
+# than SDPA, still even at 4 new tokens over a 1k context), and longer ones while the pairs of
+# (new token, key it sees) stay within KERNEL_MAX_PAIRS for the dtype: a 128-token prompt takes
+# 0.8x SDPA's time in bf16 and 0.5x in float32; SDPA's GEMMs win from about 256 new tokens in
+# bf16 and 512 in float32 (measured on the 2-core dev VMs: BENCHMARKS.md, "CPU attention kernel"
+# and "The decode step as one call").
 KERNEL_MAX_NEW_TOKENS = 4
+KERNEL_MAX_PAIRS = {torch.float32: 65536, torch.bfloat16: 16384, torch.float16: 16384}
 # Every build's flags but the instruction set (`cpu_features.kernel_flags` / `march_flags`).
-# No -ffast-math: the kernel's -inf handling needs IEEE infinities.
+# No -ffast-math: the kernel's -inf handling needs IEEE infinities. 512-bit vectors where the level
+# has them (GCC's loops otherwise stay at 256 bits on AVX-512 CPUs): the bf16 layer ops of a
+# 2048-token prefill took 0.68x the time (BENCHMARKS.md, "The decode step as one call").
 CXX_FLAGS = (
     "-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-fPIC", "-w",
+    "-mprefer-vector-width=512",
 )  # fmt: skip
 
 
@@ -284,6 +292,15 @@ def available() -> bool:
     return loaded() is not None
 
 
+def kernel_attends(q_len: int, seq_len: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel attends to a sequence of `q_len` new tokens, `seq_len` in all, rather
+    than the reference's SDPA (see KERNEL_MAX_PAIRS)."""
+    if q_len <= KERNEL_MAX_NEW_TOKENS:
+        return True
+    pairs = q_len * (seq_len - (q_len - 1) / 2)  # new token i sees seq_len - q_len + i + 1 keys
+    return pairs <= KERNEL_MAX_PAIRS.get(dtype, 0)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -318,14 +335,14 @@ def paged_attention(
     host = torch.cat([seq_lens, query_start_loc]).tolist()
     seq_lens_h, starts = host[:num_seqs], host[num_seqs:]
     q_lens = reference.check_lengths(seq_lens_h, starts, q.shape[0], block_tables, k_cache.shape[1])
-    limit = KERNEL_MAX_NEW_TOKENS
-    if any(n <= limit for n in q_lens):
+    take = [kernel_attends(n, total, q.dtype) for n, total in zip(q_lens, seq_lens_h, strict=True)]
+    if any(take):
         torch.ops.pagedserve_cpu.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
-            sliding_window or 0, softcap or 0.0, limit, out,
+            sliding_window or 0, softcap or 0.0, None if all(take) else torch.tensor(take), out,
         )  # fmt: skip
     for i, n in enumerate(q_lens):
-        if n > limit:
+        if not take[i]:
             rows = slice(starts[i], starts[i + 1])
             reference.paged_attention(
                 q[rows], k_cache, v_cache, block_tables[i : i + 1], seq_lens[i : i + 1],

@@ -12,10 +12,10 @@ every layer's matmul weights kept as a GGUF file's blocks (engine/models/quantiz
 compiled CPU backend, one process (no tensor parallelism). Gemma's norms, per-head q/k norms,
 soft-capping and mixtures of experts stay on the Python path, as does a model with dense weights.
 
-Steps: every sequence brings at most `KERNEL_MAX_NEW_TOKENS` new tokens (decodes, speculative
-verifies) and the step's rows take the blocks' dot products or the AMX tiles
-(`quantized_linear.route`); other steps (prefills), and steps with LoRA adapters attached or an
-fp8 KV cache, run layer by layer.
+Steps: the attention kernel takes every sequence (`cpu_ops.kernel_attends`: decodes, speculative
+verifies, short prompts) and the step's rows take the blocks' dot products or the AMX tiles
+(`quantized_linear.route`); other steps (long prompts), and steps with LoRA adapters attached,
+run layer by layer.
 """
 
 from __future__ import annotations
@@ -87,17 +87,21 @@ class CompiledStep:
             )  # fmt: skip
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
-        """Whether this step runs compiled: its rows take the kept weights' block routes, no
-        sequence brings more than KERNEL_MAX_NEW_TOKENS tokens, no LoRA adapter is attached, and
-        the cache holds the activations' dtype."""
+        """Whether this step runs compiled: its rows take the kept weights' block routes, the
+        attention kernel takes every sequence (`cpu_ops.kernel_attends`: decodes, short extends
+        and short prompts), no LoRA adapter is attached, and the cache holds the activations'
+        dtype."""
         if route(x.shape[0], x.dtype) == "dense" or self._first.qkv_lora is not None:
             return False
         if self._first.calibrate_dtype is not None or kv_caches[0][0].dtype != x.dtype:
             return False
         if x.shape[0] == meta.seq_lens.shape[0]:  # one new token each: a decode step
             return True
-        starts = meta.query_start_loc
-        return int((starts[1:] - starts[:-1]).max()) <= cpu_ops.KERNEL_MAX_NEW_TOKENS
+        starts, totals = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        return all(
+            cpu_ops.kernel_attends(end - start, total, x.dtype)
+            for start, end, total in zip(starts[:-1], starts[1:], totals, strict=True)
+        )
 
     def __call__(
         self,

@@ -15,8 +15,9 @@
 // added to every row's accumulator. The output is rounded to q's dtype once, at the end. head_dim
 // 64 and 128 are compile-time constants, so those loops unroll and vectorize fully.
 //
-// `max_q_len` > 0 leaves sequences with more new tokens to the caller: for long prefills the
-// reference's SDPA (oneDNN GEMMs) is faster than these dot products (BENCHMARKS.md).
+// `take`, when given, names the sequences to attend to (bool [sequences]); the others are left to
+// the caller: for long prefills the reference's SDPA (oneDNN GEMMs) is faster than these dot
+// products (`kernels.cpu_ops.kernel_attends`, BENCHMARKS.md).
 
 // The Tensor class alone, not <ATen/ATen.h> (every op's declaration): each source then compiles
 // in about two thirds of the time, which a user waits through on first start.
@@ -389,7 +390,7 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const std::vector<int32_t>& seq_lens,
-         const std::vector<int32_t>& starts, const Geometry& g, int64_t max_q_len,
+         const std::vector<int32_t>& starts, const Geometry& g, const bool* take,
          at::Tensor& out) {
   const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
   const int64_t threads_wanted = at::get_num_threads();
@@ -400,7 +401,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
-    if (max_q_len > 0 && q_len > max_q_len) continue;  // the caller attends to it
+    if (take != nullptr && !take[s]) continue;  // the caller attends to it
     for (int64_t first = 0; first < q_len; first += kTileTokens) {
       const int64_t last = std::min(q_len, first + kTileTokens);
       const int64_t last_pos = seq_lens[s] - q_len + last - 1;
@@ -453,7 +454,7 @@ namespace pagedserve_cpu {
 void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                     double softcap, int64_t max_q_len, at::Tensor out) {
+                     double softcap, const c10::optional<at::Tensor>& take, at::Tensor out) {
   TORCH_CHECK(q_in.device().is_cpu(), "pagedserve CPU attention takes CPU tensors");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim must be dense");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
@@ -466,6 +467,10 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
                                   lens_t.data_ptr<int32_t>() + lens_t.numel());
   const std::vector<int32_t> starts(starts_t.data_ptr<int32_t>(),
                                     starts_t.data_ptr<int32_t>() + starts_t.numel());
+  TORCH_CHECK(!take || (take->scalar_type() == at::kBool && take->is_contiguous() &&
+                        take->numel() == lens_t.numel()),
+              "take must be a contiguous bool tensor of one flag per sequence");
+  const bool* taken = take ? take->data_ptr<bool>() : nullptr;
   Geometry g{};
   g.num_heads = q.size(1);
   g.num_kv_heads = k_cache.size(2);
@@ -486,13 +491,13 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   g.softcap = static_cast<float>(softcap);
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(q, k_cache, v_cache, block_tables, lens, starts, g, max_q_len, out);
+      run<float>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(q, k_cache, v_cache, block_tables, lens, starts, g, max_q_len, out);
+      run<c10::BFloat16>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);
       break;
     case at::kHalf:
-      run<c10::Half>(q, k_cache, v_cache, block_tables, lens, starts, g, max_q_len, out);
+      run<c10::Half>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);
       break;
     default:
       TORCH_CHECK(false, "pagedserve CPU attention takes float32, bfloat16 or float16, not ",
@@ -506,7 +511,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, float softcap, "
-      "int max_q_len, Tensor(a!) out) -> ()");
+      "Tensor? take, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &pagedserve_cpu::paged_attention); }

@@ -156,7 +156,8 @@ class DecoderLayers : public torch::CustomClassHolder {
                                        slots[layer.kv_group], num_heads_, num_kv_heads_,
                                        head_dim_, q);
       pagedserve_cpu::paged_attention(q, k_cache, v_cache, tables[layer.kv_group], seq_lens,
-                                      query_start_loc, scale_, layer.window, 0.0, 0, attn);
+                                      query_start_loc, scale_, layer.window, 0.0, c10::nullopt,
+                                      attn);
       layer.o(attn_rows, branch, amx);
       pagedserve_cpu::fused_add_rms_norm(branch, residual, layer.post_attention_norm, eps_, false,
                                          normed);

@@ -14,8 +14,9 @@ import torch
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.models import compiled_step
 from pagedserve.engine.models.compiled_step import CompiledStep
+from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
-from pagedserve.kernels import cpu_ops
+from pagedserve.engine.models.quantized_linear import route
 from tests.engine.test_quantized_linear import _q4_k_m, _tiny_llama, needs_block_dot
 from tests.families import COMMON, build_family
 from tests.gguf_writer import write_gguf_like_llama_cpp
@@ -25,6 +26,8 @@ pytestmark = needs_block_dot
 
 # 1 to 30 prompt tokens; the last repeats itself, so that n-gram speculation drafts for it.
 PROMPTS = [[5], [7, 8, 9, 10, 11], list(range(20, 33)), [40, 41, 42, 43] * 7 + [40, 41]]
+# Eight sequences: four more of other tokens (the same prompts would share cached blocks).
+PROMPTS_8 = PROMPTS + [[t + 100 for t in p] for p in PROMPTS]
 COMPILED_LOG = "decode steps run as one compiled call (kernels/csrc/cpu_decoder.cpp)"
 
 
@@ -93,7 +96,7 @@ CASES = {
     "llama Q4_1 float32": ("llama", Q.Q4_1, "float32", {}, PROMPTS),
     "llama Q8_0 bfloat16": ("llama", Q.Q8_0, "bfloat16", {}, PROMPTS),
     # Steps of 8 rows: the AMX tiles where the CPU has them (quantized_linear.route).
-    "llama Q4_1 bfloat16, 8 sequences": ("llama", Q.Q4_1, "bfloat16", {}, PROMPTS * 2),
+    "llama Q4_1 bfloat16, 8 sequences": ("llama", Q.Q4_1, "bfloat16", {}, PROMPTS_8),
     "llama Q4_K_M mix float32": ("llama_256", _mixed_q4_k_m, "float32", {}, PROMPTS),
     "qwen2 q/k/v bias Q8_0 float32": ("qwen2", Q.Q8_0, "float32", {}, PROMPTS),
     "phi3 window Q8_0 bfloat16": ("phi3", Q.Q8_0, "bfloat16", {}, PROMPTS),
@@ -122,21 +125,28 @@ def test_compiled_steps_equal_the_layer_by_layer_steps_exactly(case, tmp_path, c
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         llm = _llm(path, dtype, **options)
     assert COMPILED_LOG in caplog.text
-    calls = []
-    real_call = CompiledStep.__call__
+    steps, compiled = [], []  # the rows of every step, and of those that ran compiled
+    real_forward, real_call = CausalLM.forward, CompiledStep.__call__
 
-    def counted(self, x, *args):
-        calls.append(x.shape[0])
+    def forward(self, input_ids, *args):
+        steps.append(input_ids.shape[0])
+        return real_forward(self, input_ids, *args)
+
+    def call(self, x, *args):
+        compiled.append(x.shape[0])
         return real_call(self, x, *args)
 
-    monkeypatch.setattr(CompiledStep, "__call__", counted)
+    monkeypatch.setattr(CausalLM, "forward", forward)
+    monkeypatch.setattr(CompiledStep, "__call__", call)
     assert _run(llm, prompts, logprobs) == expected
-    # Every step after the prompts' (one prefill step) ran compiled: 11 steps of a row per
-    # sequence, or verify steps of up to 4 tokens per sequence.
-    if "speculative_ngram" in options:
-        assert len(calls) >= 1 and max(calls) > 4 and all(n <= 16 for n in calls)
-    else:
-        assert calls == [len(prompts)] * 11
+    # Every step whose rows take a block route ran compiled (the kernel attends to every prompt
+    # of up to 30 tokens): the decode steps, of a row per sequence or verify steps of up to 4
+    # tokens each, and the prompts' steps too where their rows take the AMX tiles.
+    assert compiled == [n for n in steps if route(n, getattr(torch, dtype)) != "dense"]
+    decodes = [n for n in compiled if n <= len(prompts)]  # a row per sequence, or fewer
+    assert len(decodes) >= (1 if "speculative_ngram" in options else 11)
+    if "speculative_ngram" in options:  # and verify steps of drafts
+        assert any(len(prompts) < n <= 4 * len(prompts) for n in compiled)
     assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
@@ -159,7 +169,8 @@ def test_steps_it_does_not_take_run_layer_by_layer(tmp_path):
         return step.takes(torch.zeros(sum(lengths), hidden, dtype=dtype), meta(lengths), kv_caches)
 
     assert takes([1, 1, 1]) and takes([4, 1, 2])
-    assert not takes([cpu_ops.KERNEL_MAX_NEW_TOKENS + 1, 1])  # a prefill in the step
+    assert takes([30, 1])  # a short prompt: the kernel attends to it
+    assert not takes([200, 1])  # a prompt the kernel leaves to SDPA (cpu_ops.kernel_attends)
     assert not takes([1] * 33)  # float32 steps of more than 32 rows multiply dequantized weights
     assert not takes([1, 1], torch.bfloat16)  # the cache holds float32
     step._first.qkv_lora = object()  # a LoRA adapter's delta on the layers

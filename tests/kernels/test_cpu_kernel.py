@@ -91,10 +91,23 @@ def test_mixed_batch_matches_dense_and_reference(
     check(run(batch, scale), batch, scale)
 
 
+def test_which_sequences_the_kernel_takes():
+    # Decodes and extends of up to 4 tokens always; longer ones while their (new token, key)
+    # pairs stay within the dtype's limit: a 128-token prompt in any dtype, 200 tokens in float32
+    # but not bf16, no 512-token prompt, no 64-token extend over 2000 cached tokens.
+    attends = cpu_ops.kernel_attends
+    assert attends(1, 100_000, torch.bfloat16) and attends(4, 5000, torch.float32)
+    assert attends(128, 128, torch.bfloat16) and attends(128, 128, torch.float32)
+    assert attends(200, 200, torch.float32) and not attends(200, 200, torch.bfloat16)
+    assert not attends(512, 512, torch.float32) and not attends(64, 2064, torch.float32)
+    assert cpu_ops.KERNEL_MAX_PAIRS[torch.bfloat16] == 16384
+
+
 def test_default_dispatch_sends_long_prefills_to_the_reference(monkeypatch):
-    # MIXED has new-token counts 1, 2, 5, 7, 9 and 18: those above the limit (4) go to SDPA, one
-    # call per sequence, the rest to the kernel; the result is the same either way.
-    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=2)
+    # The sequences kernel_attends refuses go to SDPA, one call per sequence, the rest to the
+    # kernel in one call; the result is the same either way.
+    seqs = [(3000, 1), (0, 128), (0, 512), (2000, 64), (0, 200), (7, 3)]
+    batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=2)
     calls = []
     real = reference.paged_attention
 
@@ -104,7 +117,7 @@ def test_default_dispatch_sends_long_prefills_to_the_reference(monkeypatch):
 
     monkeypatch.setattr(reference, "paged_attention", spy)
     got = run(batch, 0.125)
-    assert calls == [7, 5, 18, 9]
+    assert calls == [512, 64]
     monkeypatch.setattr(reference, "paged_attention", real)
     check(got, batch, 0.125)
 
