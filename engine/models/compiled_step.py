@@ -1,4 +1,4 @@
-"""The decoder's steps of few new tokens per sequence as one compiled call, on CPU.
+"""The decoder's steps of decodes and short prompts as one compiled call, on CPU.
 
 A decode step of one stream on CPU is some 450 small ops dispatched from Python; on the 2-core dev
 VM the gaps between them took as long as the ops and slowed the matmuls themselves, whose weights

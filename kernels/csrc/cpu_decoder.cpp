@@ -1,7 +1,7 @@
-// The compiled decoder step: a whole stack of decoder layers run as one call, for the steps of few
-// new tokens per sequence (decodes, short extends) of a model whose matmul weights are kept as a
-// GGUF file's blocks. `engine/models/compiled_step.py` builds it from a loaded model and says
-// which models and steps it takes.
+// The compiled decoder step: a whole stack of decoder layers run as one call, for the steps the
+// attention kernel takes whole (decodes, verifies, short prompts) of a model whose matmul weights
+// are kept as a GGUF file's blocks. `engine/models/compiled_step.py` builds it from a loaded model
+// and says which models and steps it takes.
 //
 // Why: run layer by layer from Python, a decode step of one stream on a 2-core VM spent as long
 // between the ops as in them, and the weights' cache lines and the cores went cold in the gaps,
