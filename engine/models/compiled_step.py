@@ -77,7 +77,7 @@ class CompiledStep:
         )  # fmt: skip
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            rotary = model._rotary_of(layer)
+            rotary = model.rotary_of(layer)
             self._layers.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 *_parts(quantized(attn.qkv_proj)), attn.qkv_bias,

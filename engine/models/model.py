@@ -347,7 +347,8 @@ class CausalLM(nn.Module):
         # set by the worker after prepare_matmul_weights where the model allows it.
         self.compiled_step: CompiledStep | None = None
 
-    def _rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
+    def rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
+        """The RoPE tables a layer rotates by (Gemma 3's sliding layers have their own)."""
         if self.local_rotary is not None and layer.self_attn.sliding_window is not None:
             return self.local_rotary
         return self.rotary
@@ -366,7 +367,7 @@ class CausalLM(nn.Module):
             x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, self._rotary_of(layer), x, residual, kv_cache, meta)
+            x, residual = layer(positions, self.rotary_of(layer), x, residual, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
