@@ -343,12 +343,10 @@ class CausalLM(nn.Module):
         )
         # load_weights': parameter storage -> (the parameter's view they fill, the rows).
         self._quantized_rows: dict[int, list[tuple[torch.Tensor, QuantizedRows]]] = {}
-        # The layers as one compiled call for the steps it takes (engine/models/compiled_step.py),
-        # set by the worker after prepare_matmul_weights where the model allows it.
+        # The layers as one compiled call (compiled_step.py), set by the worker where it applies.
         self.compiled_step: CompiledStep | None = None
 
     def rotary_of(self, layer: DecoderLayer) -> RotaryEmbedding:
-        """The RoPE tables a layer rotates by (Gemma 3's sliding layers have their own)."""
         if self.local_rotary is not None and layer.self_attn.sliding_window is not None:
             return self.local_rotary
         return self.rotary
