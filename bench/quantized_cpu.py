@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
 from pagedserve.engine.models import quantized_linear
 from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.engine.models.model_source import resolve_model
@@ -259,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    # As `pagedserve serve` and `bench` do: without it every large step buffer is a fresh mmap
+    # and its page faults land in the timings.
+    keep_large_allocations_in_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.part in ("matmul", "all"):

@@ -25,7 +25,8 @@ False with one warning saying why: every op here then runs the torch reference, 
 The kernel attends to decode sequences, short extends and short prompts (`kernel_attends`);
 longer prefills/extends in the same batch go to the reference's SDPA, one call per sequence,
 because SDPA's GEMMs beat the kernel's dot products there (the kernel computes them correctly too:
-the tests raise the limit). fp8 caches go to the reference (the kernel reads float32, bfloat16 and
+the tests raise the limit), except in bfloat16 where the library has AMX: there the kernel's tile
+products take every length. fp8 caches go to the reference (the kernel reads float32, bfloat16 and
 float16 caches).
 """
 
@@ -103,6 +104,10 @@ COMPILED_OPS = (
 # and "The decode step as one call").
 KERNEL_MAX_NEW_TOKENS = 4
 KERNEL_MAX_PAIRS = {torch.float32: 65536, torch.bfloat16: 16384, torch.float16: 16384}
+# Where the library has AMX (`amx_tiles`), bfloat16 sequences of these head_dims go through the
+# kernel's tile products whatever their length: 1.4-3.4x faster than SDPA one call per sequence,
+# from 16 prompts of 128 tokens to one of 2048 (BENCHMARKS.md, "Prefill attention on AMX tiles").
+AMX_HEAD_DIMS = (64, 128)
 # Every build's flags but the instruction set (`cpu_features.kernel_flags` / `march_flags`).
 # No -ffast-math: the kernel's -inf handling needs IEEE infinities. 512-bit vectors where the level
 # has them (GCC's loops otherwise stay at 256 bits on AVX-512 CPUs): the bf16 layer ops of a
@@ -292,10 +297,20 @@ def available() -> bool:
     return loaded() is not None
 
 
-def kernel_attends(q_len: int, seq_len: int, dtype: torch.dtype) -> bool:
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether the loaded library has AMX's bf16 tiles and Linux granted them to the process: a
+    native build on a CPU with AMX-BF16 (the attention kernel's prefill tiles and the kept GGUF
+    weights' matmuls use them)."""
+    return available() and bool(torch.ops.pagedserve_cpu.amx_available())
+
+
+def kernel_attends(q_len: int, seq_len: int, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel attends to a sequence of `q_len` new tokens, `seq_len` in all, rather
-    than the reference's SDPA (see KERNEL_MAX_PAIRS)."""
+    than the reference's SDPA (see KERNEL_MAX_PAIRS and AMX_HEAD_DIMS)."""
     if q_len <= KERNEL_MAX_NEW_TOKENS:
+        return True
+    if dtype == torch.bfloat16 and head_dim in AMX_HEAD_DIMS and amx_tiles():
         return True
     pairs = q_len * (seq_len - (q_len - 1) / 2)  # new token i sees seq_len - q_len + i + 1 keys
     return pairs <= KERNEL_MAX_PAIRS.get(dtype, 0)
@@ -335,7 +350,10 @@ def paged_attention(
     host = torch.cat([seq_lens, query_start_loc]).tolist()
     seq_lens_h, starts = host[:num_seqs], host[num_seqs:]
     q_lens = reference.check_lengths(seq_lens_h, starts, q.shape[0], block_tables, k_cache.shape[1])
-    take = [kernel_attends(n, total, q.dtype) for n, total in zip(q_lens, seq_lens_h, strict=True)]
+    take = [
+        kernel_attends(n, total, q.dtype, q.shape[-1])
+        for n, total in zip(q_lens, seq_lens_h, strict=True)
+    ]
     if any(take):
         torch.ops.pagedserve_cpu.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),

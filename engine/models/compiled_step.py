@@ -99,7 +99,7 @@ class CompiledStep:
             return True
         starts, totals = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         return all(
-            cpu_ops.kernel_attends(end - start, total, x.dtype)
+            cpu_ops.kernel_attends(end - start, total, x.dtype, self._first.head_dim)
             for start, end, total in zip(starts[:-1], starts[1:], totals, strict=True)
         )
 

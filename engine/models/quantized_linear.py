@@ -140,7 +140,9 @@ def amx_tiles() -> bool:
     """Whether bfloat16 steps of several rows multiply by AMX tiles here: the block matmuls run
     (`block_dot_isa`) and the library was built with AMX (natively, on a CPU with AMX-BF16) and
     Linux granted the process the tiles."""
-    return bool(block_dot_isa()) and bool(block_ops().amx_available())
+    from pagedserve.kernels import cpu_ops
+
+    return bool(block_dot_isa()) and cpu_ops.amx_tiles()
 
 
 @functools.cache

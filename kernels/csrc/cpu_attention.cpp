@@ -66,6 +66,7 @@ struct Geometry {
   int64_t table_stride;                            // block_tables row stride
   int64_t window;                                  // 0: none
   float scale, softcap;                            // softcap 0: none
+  bool amx;                                        // bf16 items of 16 rows or more on AMX tiles
 };
 
 // The scores and the P @ V of a GQA group's rows against a block's keys, for head_dim a
@@ -291,12 +292,266 @@ void attend_row(const float* qr, float* accr, float& row_max, float& row_sum, fl
   if (kD) std::memcpy(accr, a, sizeof(float) * D);
 }
 
+// Prefill and extend items in bfloat16 on CPUs with AMX (the build's flags and the process's
+// permission, `amx_available`): the scores and P @ V as AMX bf16 tile products, flash-attention
+// style, instead of vector dot products. The products are transposed so that a vector holds one
+// key's 16 rows and the online softmax needs no reduction across lanes: per item and KV head,
+// - rows (token-major, the GQA group's query heads within a token) go in tiles of 16, as Q^T:
+//   pairs of dimensions by row, bf16, unscaled (the scale multiplies the float scores);
+// - keys come in chunks of kAmxKeys positions, gathered through the block table once for all
+//   the row tiles: keys as they are (rows of dimensions), values as V^T (dimensions by keys);
+// - per row tile and chunk: S^T = K Q^T (2 product tiles), the softmax on its 32 key vectors in
+//   float32 (masks by position: causal, window), P^T rounded to bf16 (the sums add the rounded
+//   values, so each row's weights sum to 1), O^T = V^T P^T into head_dim / 16 product tiles, and
+//   the accumulator (dimensions by row) rescaled by row and added to.
+// The vector path spends 2 x head_dim / 16 multiply-adds per (row, key); here a (row, key) costs
+// a share of its key vector's softmax and of the tile products. Measured in BENCHMARKS.md
+// ("Prefill attention on AMX tiles").
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kAmxAttention = true;
+constexpr int64_t kAmxKeys = 32;  // key positions per chunk: the K of an O^T tile product
+
+// exp_nonpositive over 16 lanes (the same reduction and polynomial); lanes below -87 give 0.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
+// Lane 2 j takes element j of a's 16 bf16 values, lane 2 j + 1 element j of b's: a pair per lane
+// for AMX's layout of B tiles and of V^T.
+inline __m512i interleave16(__m256i a, __m256i b) {
+  alignas(64) static constexpr uint16_t kOrder[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), _mm512_load_si512(kOrder),
+                                   _mm512_castsi256_si512(b));
+}
+
+struct AmxScratch {
+  std::vector<uint32_t> q_tiles;    // [row tiles][D / 32][16 pairs][16 rows]: Q^T
+  std::vector<float> acc;           // [row tiles][D][16 rows]: O^T, unnormalised
+  std::vector<float> row_max, row_sum;  // [row tiles][16]
+  std::vector<c10::BFloat16> keys;  // [kAmxKeys][D]: a chunk's keys, zeros past its last
+  std::vector<uint32_t> v_tiles;    // [D / 16][16 dims][16 pairs of keys]: V^T
+};
+
+template <int64_t kD>
+void attend_item_amx(const Item& item, const Geometry& g, const c10::BFloat16* q,
+                     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                     const int32_t* block_table, int64_t seq_len, int64_t q_start, int64_t q_len,
+                     c10::BFloat16* out, AmxScratch& s) {
+  using BF16 = c10::BFloat16;
+  const int64_t B = g.block_size, G = g.group, tokens = item.last - item.first;
+  const int64_t rows = tokens * G, tiles = (rows + 15) / 16;
+  const int64_t first_pos = seq_len - q_len + item.first, last_pos = first_pos + tokens - 1;
+  const int64_t first_key = g.window > 0 ? std::max<int64_t>(0, first_pos - g.window + 1) : 0;
+  s.q_tiles.resize(tiles * kD / 32 * 256);
+  s.acc.resize(tiles * kD * 16);
+  s.row_max.resize(tiles * 16);
+  s.row_sum.resize(tiles * 16);
+  s.keys.resize(kAmxKeys * kD);
+  s.v_tiles.resize(kD / 16 * 256);
+  alignas(64) float scores[kAmxKeys * 16];  // S^T: [key][row]
+  alignas(64) uint32_t p_tile[256];         // P^T as a B tile: [pair of keys][row]
+  alignas(64) float products[kD * 16];      // O^T of one chunk: [dim][row]
+  alignas(64) BF16 padded[16 * kD];
+  alignas(64) uint32_t pairs[256];
+  const __m512 scale = _mm512_set1_ps(g.scale), neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512 zero = _mm512_setzero_ps();
+  // Lane i of row tile t is row 16 t + i: its position, and its window's first (none: 0).
+  std::vector<int32_t> positions(tiles * 16), lows(tiles * 16);
+  for (int64_t r = 0; r < tiles * 16; ++r) {
+    const int64_t pos = r < rows ? first_pos + r / G : -1;  // padding rows see no key
+    positions[r] = static_cast<int32_t>(pos);
+    lows[r] = static_cast<int32_t>(g.window > 0 ? pos - g.window + 1 : 0);
+  }
+
+  for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      std::memset(padded, 0, sizeof(padded));
+      for (int64_t i = 0; i < 16 && 16 * t + i < rows; ++i) {
+        const int64_t r = 16 * t + i, token = q_start + item.first + r / G, head = h * G + r % G;
+        std::memcpy(padded + i * kD, q + token * g.q_token + head * g.q_head, kD * 2);
+      }
+      for (int64_t c = 0; c < kD / 32; ++c) {
+        __m512 columns[16];
+        pagedserve_cpu::transpose16(reinterpret_cast<const float*>(padded + 32 * c), kD / 2,
+                                    columns);
+        auto* tile = reinterpret_cast<float*>(s.q_tiles.data() + (t * kD / 32 + c) * 256);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_ps(tile + 16 * p, columns[p]);
+      }
+    }
+    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    std::fill(s.row_max.begin(), s.row_max.end(), kNegInf);
+    std::fill(s.row_sum.begin(), s.row_sum.end(), 0.0f);
+    for (int64_t c0 = first_key; c0 <= last_pos; c0 += kAmxKeys) {
+      const int64_t count = std::min<int64_t>(kAmxKeys, last_pos + 1 - c0);
+      const BF16* values[kAmxKeys];
+      for (int64_t j = 0; j < kAmxKeys; ++j) {
+        BF16* dst = s.keys.data() + j * kD;
+        values[j] = nullptr;
+        if (j >= count) {
+          std::memset(dst, 0, kD * 2);
+          continue;
+        }
+        const int64_t pos = c0 + j, physical = block_table[pos / B], slot = pos % B;
+        std::memcpy(dst, k_cache + physical * g.k_block + slot * g.k_slot + h * g.k_head,
+                    kD * 2);
+        values[j] = v_cache + physical * g.v_block + slot * g.v_slot + h * g.v_head;
+      }
+      // V^T: keys 2 i and 2 i + 1 interleaved by dimension, then [pair][dim] transposed.
+      for (int64_t d = 0; d < kD / 16; ++d) {
+        for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
+          const auto load16 = [&](const BF16* row) {
+            return row ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * d))
+                       : _mm256_setzero_si256();
+          };
+          _mm512_store_si512(pairs + 16 * i, interleave16(load16(values[2 * i]),
+                                                          load16(values[2 * i + 1])));
+        }
+        __m512 columns[16];
+        pagedserve_cpu::transpose16(reinterpret_cast<const float*>(pairs), 16, columns);
+        auto* tile = reinterpret_cast<float*>(s.v_tiles.data() + d * 256);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_ps(tile + 16 * p, columns[p]);
+      }
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = 16 * t, r_end = std::min(rows, r0 + 16);
+        const int64_t lowest = first_pos + r0 / G, highest = first_pos + (r_end - 1) / G;
+        if (c0 > highest) continue;  // every key of the chunk is after every row's position
+        if (g.window > 0 && c0 + count - 1 < lowest - g.window + 1) continue;
+        // S^T = K Q^T: tiles 0 (keys 0-15) and 1 (keys 16-31) by the tile's 16 rows.
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < kD / 32; ++c) {
+          _tile_loadd(2, s.keys.data() + 32 * c, kD * 2);
+          _tile_loadd(3, s.keys.data() + 16 * kD + 32 * c, kD * 2);
+          _tile_loadd(4, s.q_tiles.data() + (t * kD / 32 + c) * 256, 64);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, scores, 64);
+        _tile_stored(1, scores + 256, 64);
+        if (g.softcap > 0.0f)
+          for (int64_t e = 0; e < count * 16; ++e)
+            scores[e] = g.softcap * std::tanh(scores[e] * g.scale / g.softcap) / g.scale;
+        // The softmax, a key per vector: key j is visible to a row when low <= c0 + j <= pos.
+        const __m512i pos = _mm512_loadu_si512(positions.data() + r0);
+        const __m512i low = _mm512_loadu_si512(lows.data() + r0);
+        __m512 v[kAmxKeys];
+        __m512 chunk_max = neg_inf;
+        for (int64_t j = 0; j < kAmxKeys; ++j) {
+          if (j >= count) {
+            v[j] = neg_inf;
+            continue;
+          }
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(c0 + j));
+          const __mmask16 visible = _mm512_cmp_epi32_mask(key, pos, _MM_CMPINT_LE) &
+                                    _mm512_cmp_epi32_mask(low, key, _MM_CMPINT_LE);
+          v[j] = _mm512_mask_mul_ps(neg_inf, visible, _mm512_load_ps(scores + 16 * j), scale);
+          chunk_max = _mm512_max_ps(chunk_max, v[j]);
+        }
+        float* max_r = s.row_max.data() + r0;
+        float* sum_r = s.row_sum.data() + r0;
+        const __m512 old_max = _mm512_loadu_ps(max_r);
+        const __m512 new_max = _mm512_max_ps(old_max, chunk_max);
+        // Rows that have seen no key yet keep -inf as their max: shift by 0 there (their
+        // exponentials are 0) and leave their zero sums and accumulators as they are.
+        const __mmask16 seen = _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_NEQ_OQ);
+        const __m512 shift = _mm512_mask_mov_ps(zero, seen, new_max);
+        const __m512 correction = _mm512_mask_mov_ps(
+            _mm512_set1_ps(1.0f), seen, exp_nonpositive16(_mm512_sub_ps(old_max, shift)));
+        __m512 sum = zero;
+        for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
+          const __m512 a = exp_nonpositive16(_mm512_sub_ps(v[2 * i], shift));
+          const __m512 b = exp_nonpositive16(_mm512_sub_ps(v[2 * i + 1], shift));
+          const __m256i ra = (__m256i)_mm512_cvtneps_pbh(a), rb = (__m256i)_mm512_cvtneps_pbh(b);
+          sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_cvtpbh_ps((__m256bh)ra),
+                                                 _mm512_cvtpbh_ps((__m256bh)rb)));
+          _mm512_store_si512(p_tile + 16 * i, interleave16(ra, rb));
+        }
+        _mm512_storeu_ps(sum_r, _mm512_fmadd_ps(_mm512_loadu_ps(sum_r), correction, sum));
+        _mm512_storeu_ps(max_r, new_max);
+        // O^T = V^T P^T: P^T in tile 2, V^T through tiles 0, 1 and 3, four products (4-7).
+        _tile_loadd(2, p_tile, 64);
+        for (int64_t d = 0; d < kD / 16; d += 4) {
+          _tile_zero(4);
+          _tile_zero(5);
+          _tile_zero(6);
+          _tile_zero(7);
+          _tile_loadd(0, s.v_tiles.data() + (d + 0) * 256, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_loadd(1, s.v_tiles.data() + (d + 1) * 256, 64);
+          _tile_dpbf16ps(5, 1, 2);
+          _tile_loadd(3, s.v_tiles.data() + (d + 2) * 256, 64);
+          _tile_dpbf16ps(6, 3, 2);
+          _tile_loadd(0, s.v_tiles.data() + (d + 3) * 256, 64);
+          _tile_dpbf16ps(7, 0, 2);
+          _tile_stored(4, products + 16 * 16 * (d + 0), 64);
+          _tile_stored(5, products + 16 * 16 * (d + 1), 64);
+          _tile_stored(6, products + 16 * 16 * (d + 2), 64);
+          _tile_stored(7, products + 16 * 16 * (d + 3), 64);
+        }
+        float* acc = s.acc.data() + t * kD * 16;
+        for (int64_t d = 0; d < kD; ++d)
+          _mm512_storeu_ps(acc + 16 * d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16 * d),
+                                                         correction,
+                                                         _mm512_load_ps(products + 16 * d)));
+      }
+    }
+    // O = (O^T)^T / sums, a row at a time.
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int64_t d0 = 0; d0 < kD; d0 += 16) {
+        __m512 columns[16];
+        pagedserve_cpu::transpose16(s.acc.data() + (t * kD + d0) * 16, 16, columns);
+        for (int64_t i = 0; i < 16 && 16 * t + i < rows; ++i) {
+          const int64_t r = 16 * t + i, token = q_start + item.first + r / G, head = h * G + r % G;
+          BF16* dst = out + (token * g.num_heads + head) * kD + d0;
+          const __m512 inv = _mm512_set1_ps(1.0f / s.row_sum[r]);  // every row sees its own key
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(columns[i], inv)));
+        }
+      }
+    }
+  }
+}
+#else
+constexpr bool kAmxAttention = false;
+struct AmxScratch {};
+template <int64_t kD>
+void attend_item_amx(const Item&, const Geometry&, const c10::BFloat16*, const c10::BFloat16*,
+                     const c10::BFloat16*, const int32_t*, int64_t, int64_t, int64_t,
+                     c10::BFloat16*, AmxScratch&) {}
+#endif
+
 // One item: tokens first..last-1 of one sequence, against one or more KV heads. kD is head_dim when
 // it is a compile-time constant (64, 128: fully unrolled and vectorized loops), 0 for any other.
 template <typename T, int64_t kD>
 void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cache,
                  const T* v_cache, const int32_t* block_table, int64_t seq_len, int64_t q_start,
-                 int64_t q_len, T* out, std::vector<float>& scratch) {
+                 int64_t q_len, T* out, std::vector<float>& scratch, AmxScratch& amx_scratch) {
+  if constexpr (kAmxAttention && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 64 == 0) {
+    if (g.amx && (item.last - item.first) * g.group >= 16) {
+      attend_item_amx<kD>(item, g, q, k_cache, v_cache, block_table, seq_len, q_start, q_len, out,
+                          amx_scratch);
+      return;
+    }
+  }
   const int64_t D = kD ? kD : g.head_dim, B = g.block_size, G = g.group;
   const int64_t tokens = item.last - item.first;
   // Row r: KV head kv_head + r / per_head; within it, token first + (r % per_head) / G and query
@@ -429,19 +684,29 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> scratch;
+    AmxScratch amx_scratch;
+#if defined(__AMX_TILE__)
+    if (g.amx) pagedserve_cpu::load_full_tiles();
+#endif
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
       const int64_t s = item.seq;
       const int32_t* table = tables + s * g.table_stride;
       const int64_t q_len = starts[s + 1] - starts[s];
       if (g.head_dim == 64) {
-        attend_item<T, 64>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch);
+        attend_item<T, 64>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch,
+                             amx_scratch);
       } else if (g.head_dim == 128) {
-        attend_item<T, 128>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch);
+        attend_item<T, 128>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch,
+                             amx_scratch);
       } else {
-        attend_item<T, 0>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch);
+        attend_item<T, 0>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch,
+                             amx_scratch);
       }
     }
+#if defined(__AMX_TILE__)
+    if (g.amx) _tile_release();
+#endif
   }
 }
 
@@ -489,6 +754,7 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   g.window = sliding_window;
   g.scale = static_cast<float>(scale);
   g.softcap = static_cast<float>(softcap);
+  g.amx = kAmxAttention && q.scalar_type() == at::kBFloat16 && amx_available();
   switch (q.scalar_type()) {
     case at::kFloat:
       run<float>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);

@@ -555,14 +555,6 @@ void with_qtype(int64_t qtype, F&& f) {
 
 constexpr int kAmxRows = 16;     // rows of a tile: weight rows, and activation rows per chunk
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Linux hands out AMX's tile state only to a process that asks (XTILEDATA, once per process).
 bool amx_permitted() {
   static const bool permitted = [] {
@@ -570,33 +562,6 @@ bool amx_permitted() {
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return permitted;
-}
-
-// A 16 x 16 tile of 32-bit values (rows `stride` floats apart) as its columns: columns[c][r] =
-// tile[r][c] (4 rounds of shuffles).
-inline void transpose16(const float* tile, int64_t stride, __m512 columns[16]) {
-  __m512 t[16], u[16];
-  for (int r = 0; r < 16; r += 2) {  // lane-wise pairs of rows
-    const __m512 a = _mm512_loadu_ps(tile + r * stride);
-    const __m512 b = _mm512_loadu_ps(tile + (r + 1) * stride);
-    t[r] = _mm512_unpacklo_ps(a, b), t[r + 1] = _mm512_unpackhi_ps(a, b);
-  }
-  for (int g = 0; g < 16; g += 4) {  // lane L of u[g + q]: column 4 L + q of rows g..g+3
-    u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
-    u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
-    u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
-    u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
-  }
-  for (int q = 0; q < 4; ++q) {  // lane L of the 4 row groups side by side: column 4 L + q
-    const __m512 even_lo = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x88);
-    const __m512 odd_lo = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xDD);
-    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x88);
-    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xDD);
-    columns[q] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
-    columns[q + 8] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xDD);
-    columns[q + 4] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
-    columns[q + 12] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD);
-  }
 }
 
 // x [m, k] bf16 as AMX B tiles: chunk c (16 rows, zero-padded), block kb -> 16 x 16 (k, k + 1)
@@ -616,7 +581,7 @@ std::vector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m, int64_
         source = padded, stride = 16;
       }
       __m512 columns[16];
-      transpose16(source, stride, columns);
+      pagedserve_cpu::transpose16(source, stride, columns);
       auto* tile = reinterpret_cast<float*>(tiles.data() + index * 256);
       for (int p = 0; p < 16; ++p) _mm512_storeu_ps(tile + p * 16, columns[p]);
     }
@@ -700,9 +665,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
   const int64_t tile = nblocks * kAmxRows * kBlock;
   const int64_t pairs = (n + 2 * kAmxRows - 1) / (2 * kAmxRows);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) config.rows[t] = kAmxRows, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
+    pagedserve_cpu::load_full_tiles();
     std::vector<c10::BFloat16> weights(2 * tile);
     alignas(64) float products[4][kAmxRows * kAmxRows];
     float scales[16];
@@ -744,7 +707,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
           const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1);
           for (int c = 0; c < ch; ++c) {
             __m512 columns[16];
-            transpose16(products[w * 2 + c], 16, columns);
+            pagedserve_cpu::transpose16(products[w * 2 + c], 16, columns);
             for (int j = 0; j < kAmxRows; ++j) {
               const int64_t i = (c0 + c) * kAmxRows + j;
               if (i >= m) break;
@@ -760,13 +723,6 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
 }
 #endif
 
-bool amx_available() {
-#if defined(PAGEDSERVE_AMX)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
 
 // The checks both ops share: weight holds [N, K] values in `qtype`'s blocks; returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype) {
@@ -784,6 +740,14 @@ std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype
 }  // namespace
 
 namespace pagedserve_cpu {
+
+bool amx_available() {
+#if defined(PAGEDSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out) {
   TORCH_CHECK(kHasBlockDot, "this build has no GGUF block kernels (they need AVX2, F16C and FMA)");
@@ -867,5 +831,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("block_dot_isa", &block_dot_isa);
-  m.impl("amx_available", &amx_available);
+  m.impl("amx_available", &pagedserve_cpu::amx_available);
 }

@@ -1,4 +1,5 @@
-// Float helpers shared by pagedserve's CPU kernels (cpu_attention.cpp, cpu_layer_ops.cpp).
+// Float helpers shared by pagedserve's CPU kernels (cpu_attention.cpp, cpu_layer_ops.cpp,
+// cpu_gguf.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -7,6 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__) || defined(__AMX_TILE__)
+#include <immintrin.h>
+#endif
 
 namespace pagedserve_cpu {
 
@@ -73,5 +78,52 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return underflow ? 0.0f : p * scale;
 }
+
+#if defined(__AVX512F__)
+// A 16 x 16 tile of 32-bit values (rows `stride` floats apart) as its columns: columns[c][r] =
+// tile[r][c] (4 rounds of shuffles).
+inline void transpose16(const float* tile, int64_t stride, __m512 columns[16]) {
+  __m512 t[16], u[16];
+  for (int r = 0; r < 16; r += 2) {  // lane-wise pairs of rows
+    const __m512 a = _mm512_loadu_ps(tile + r * stride);
+    const __m512 b = _mm512_loadu_ps(tile + (r + 1) * stride);
+    t[r] = _mm512_unpacklo_ps(a, b), t[r + 1] = _mm512_unpackhi_ps(a, b);
+  }
+  for (int g = 0; g < 16; g += 4) {  // lane L of u[g + q]: column 4 L + q of rows g..g+3
+    u[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+    u[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xEE);
+    u[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+    u[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+  }
+  for (int q = 0; q < 4; ++q) {  // lane L of the 4 row groups side by side: column 4 L + q
+    const __m512 even_lo = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x88);
+    const __m512 odd_lo = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xDD);
+    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xDD);
+    columns[q] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    columns[q + 8] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xDD);
+    columns[q + 4] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    columns[q + 12] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xDD);
+  }
+}
+#endif
+
+#if defined(__AMX_TILE__)
+// AMX's tile configuration: palette 1, all 8 tiles of 16 rows x 64 bytes (16 floats, or 32
+// bfloat16 values, or 16 pairs of them), the shape every AMX product here uses. Per thread.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void load_full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+#endif
 
 }  // namespace pagedserve_cpu

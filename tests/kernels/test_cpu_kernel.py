@@ -94,12 +94,20 @@ def test_mixed_batch_matches_dense_and_reference(
 def test_which_sequences_the_kernel_takes():
     # Decodes and extends of up to 4 tokens always; longer ones while their (new token, key)
     # pairs stay within the dtype's limit: a 128-token prompt in any dtype, 200 tokens in float32
-    # but not bf16, no 512-token prompt, no 64-token extend over 2000 cached tokens.
-    attends = cpu_ops.kernel_attends
+    # but not bf16, no 512-token prompt, no 64-token extend over 2000 cached tokens. With AMX,
+    # bf16 sequences of head_dim 64 and 128 at any length (the tile products).
+    def attends(q_len, seq_len, dtype, head_dim=64):
+        return cpu_ops.kernel_attends(q_len, seq_len, dtype, head_dim)
+
     assert attends(1, 100_000, torch.bfloat16) and attends(4, 5000, torch.float32)
     assert attends(128, 128, torch.bfloat16) and attends(128, 128, torch.float32)
-    assert attends(200, 200, torch.float32) and not attends(200, 200, torch.bfloat16)
+    assert attends(200, 200, torch.float32) and not attends(200, 200, torch.bfloat16, 80)
     assert not attends(512, 512, torch.float32) and not attends(64, 2064, torch.float32)
+    assert not attends(512, 512, torch.float16, 128)
+    amx = cpu_ops.amx_tiles()
+    assert attends(200, 200, torch.bfloat16) == amx
+    assert attends(2048, 2048, torch.bfloat16, 128) == amx
+    assert attends(64, 2064, torch.bfloat16) == amx
     assert cpu_ops.KERNEL_MAX_PAIRS[torch.bfloat16] == 16384
 
 
@@ -189,10 +197,62 @@ def test_random_batches_match_dense(seqs, heads, block_size, sliding_window, lim
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_unwritten_slots_are_never_read(kernel_only):
+_AMX = pytest.mark.skipif(
+    not cpu_ops.amx_tiles(),
+    reason="the tile path needs AMX-BF16 (a native build on Intel Sapphire Rapids or later); "
+    "without it bf16 prefills take the vector path, which the other bf16 cases here cover",
+)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+@_AMX
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 120), st.integers(1, 70)), min_size=1, max_size=4),
+    heads=st.sampled_from(HEADS),
+    head_dim=st.sampled_from([64, 128]),
+    block_size=st.sampled_from([1, 8, 16, 32]),
+    sliding_window=st.one_of(st.none(), st.integers(1, 90)),
+)
+def test_amx_tiles_match_dense(seqs, heads, head_dim, block_size, sliding_window):
+    # Prefills and extends in bf16 of 16 rows or more (new tokens x GQA group) take the tiles
+    # (`kernel_attends` gives them all to the kernel where AMX is):
+    # every split of a sequence's keys into chunks of 32 and of its rows into tiles of 16 (the
+    # last ones partial), scattered blocks, windows that end inside a chunk.
+    batch = make_batch(
+        seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+        block_size=block_size, dtype=torch.bfloat16, seed=len(seqs),
+    )  # fmt: skip
+    scale = 1 / math.sqrt(head_dim)
+    got = run(batch, scale, sliding_window=sliding_window).float()
+    want = dense_attention(batch, scale, sliding_window).float()
+    torch.testing.assert_close(got, want, **BF16_TOL)
+
+
+@_AMX
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_amx_tiles_softcap_and_long_prompts(sliding_window, kernel_only):
+    # A 300-token prompt (10 chunks of keys, 57 row tiles per KV head) and a capped one.
+    batch = make_batch([(0, 300), (40, 33)], num_heads=8, num_kv_heads=2, head_dim=64,
+                       block_size=16, dtype=torch.bfloat16, seed=3)  # fmt: skip
+    for softcap in (None, 2.0):
+        got = run(batch, 0.3, sliding_window=sliding_window, softcap=softcap).float()
+        want = dense_attention(batch, 0.3, sliding_window, softcap).float()
+        torch.testing.assert_close(got, want, **BF16_TOL)
+    assert not torch.allclose(got, dense_attention(batch, 0.3, sliding_window).float(), atol=0.1)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [(torch.float32, TOL), (torch.bfloat16, dict(atol=2e-2, rtol=2e-2))],
+    ids=["fp32", "bf16"],
+)
+def test_unwritten_slots_are_never_read(dtype, tol, kernel_only):
     # NaN in every slot that holds no key of a sequence (the rest of each last block included):
-    # one load of it would turn an output into NaN.
-    batch = make_batch(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=1)
+    # one load of it would turn an output into NaN. bf16 takes the AMX tiles where they are.
+    seqs = [*MIXED, (0, 40), (25, 30)]
+    batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=1,
+                       dtype=dtype)  # fmt: skip
     block_size = batch.k_cache.shape[1]
     keep = torch.zeros(batch.k_cache.shape[:2], dtype=torch.bool)
     for table, seq_len in zip(batch.block_tables.tolist(), batch.seq_lens.tolist(), strict=True):
@@ -200,7 +260,8 @@ def test_unwritten_slots_are_never_read(kernel_only):
             keep[table[p // block_size], p % block_size] = True
     batch.k_cache[~keep] = float("nan")
     batch.v_cache[~keep] = float("nan")
-    torch.testing.assert_close(run(batch, 0.125), dense_attention(batch, 0.125).float(), **TOL)
+    got = run(batch, 0.125).float()
+    torch.testing.assert_close(got, dense_attention(batch, 0.125).float(), **tol)
 
 
 def test_out_non_contiguous_q_and_a_combined_cache(kernel_only):
