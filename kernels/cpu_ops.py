@@ -72,6 +72,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",
+    "greedy_pick",
     "library_path",
     "loaded",
     "moe_route",
@@ -382,6 +383,20 @@ def _compiled(x: torch.Tensor) -> bool:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with contiguous rows (what the compiled ops take; strided rows are fine)."""
     return x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous()
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For float32 CPU logits [rows, vocab] (rows contiguous): each row's first index of its
+    largest value (int64), and whether the row is all finite (bool; a row that is not gets id 0),
+    in one call (the sampler's greedy rows: engine/worker/sampler.py, which checks `available()`
+    first and otherwise takes torch's ops)."""
+    if not available():
+        raise RuntimeError("greedy_pick needs pagedserve's compiled CPU kernels (not loaded)")
+    n = logits.shape[0]
+    ids = torch.empty(n, dtype=torch.long)
+    finite = torch.empty(n, dtype=torch.bool)
+    torch.ops.pagedserve_cpu.greedy_pick(_rows(logits), ids, finite)
+    return ids, finite
 
 
 def rms_norm(

@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.worker.token_rules import TokenRules
+from pagedserve.kernels import cpu_ops
 from pagedserve.scheduler import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # spreads (seed, position) pairs over distinct stream positions
@@ -29,6 +30,21 @@ class SamplingRow(NamedTuple):
     num_output_tokens: int
     prompt_token_ids: list[int] | None = None  # only when repetition_penalty != 1
     output_token_ids: list[int] | None = None  # only when a penalty or a bad word reads it
+
+
+def _compiled_greedy(logits: torch.Tensor, plan: SamplingPlan) -> bool:
+    """Whether the batch takes the compiled greedy pick (`cpu_ops.greedy_pick`: the max and the
+    finite check in one pass): CPU float32 logits, every row greedy, no rule, penalty or grammar
+    changing the logits first."""
+    return (
+        not plan.randoms
+        and plan.rules is None
+        and not plan.penalized
+        and plan.allowed is None
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and cpu_ops.available()
+    )
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,24 @@ class Sampler:
         rows = plan.rows
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
+        if _compiled_greedy(logits, plan):
+            token_ids, finite = cpu_ops.greedy_pick(logits)
+        else:
+            token_ids, finite = self._sample(logits, plan)
+        # Logprobs describe the model's distribution before any rule, penalty or temperature
+        # (vLLM's default, "raw_logprobs": a +-100 logit_bias does not show in them).
+        logprobs = None
+        if plan.asking:
+            idx = plan.asking_idx
+            ks = [rows[i].params.logprobs or 0 for i in plan.asking]
+            logprobs = LogprobTensors.compute(logits[idx], token_ids[idx], ks)
+        return DeviceSample(token_ids, finite, plan.asking, logprobs)
+
+    def _sample(
+        self, logits: torch.Tensor, plan: SamplingPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token ids, and which rows' logits were finite (the others' ids are 0)."""
+        rows = plan.rows
         raw_logits = logits
         logits = logits.float()
         # A row with a NaN or an infinity (a broken model or an overflow on this input) samples
@@ -154,16 +188,7 @@ class Sampler:
             drawn = inverse_cdf_sample(probs, plan.uniforms)
             token_ids = _greedy(logits).index_copy_(0, idx, drawn)
 
-        token_ids = token_ids.masked_fill(~finite, 0)
-
-        # Logprobs describe the model's distribution before any rule, penalty or temperature
-        # (vLLM's default, "raw_logprobs": a +-100 logit_bias does not show in them).
-        logprobs = None
-        if plan.asking:
-            idx = plan.asking_idx
-            ks = [rows[i].params.logprobs or 0 for i in plan.asking]
-            logprobs = LogprobTensors.compute(raw_logits[idx], token_ids[idx], ks)
-        return DeviceSample(token_ids, finite, plan.asking, logprobs)
+        return token_ids.masked_fill(~finite, 0), finite
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition, frequency and presence penalties for every row at once, from flat

@@ -1,9 +1,10 @@
 // The decoder layer's ops besides attention and the matmuls, for pagedserve's cpu backend
 // (`kernels.cpu_ops`): RMSNorm, residual add + RMSNorm, SiLU-and-multiply, and rotary embedding +
-// KV-cache write. Same contracts and the same roundings as `kernels/reference.py`, the oracle
-// (its docstrings say where each rounds); one call each instead of the reference's 3 to 20 torch
-// ops, whose per-op cost (~5 us each on the dev VM) made up a large share of a decode step of one
-// stream (BENCHMARKS.md, "Quantized weights on CPU").
+// KV-cache write (and, at the end, the sampler's greedy pick). Same contracts and the same
+// roundings as `kernels/reference.py`, the oracle (its docstrings say where each rounds); one
+// call each instead of the reference's 3 to 20 torch ops, whose per-op cost (~5 us each on the
+// dev VM) made up a large share of a decode step of one stream (BENCHMARKS.md, "Quantized
+// weights on CPU").
 //
 // Rows (tokens) are split over torch's threads only when a call holds more than kGrainElements
 // elements, so a decode step's calls run on the calling thread without waking the others.
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -239,9 +241,46 @@ void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
   });
 }
 
+// The sampler's greedy pick over float32 logits [rows, vocab] (rows contiguous): each row's
+// first index of its largest value, and whether the row is all finite (a NaN or an infinity
+// anywhere: false, and id 0, as the sampler's torch path gives). One pass finds the max and
+// checks (x * 0 is NaN only for a NaN or an infinity), a second stops at the max's first index:
+// torch's max(dim), amax and amin read a decode step's [64, 49152] three times (BENCHMARKS.md,
+// "Prefill attention on AMX tiles").
+void greedy_pick(const at::Tensor& logits, at::Tensor& ids, at::Tensor& finite) {
+  check_rows(logits, "logits");
+  const int64_t n = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && vocab > 0,
+              "greedy_pick: logits must be float32 [rows, vocab] with vocab > 0");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == n &&
+                  finite.scalar_type() == at::kBool && finite.is_contiguous() &&
+                  finite.numel() == n,
+              "greedy_pick: ids must be int64 [rows], finite bool [rows]");
+  const float* x = logits.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  bool* ok = finite.data_ptr<bool>();
+  at::parallel_for(0, n, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * stride;
+      float top = -std::numeric_limits<float>::infinity(), zero = 0.0f;
+#pragma omp simd reduction(max : top) reduction(+ : zero)
+      for (int64_t i = 0; i < vocab; ++i) {
+        top = row[i] > top ? row[i] : top;
+        zero += row[i] * 0.0f;
+      }
+      ok[r] = zero == 0.0f;
+      int64_t first = 0;
+      if (ok[r])
+        while (row[first] != top) ++first;  // every value is finite: top is one of them
+      id[r] = first;
+    }
+  });
+}
+
 }  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("greedy_pick(Tensor logits, Tensor(a!) ids, Tensor(b!) finite) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset, Tensor(a!) out) -> ()");
   m.def(
       "fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, "
@@ -258,4 +297,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &pagedserve_cpu::fused_add_rms_norm);
   m.impl("silu_and_mul", &pagedserve_cpu::silu_and_mul);
   m.impl("rotary_and_cache", &pagedserve_cpu::rotary_and_cache);
+  m.impl("greedy_pick", &pagedserve_cpu::greedy_pick);
 }

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pagedserve.engine.worker import sampler as sampler_module
 from pagedserve.engine.worker.sampler import Sampler, SamplingRow, _filtered_probs
 from pagedserve.scheduler import SamplingParams
 
@@ -24,6 +25,23 @@ def test_greedy_takes_the_argmax():
     out = Sampler()(logits, [_row(temperature=0), _row(top_k=1)])
     assert out.token_ids == [1, 0]
     assert out.logprobs == [None, None]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_greedy_rows_with_non_finite_logits_get_token_0(compiled, monkeypatch):
+    # All-greedy batches on CPU take the compiled pick where the kernels load
+    # (`sampler._compiled_greedy`); both roads give the same ids and flags.
+    if compiled and not sampler_module.cpu_ops.available():
+        pytest.skip("no C++ compiler here: greedy rows take torch's max")
+    if not compiled:
+        monkeypatch.setattr(sampler_module, "_compiled_greedy", lambda logits, plan: False)
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [[0.1, 2.0, 2.0, 1.9], [1.0, nan, 0.0, 3.0], [inf, 0.0, 0.0, 0.0], [0.0, 0.5, -inf, 0.2]]
+    )
+    out = Sampler()(logits, [_row(temperature=0)] * 4)
+    assert out.token_ids == [1, 0, 0, 0]
+    assert out.nonfinite_rows == [1, 2, 3]  # -inf too: a model's logits hold none
 
 
 def test_top_k_top_p_min_p_masks_are_exact():

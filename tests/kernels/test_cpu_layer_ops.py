@@ -181,3 +181,27 @@ def test_the_cpu_backend_is_the_models_ops_on_cpu():
     assert kernels.get_backend("cpu") is cpu_ops
     for name in OPS:
         assert getattr(cpu_ops, name) is not getattr(reference, name), name
+
+
+def test_greedy_pick_is_torch_max_with_the_finite_check():
+    # The sampler's greedy rows (engine/worker/sampler.py): the first index of each row's largest
+    # value, and rows holding a NaN, +inf or -inf anywhere flagged, with id 0.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(70, 49152, generator=gen) * 5
+    logits[3, [17, 40_000]] = 100.0  # a tie: the first index wins
+    logits[5, 123] = float("nan")
+    logits[6, 9] = float("inf")
+    logits[7, 49151] = float("-inf")
+    logits[8, :] = float("-inf")
+    ids, finite = cpu_ops.greedy_pick(logits)
+    assert ids.dtype == torch.int64 and finite.dtype == torch.bool
+    bad = [5, 6, 7, 8]
+    assert finite.tolist() == [i not in bad for i in range(70)]
+    want = logits.max(dim=-1).indices.masked_fill(~finite, 0)
+    assert torch.equal(ids, want) and ids[3] == 17 and ids[bad].tolist() == [0] * 4
+    # Strided rows (a slice of wider logits) and a single row.
+    wide = torch.randn(4, 1000, generator=gen)
+    assert torch.equal(cpu_ops.greedy_pick(wide[:, :900])[0], wide[:, :900].argmax(dim=-1))
+    assert cpu_ops.greedy_pick(wide[2:3])[0].tolist() == [int(wide[2].argmax())]
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.greedy_pick(wide.bfloat16())
