@@ -199,26 +199,47 @@ template <int64_t kD>
 inline void bf16_rows_as_float(const c10::BFloat16*, int64_t, int64_t, int64_t, float*) {}
 #endif
 
-// Slots start..end-1 of a block's keys or values (`src`, slot stride `stride`) as float32 rows:
-// converted into `buf` ([B][D]) for half types; for float32, `src` itself (rows `stride` apart).
+// A float32 row of D values (kD when a compile-time constant) from a row of T.
 template <typename T, int64_t kD>
-inline const float* block_as_float(const T* src, int64_t stride, int64_t start, int64_t end,
-                                   float* buf, int64_t D) {
+inline void row_as_float(const T* row, float* dst, int64_t D) {
   if constexpr (std::is_same_v<T, float>) {
-    return src;
+    std::memcpy(dst, row, D * sizeof(float));
   } else if constexpr (std::is_same_v<T, c10::BFloat16> && kVectorRows && kD > 0 &&
                        kD % 16 == 0) {
-    bf16_rows_as_float<kD>(src, stride, start, end, buf);
-    return buf;
+    bf16_rows_as_float<kD>(row, 0, 0, 1, dst);
   } else {
-    const int64_t n = kD ? kD : D;
-    for (int64_t i = start; i < end; ++i) {
-      const T* row = src + i * stride;
-      float* dst = buf + i * n;
 #pragma omp simd
-      for (int64_t d = 0; d < n; ++d) dst[d] = load(row[d]);
+    for (int64_t d = 0; d < D; ++d) dst[d] = load(row[d]);
+  }
+}
+
+// Slots start..end-1 of a block's keys and values for `heads` KV heads (`keys` and `values` at
+// the first one) as float32 rows of `kbuf` and `vbuf` ([heads][B][D]), read slot by slot, keys
+// and values side by side: two streams in address order, which the hardware prefetcher follows
+// and keeps in flight together; the same slot of the sequence's next block (`next_keys`,
+// `next_values`, or null) is fetched meanwhile. Read a head at a time, keys then values, each
+// block was crossed once per head, every third 128-byte run: decode attention from memory (64
+// sequences x 160 keys) took 1.4x the time, in float32 too, where this is a copy (BENCHMARKS.md,
+// "Prefill attention on AMX tiles").
+template <typename T, int64_t kD>
+inline void block_as_float(const T* keys, const T* values, const Geometry& g, int64_t heads,
+                           int64_t start, int64_t end, float* kbuf, float* vbuf,
+                           const T* next_keys, const T* next_values) {
+  const int64_t B = g.block_size, D = g.head_dim;
+  const int64_t slot_bytes = heads * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = start; i < end; ++i) {
+    if (next_keys != nullptr) {
+      const char* k = reinterpret_cast<const char*>(next_keys + i * g.k_slot);
+      const char* v = reinterpret_cast<const char*>(next_values + i * g.v_slot);
+      for (int64_t offset = 0; offset < slot_bytes; offset += 64) {
+        __builtin_prefetch(k + offset, 0, 2);
+        __builtin_prefetch(v + offset, 0, 2);
+      }
     }
-    return buf;
+    for (int64_t h = 0; h < heads; ++h) {
+      row_as_float<T, kD>(keys + i * g.k_slot + h * g.k_head, kbuf + (h * B + i) * D, D);
+      row_as_float<T, kD>(values + i * g.v_slot + h * g.v_head, vbuf + (h * B + i) * D, D);
+    }
   }
 }
 
@@ -558,14 +579,15 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
   // head (kv_head + r / per_head) * G + r % G.
   const int64_t per_head = tokens * G;
   const int64_t rows = item.num_kv_heads * per_head;
-  scratch.resize(rows * D * 2 + rows * 2 + rows * B + 2 * B * D);
+  const int64_t heads = item.num_kv_heads;
+  scratch.resize(rows * D * 2 + rows * 2 + rows * B + 2 * heads * B * D);
   float* qf = scratch.data();
   float* acc = qf + rows * D;
   float* row_max = acc + rows * D;
   float* row_sum = row_max + rows;
   float* p = row_sum + rows;  // [rows][B]: scores, then probabilities
-  float* kbuf = p + rows * B;  // [B][D]: the block's keys as float32
-  float* vbuf = kbuf + B * D;  // [B][D]: its values
+  float* kbuf = p + rows * B;  // [heads][B][D]: the block's keys as float32
+  float* vbuf = kbuf + heads * B * D;  // [heads][B][D]: its values
 
   const int64_t first_pos = seq_len - q_len + item.first;  // position of the item's first token
   const int64_t last_pos = first_pos + tokens - 1;
@@ -588,18 +610,19 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
     const int64_t start = std::max<int64_t>(first_key - base, 0);  // keys start..end-1 of this
     const int64_t end = std::min(B, last_pos + 1 - base);             // block are seen by some row
     const int64_t physical = block_table[block];
-    const float* keys = nullptr;
-    const float* values = nullptr;
-    const int64_t k_stride = std::is_same_v<T, float> ? g.k_slot : D;
-    const int64_t v_stride = std::is_same_v<T, float> ? g.v_slot : D;
-    for (int64_t h = 0; h < item.num_kv_heads; ++h) {
-      // The block's keys and values of this KV head as float32 rows (converted once, shared by
-      // the head's rows).
-      const int64_t head = item.kv_head + h;
-      keys = block_as_float<T, kD>(k_cache + physical * g.k_block + head * g.k_head, g.k_slot,
-                                   start, end, kbuf, D);
-      values = block_as_float<T, kD>(v_cache + physical * g.v_block + head * g.v_head, g.v_slot,
-                                     start, end, vbuf, D);
+    // The block's keys and values of the item's KV heads as float32 rows, converted once and
+    // shared by each head's rows.
+    const int64_t next = block < last_block ? block_table[block + 1] : -1;
+    const auto at = [&](const T* cache, int64_t b, int64_t block_stride, int64_t head_stride) {
+      return b < 0 ? nullptr : cache + b * block_stride + item.kv_head * head_stride;
+    };
+    block_as_float<T, kD>(at(k_cache, physical, g.k_block, g.k_head),
+                          at(v_cache, physical, g.v_block, g.v_head), g, heads, start, end, kbuf,
+                          vbuf, at(k_cache, next, g.k_block, g.k_head),
+                          at(v_cache, next, g.v_block, g.v_head));
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* keys = kbuf + h * B * D;
+      const float* values = vbuf + h * B * D;
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t pos = first_pos + t;
         const int64_t lo = g.window > 0 ? std::max(start, pos - g.window + 1 - base) : start;
@@ -611,8 +634,8 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
             const int64_t r = r0 + c;
             const auto run = [&](auto rows_now) {
               attend_rows<kD, decltype(rows_now)::value>(
-                  qf + r * D, acc + r * D, row_max + r, row_sum + r, p + r * B, B, keys, k_stride,
-                  values, v_stride, lo, hi, g.softcap);
+                  qf + r * D, acc + r * D, row_max + r, row_sum + r, p + r * B, B, keys, D,
+                  values, D, lo, hi, g.softcap);
             };
             switch (std::min<int64_t>(kGroupRows<kD>, G - c)) {
               case 4: run(std::integral_constant<int, 4>{}); break;
@@ -624,7 +647,7 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
         } else {
           for (int64_t r = r0; r < r0 + G; ++r)
             attend_row<kD>(qf + r * D, acc + r * D, row_max[r], row_sum[r], p + r * B, keys,
-                           k_stride, values, v_stride, lo, hi, g.softcap, D);
+                           D, values, D, lo, hi, g.softcap, D);
         }
       }
     }
