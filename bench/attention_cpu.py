@@ -3,6 +3,7 @@ each backend side by side (the compiled `cpu` kernel and the `torch` reference b
 
     python -m pagedserve.bench.attention_cpu               # SmolLM2-135M shapes, fp32 and bf16
     python -m pagedserve.bench.attention_cpu --threads 1 --iters 50 --backends cpu
+    python -m pagedserve.bench.attention_cpu --from-memory --scenarios decode --context 160
 
 Scenarios (each over a paged cache with the sequences' blocks scattered at random):
   decode   --batch sequences, one new token each, context ~--context tokens (+-25%)
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--from-memory",
+        action="store_true",
+        help="a cache per layer, as in a model, so that a step's K/V come from memory: times the "
+        "attention of all --num-layers layers in turn (attn ms: their mean)",
+    )
     return parser
 
 
@@ -128,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         for dtype_name in args.dtypes.split(","):
             t = build(seqs, args, DTYPES[dtype_name])
             out = torch.empty_like(t["q"])
+            layers = [(t["k_cache"], t["v_cache"])]
+            if args.from_memory:  # the other layers' caches: copies, the same keys and values
+                layers += [(k.clone(), v.clone()) for k, v in layers * (args.num_layers - 1)]
 
             results = []
             for ops in backends:
@@ -138,14 +148,15 @@ def main(argv: list[str] | None = None) -> None:
                     )
 
                 def attend(t=t, out=out, ops=ops) -> None:
-                    ops.paged_attention(
-                        t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
-                        t["query_start_loc"], scale, out=out,
-                    )  # fmt: skip
+                    for k_cache, v_cache in layers:
+                        ops.paged_attention(
+                            t["q"], k_cache, v_cache, t["block_tables"], t["seq_lens"],
+                            t["query_start_loc"], scale, out=out,
+                        )  # fmt: skip
 
                 write()
                 cache_ms = time_ms(write, args.iters, args.repeats)
-                attn_ms = time_ms(attend, args.iters, args.repeats)
+                attn_ms = time_ms(attend, args.iters, args.repeats) / len(layers)
                 results.append((cache_ms, attn_ms, args.num_layers * (cache_ms + attn_ms)))
             for backend, (cache_ms, attn_ms, step_ms) in zip(
                 args.backends.split(","), results, strict=True
