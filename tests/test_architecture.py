@@ -278,4 +278,5 @@ def test_only_entry_points_tune_the_allocator():
         "bench/compare_serve.py",
         "bench/compare_transformers.py",
         "bench/host_step.py",
+        "bench/quantized_cpu.py",
     }
