@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                         t["k"], t["v"], t["k_cache"], t["v_cache"], t["slot_mapping"]
                     )
 
-                def attend(t=t, out=out, ops=ops) -> None:
+                def attend(t=t, out=out, ops=ops, layers=layers) -> None:
                     for k_cache, v_cache in layers:
                         ops.paged_attention(
                             t["q"], k_cache, v_cache, t["block_tables"], t["seq_lens"],

@@ -230,6 +230,18 @@ def test_amx_tiles_match_dense(seqs, heads, head_dim, block_size, sliding_window
 
 
 @_AMX
+def test_amx_tiles_with_every_kv_head_in_one_item():
+    # With at least 4 sequences per thread an item takes all of a sequence's KV heads (its
+    # tokens' rows of each head in turn), as in the engine's prefill steps of many prompts.
+    shapes = [(0, 40), (7, 33), (0, 128), (60, 16), (0, 17), (5, 50), (0, 64), (90, 20)]
+    seqs = [shapes[i % len(shapes)] for i in range(4 * torch.get_num_threads() + 2)]
+    batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                       dtype=torch.bfloat16, seed=4)  # fmt: skip
+    got = run(batch, 0.125).float()
+    torch.testing.assert_close(got, dense_attention(batch, 0.125).float(), **BF16_TOL)
+
+
+@_AMX
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_amx_tiles_softcap_and_long_prompts(sliding_window, kernel_only):
     # A 300-token prompt (10 chunks of keys, 57 row tiles per KV head) and a capped one.
