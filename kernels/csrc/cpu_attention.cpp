@@ -370,6 +370,13 @@ struct AmxScratch {
   std::vector<float> row_max, row_sum;  // [row tiles][16]
   std::vector<c10::BFloat16> keys;  // [kAmxKeys][D]: a chunk's keys, zeros past its last
   std::vector<uint32_t> v_tiles;    // [D / 16][16 dims][16 pairs of keys]: V^T
+  // Whether this thread configured the tiles: on its first item on tiles, so that a decode
+  // step's threads never touch the tile state, and released at the end of the call.
+  bool configured = false;
+
+  ~AmxScratch() {
+    if (configured) _tile_release();
+  }
 };
 
 template <int64_t kD>
@@ -378,6 +385,10 @@ void attend_item_amx(const Item& item, const Geometry& g, const c10::BFloat16* q
                      const int32_t* block_table, int64_t seq_len, int64_t q_start, int64_t q_len,
                      c10::BFloat16* out, AmxScratch& s) {
   using BF16 = c10::BFloat16;
+  if (!s.configured) {
+    pagedserve_cpu::load_full_tiles();
+    s.configured = true;
+  }
   const int64_t B = g.block_size, G = g.group, tokens = item.last - item.first;
   const int64_t rows = tokens * G, tiles = (rows + 15) / 16;
   const int64_t first_pos = seq_len - q_len + item.first, last_pos = first_pos + tokens - 1;
@@ -707,10 +718,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> scratch;
-    AmxScratch amx_scratch;
-#if defined(__AMX_TILE__)
-    if (g.amx) pagedserve_cpu::load_full_tiles();
-#endif
+    AmxScratch amx_scratch;  // released by its destructor, in this thread
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
       const int64_t s = item.seq;
@@ -727,9 +735,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                              amx_scratch);
       }
     }
-#if defined(__AMX_TILE__)
-    if (g.amx) _tile_release();
-#endif
   }
 }
 
