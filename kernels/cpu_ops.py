@@ -106,7 +106,7 @@ COMPILED_OPS = (
 KERNEL_MAX_NEW_TOKENS = 4
 KERNEL_MAX_PAIRS = {torch.float32: 65536, torch.bfloat16: 16384, torch.float16: 16384}
 # Where the library has AMX (`amx_tiles`), bfloat16 sequences of these head_dims go through the
-# kernel's tile products whatever their length: 1.4-3.4x faster than SDPA one call per sequence,
+# kernel's tile products whatever their length: about 2x faster than SDPA one call per sequence,
 # from 16 prompts of 128 tokens to one of 2048 (BENCHMARKS.md, "Prefill attention on AMX tiles").
 AMX_HEAD_DIMS = (64, 128)
 # Every build's flags but the instruction set (`cpu_features.kernel_flags` / `march_flags`).
