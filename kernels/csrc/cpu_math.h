@@ -60,18 +60,21 @@ inline float round_as(float v) {
 // reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6 polynomial for e^r (relative error
 // about 1e-7), and 2^n through the exponent bits. exp of anything below -87 (a masked key's -inf
 // included) is 0.
+// The constants, shared with cpu_attention.cpp's 16-lane twin: ln 2 in two parts (exact high
+// bits, then the rest) and the polynomial's coefficients, highest degree first.
+constexpr float kExpFloor = -87.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const bool underflow = x < kExpFloor;
+  x = underflow ? kExpFloor : x;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  float r = x - n * kLn2High;
+  r = r + n * kLn2Low;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
