@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -598,6 +599,22 @@ inline void dequantize_bf16(const uint8_t* row, int64_t b, const float* scales,
                             c10::BFloat16* o) {
   if constexpr (QType == kQ8_0 || QType == kQ6_K) {
     dequantize_block<QType>(row, b, scales, o);
+  } else if constexpr (QType == kQ4_0 || QType == kQ4_1) {
+    // The 16 code bytes widened twice to 16-bit lanes, the second copy shifted to its high
+    // nibbles; vpermw reads an index's low 5 bits, so the first copy's high nibble (bit 4) picks
+    // between the table's two equal halves.
+    const uint8_t* block = row + b * block_bytes(QType);
+    const __m128 pair = block_pair<QType>(block);
+    const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 values = _mm512_fmadd_ps(_mm512_broadcastss_ps(pair), low,
+                                          _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    const __m128i raw =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (QType == kQ4_1 ? 4 : 2)));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i words =
+        _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(raw)), shifts);
+    _mm512_storeu_si512(o, _mm512_permutexvar_epi16(words, table));
   } else {
     float pair[4];
     if constexpr (is_k_quant(QType)) {
@@ -666,29 +683,30 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
   const int64_t pairs = (n + 2 * kAmxRows - 1) / (2 * kAmxRows);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     pagedserve_cpu::load_full_tiles();
-    std::vector<c10::BFloat16> weights(2 * tile);
+    // Every element is written before it is read: not value-initialized, which stored each one
+    // per call.
+    const std::unique_ptr<c10::BFloat16[]> weights(new c10::BFloat16[2 * tile]);
     alignas(64) float products[4][kAmxRows * kAmxRows];
     float scales[16];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = t * 2 * kAmxRows;
       const int count = static_cast<int>(std::min<int64_t>(2 * kAmxRows, n - first));
-      // The next pair's blocks are fetched while this one is multiplied: 32 rows' streams at
-      // once outrun the hardware prefetcher (as in the block dot products).
-      if (t + 1 < end) {
-        const uint8_t* next = weight + (first + 2 * kAmxRows) * row_bytes;
-        const int64_t bytes =
-            std::min<int64_t>(2 * kAmxRows, n - first - 2 * kAmxRows) * row_bytes;
-        for (int64_t offset = 0; offset < bytes; offset += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T1);
-      }
+      // The next pair's rows are fetched a row at a time while this pair's are dequantized.
+      const uint8_t* next = t + 1 < end ? weight + (first + 2 * kAmxRows) * row_bytes : nullptr;
+      const int next_count =
+          next ? static_cast<int>(std::min<int64_t>(2 * kAmxRows, n - first - 2 * kAmxRows)) : 0;
       const int wt = count > kAmxRows ? 2 : 1;
       for (int r = 0; r < wt * kAmxRows; ++r) {
-        c10::BFloat16* dst = weights.data() + r / kAmxRows * tile + r % kAmxRows * kBlock;
+        c10::BFloat16* dst = weights.get() + r / kAmxRows * tile + r % kAmxRows * kBlock;
         if (r >= count) {  // rows past the weight's last: zeros
           for (int64_t kb = 0; kb < nblocks; ++kb)
             std::memset(dst + kb * kAmxRows * kBlock, 0, kBlock * 2);
           continue;
         }
+        if (r < next_count)
+          for (int64_t offset = 0; offset < row_bytes; offset += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + offset),
+                         _MM_HINT_T1);
         const uint8_t* row = weight + (first + r) * row_bytes;
         for (int64_t kb = 0; kb < nblocks; ++kb) {
           if (is_k_quant(QType) && kb % 8 == 0)
@@ -698,7 +716,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
       }
       for (int64_t c0 = 0; c0 < chunks; c0 += 2) {
         const int ch = static_cast<int>(std::min<int64_t>(2, chunks - c0));
-        tile_pass_any(wt, ch, weights.data(), tile, activations.data() + c0 * chunk, chunk,
+        tile_pass_any(wt, ch, weights.get(), tile, activations.data() + c0 * chunk, chunk,
                       nblocks, products);
         // Product tile w * 2 + c is out^T: its column j holds weight rows first + 16 w ... by
         // activation row (c0 + c) * 16 + j.
