@@ -47,6 +47,9 @@
 namespace {
 
 using pagedserve_cpu::exp_nonpositive;
+#if defined(__AVX512F__)
+using pagedserve_cpu::exp_nonpositive16;
+#endif
 using pagedserve_cpu::load;
 
 constexpr int64_t kTileTokens = 16;  // new tokens per work item in prefill/extend
@@ -246,10 +249,33 @@ inline void block_as_float(const T* keys, const T* values, const Geometry& g, in
 // A row's scores pr[lo..hi] (soft-capped when softcap > 0) into their exponentials under the row's
 // running max, which it updates with the row's sum (the online softmax); returns the factor the
 // row's accumulator is rescaled by (0 for its first block).
+// AVX-512 builds take 16 keys per instruction: the compiler leaves the plain loops below mostly
+// scalar.
 inline float online_softmax(float* pr, int64_t lo, int64_t hi, float softcap, float& row_max,
                             float& row_sum) {
   if (softcap > 0.0f)
     for (int64_t i = lo; i <= hi; ++i) pr[i] = softcap * std::tanh(pr[i] / softcap);
+#if defined(__AVX512F__)
+  const auto lanes = [&](int64_t i) {  // keys i..min(i + 15, hi)
+    return static_cast<__mmask16>((1u << std::min<int64_t>(16, hi + 1 - i)) - 1);
+  };
+  __m512 top = _mm512_set1_ps(kNegInf);
+  for (int64_t i = lo; i <= hi; i += 16)
+    top = _mm512_mask_max_ps(top, lanes(i), top, _mm512_maskz_loadu_ps(lanes(i), pr + i));
+  const float new_max = std::max(row_max, _mm512_reduce_max_ps(top));
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = lo; i <= hi; i += 16) {
+    const __m512 x = _mm512_maskz_loadu_ps(lanes(i), pr + i);
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(x, shift));
+    _mm512_mask_storeu_ps(pr + i, lanes(i), e);
+    sum = _mm512_mask_add_ps(sum, lanes(i), sum, e);
+  }
+  const float correction = exp_nonpositive(row_max - new_max);
+  row_sum = row_sum * correction + _mm512_reduce_add_ps(sum);
+  row_max = new_max;
+  return correction;
+#else
   // Four running maxima: a chain of one would wait on each comparison.
   float m[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
   int64_t i = lo;
@@ -267,6 +293,7 @@ inline float online_softmax(float* pr, int64_t lo, int64_t hi, float softcap, fl
   row_sum = row_sum * correction + block_sum;
   row_max = new_max;
   return correction;
+#endif
 }
 
 // R rows of one GQA group (q, acc, row_max, row_sum and p at their first row; p's rows ld apart)
@@ -332,24 +359,6 @@ void attend_row(const float* qr, float* accr, float& row_max, float& row_sum, fl
     defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kAmxAttention = true;
 constexpr int64_t kAmxKeys = 32;  // key positions per chunk: the K of an O^T tile product
-
-// exp_nonpositive over 16 lanes (the same reduction and polynomial); lanes below -87 give 0.
-inline __m512 exp_nonpositive16(__m512 x) {
-  using namespace pagedserve_cpu;
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFloor), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
-}
 
 // Lane 2 j takes element j of a's 16 bf16 values, lane 2 j + 1 element j of b's: a pair per lane
 // for AMX's layout of B tiles and of V^T.
@@ -669,7 +678,7 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
     const float inv = 1.0f / row_sum[r];  // every row sees at least its own position's key
     const float* ar = acc + r * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ar[d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = pagedserve_cpu::store<T>(ar[d] * inv);
   }
 }
 

@@ -83,6 +83,23 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
+// exp_nonpositive over 16 lanes (the same reduction and polynomial); lanes below -87 give 0.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFloor), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
 // A 16 x 16 tile of 32-bit values (rows `stride` floats apart) as its columns: columns[c][r] =
 // tile[r][c] (4 rounds of shuffles).
 inline void transpose16(const float* tile, int64_t stride, __m512 columns[16]) {
