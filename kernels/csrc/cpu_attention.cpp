@@ -370,12 +370,13 @@ inline __m512i interleave16(__m256i a, __m256i b) {
                                    _mm512_castsi256_si512(b));
 }
 
+// What the tiles load and store is on whole cache lines (pagedserve_cpu::LineVector).
 struct AmxScratch {
-  std::vector<uint32_t> q_tiles;    // [row tiles][D / 32][16 pairs][16 rows]: Q^T
-  std::vector<float> acc;           // [row tiles][D][16 rows]: O^T, unnormalised
-  std::vector<float> row_max, row_sum;  // [row tiles][16]
-  std::vector<c10::BFloat16> keys;  // [kAmxKeys][D]: a chunk's keys, zeros past its last
-  std::vector<uint32_t> v_tiles;    // [D / 16][16 dims][16 pairs of keys]: V^T
+  pagedserve_cpu::LineVector<uint32_t> q_tiles;  // [row tiles][D / 32][16 pairs][16 rows]: Q^T
+  pagedserve_cpu::LineVector<float> acc;         // [row tiles][D][16 rows]: O^T, unnormalised
+  std::vector<float> row_max, row_sum;           // [row tiles][16]
+  pagedserve_cpu::LineVector<c10::BFloat16> keys;  // [kAmxKeys][D]: a chunk's keys, 0s after
+  pagedserve_cpu::LineVector<uint32_t> v_tiles;    // [D / 16][16 dims][16 pairs of keys]: V^T
   // Whether this thread configured the tiles: on its first item on tiles, so that a decode
   // step's threads never touch the tile state, and released at the end of the call.
   bool configured = false;

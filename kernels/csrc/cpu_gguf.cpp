@@ -33,7 +33,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -567,9 +566,9 @@ bool amx_permitted() {
 
 // x [m, k] bf16 as AMX B tiles: chunk c (16 rows, zero-padded), block kb -> 16 x 16 (k, k + 1)
 // pairs, [pair][row]: the transpose of the chunk's [row][pair] (bf16 pairs moved as floats).
-std::vector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m, int64_t k) {
+pagedserve_cpu::LineVector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m, int64_t k) {
   const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, nblocks = k / kBlock;
-  std::vector<uint32_t> tiles(chunks * nblocks * 256);
+  pagedserve_cpu::LineVector<uint32_t> tiles(chunks * nblocks * 256);
   at::parallel_for(0, chunks * nblocks, 16, [&](int64_t begin, int64_t end) {
     alignas(64) float padded[16 * 16] = {};  // a last chunk's rows, zeros past row m
     for (int64_t index = begin; index < end; ++index) {
@@ -677,15 +676,14 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
   const int64_t nblocks = k / kBlock;
   const int64_t row_bytes = nblocks / sub_blocks(QType) * block_bytes(QType);
   const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, chunk = nblocks * 256;
-  const std::vector<uint32_t> activations = activation_tiles(x, m, k);
+  const auto activations = activation_tiles(x, m, k);
   // Threads take pairs of weight tiles (32 rows), dequantized block-major: [2][nblocks][16][32].
   const int64_t tile = nblocks * kAmxRows * kBlock;
   const int64_t pairs = (n + 2 * kAmxRows - 1) / (2 * kAmxRows);
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     pagedserve_cpu::load_full_tiles();
-    // Every element is written before it is read: not value-initialized, which stored each one
-    // per call.
-    const std::unique_ptr<c10::BFloat16[]> weights(new c10::BFloat16[2 * tile]);
+    pagedserve_cpu::LineVector<c10::BFloat16> buffer(2 * tile);  // written before it is read
+    c10::BFloat16* weights = buffer.data();
     alignas(64) float products[4][kAmxRows * kAmxRows];
     float scales[16];
     for (int64_t t = begin; t < end; ++t) {
@@ -697,7 +695,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
           next ? static_cast<int>(std::min<int64_t>(2 * kAmxRows, n - first - 2 * kAmxRows)) : 0;
       const int wt = count > kAmxRows ? 2 : 1;
       for (int r = 0; r < wt * kAmxRows; ++r) {
-        c10::BFloat16* dst = weights.get() + r / kAmxRows * tile + r % kAmxRows * kBlock;
+        c10::BFloat16* dst = weights + r / kAmxRows * tile + r % kAmxRows * kBlock;
         if (r >= count) {  // rows past the weight's last: zeros
           for (int64_t kb = 0; kb < nblocks; ++kb)
             std::memset(dst + kb * kAmxRows * kBlock, 0, kBlock * 2);
@@ -716,7 +714,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
       }
       for (int64_t c0 = 0; c0 < chunks; c0 += 2) {
         const int ch = static_cast<int>(std::min<int64_t>(2, chunks - c0));
-        tile_pass_any(wt, ch, weights.get(), tile, activations.data() + c0 * chunk, chunk,
+        tile_pass_any(wt, ch, weights, tile, activations.data() + c0 * chunk, chunk,
                       nblocks, products);
         // Product tile w * 2 + c is out^T: its column j holds weight rows first + 16 w ... by
         // activation row (c0 + c) * 16 + j.

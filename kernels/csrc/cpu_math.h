@@ -8,12 +8,45 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AMX_TILE__)
 #include <immintrin.h>
 #endif
 
 namespace pagedserve_cpu {
+
+// Allocations on whole cache lines, for what AMX tiles load and store: a tile's 64-byte rows each
+// on one line (malloc's 16-byte alignment put every row across two in some processes and not in
+// others: BENCHMARKS.md, "Aligned tiles"). Elements are default-initialized (a resize leaves them
+// as they come): every user writes before it reads.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  void construct(U* p) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 inline float load(float x) { return x; }
 inline float load(c10::Half x) { return static_cast<float>(x); }
