@@ -5,7 +5,6 @@ adding an option is one new field). Validation happens on construction; there is
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +25,6 @@ DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# `pagedserve serve` on CPU: a prompt chunk of 2048 tokens stalls every running stream for ~1.4 s
-# there, so while streams decode, a step's prompt tokens are capped at the prompts' share of the
-# budget or this floor (Scheduler._prefill_cap; BENCHMARKS.md, "Prefill while decoding on CPU").
-CPU_SERVING_PREFILL_WHILE_DECODING = 256
 # The choices of --quantization (engine/models/quantized_linear.py acts on them).
 QUANTIZATIONS = ("auto", "none", "gguf")
 
@@ -108,7 +103,7 @@ class EngineConfig(Options):
         "in a step where streams decode, prompt tokens (new prompts and prefill chunks) take at "
         "most the prompts' per-request share of the token budget, or this many if more, so long "
         "prompts do not stall the streams; a step without decodes takes the whole budget "
-        f"(default: no cap; `serve` on CPU: {CPU_SERVING_PREFILL_WHILE_DECODING})",
+        "(default: no cap: every step may take the whole budget, as vLLM's scheduler does)",
         group="scheduler",
     )
     max_model_len: int | None = option(
@@ -334,18 +329,6 @@ class EngineConfig(Options):
     def step_token_budget(self) -> int:
         """max_num_batched_tokens, or its default when unset."""
         return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
-
-    def for_serving(self) -> EngineConfig:
-        """This config as `pagedserve serve` runs it: on CPU an unset
-        max_prefill_tokens_while_decoding becomes CPU_SERVING_PREFILL_WHILE_DECODING, so a long
-        prompt's prefill does not stall the streams already decoding. (Offline batches keep no
-        cap: it would cost them throughput, and nobody watches their inter-token latency.)"""
-        if self.max_prefill_tokens_while_decoding is not None:
-            return self
-        if self.torch_device().type != "cpu":
-            return self
-        cap = CPU_SERVING_PREFILL_WHILE_DECODING
-        return dataclasses.replace(self, max_prefill_tokens_while_decoding=cap)
 
     def model_len(self, context_length: int) -> int:
         """max_model_len, or when unset the model's `context_length`; ValueError beyond it."""

@@ -92,7 +92,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.api_server import run_server
 
     server = ServerConfig.from_cli_args(args)
-    config = args.config_cls.from_cli_args(args).for_serving()
+    config = args.config_cls.from_cli_args(args)
     endpoint = TPEndpoint.from_torchrun()
     if endpoint is not None:  # every rank of a tensor-parallel engine started by torchrun
         if server.data_parallel_size != 1:

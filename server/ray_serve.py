@@ -160,9 +160,7 @@ class _Replica:
             logger.setLevel(logging.INFO)
         self.server = server
         # Off the event loop: loading takes seconds to minutes.
-        self.client, description, _ = await asyncio.to_thread(
-            start_client, config.for_serving(), server
-        )
+        self.client, description, _ = await asyncio.to_thread(start_client, config, server)
         try:
             self.fastapi_app = server_app(self.client, config, server)
         except BaseException:

@@ -263,7 +263,9 @@ def test_the_help_states_each_default_once_and_right(capsys):
     assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step (default: 256)" in help_text
     # Unset, the step budget is derived, and the help says how (it once claimed 2048).
     assert "in chunks (default: max(2048, max_num_seqs))" in help_text
-    assert "(default: no cap; `serve` on CPU: 256)" in help_text
+    assert "(default: no cap: every step may take the whole budget, as vLLM's scheduler does)" in (
+        help_text
+    )
     assert EngineConfig(max_num_seqs=4096).step_token_budget == 4096
     assert EngineConfig().step_token_budget == 2048
     assert "one compiled call per step (GGUF weights kept quantized) (default: False)" in help_text
