@@ -566,7 +566,8 @@ bool amx_permitted() {
 
 // x [m, k] bf16 as AMX B tiles: chunk c (16 rows, zero-padded), block kb -> 16 x 16 (k, k + 1)
 // pairs, [pair][row]: the transpose of the chunk's [row][pair] (bf16 pairs moved as floats).
-pagedserve_cpu::LineVector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m, int64_t k) {
+pagedserve_cpu::LineVector<uint32_t> activation_tiles(const c10::BFloat16* x, int64_t m,
+                                                      int64_t k) {
   const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, nblocks = k / kBlock;
   pagedserve_cpu::LineVector<uint32_t> tiles(chunks * nblocks * 256);
   at::parallel_for(0, chunks * nblocks, 16, [&](int64_t begin, int64_t end) {
