@@ -275,6 +275,21 @@ struct QuantizedActivations {
 // step as one call").
 constexpr int kPrefetchBytes = 4096;
 
+// Q4_0 and Q4_1 where the integer dot is vpdpbusd: its sums of 4 products do not saturate, so a
+// block's high nibbles can be multiplied where they are (16 x the value) instead of shifted down
+// and moved into place. Fewer instructions per block: the decode GEMV is bound by them, not by
+// memory (as fast with the weights in L2 as from L3: BENCHMARKS.md, "Fewer instructions per Q4
+// block").
+template <int64_t QType>
+constexpr bool kNibbleDot = (QType == kQ4_0 || QType == kQ4_1) &&
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+                            true;
+#else
+                            false;
+#endif
+template <int64_t QType>
+constexpr int64_t kNibbles = QType == kQ4_1 ? 4 : 2;  // where a block's codes start
+
 // RW weight rows (`rows[r]`) by RX activation rows (from row `first`): out[r * RX + j] = the
 // dot product of weight row r and activation row j. Each block's weight codes are expanded once
 // for the RX rows, each activation block loaded once for the RW rows. A block's two factors come
@@ -294,6 +309,10 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
       offset[r][j] = _mm_setzero_ps();
     }
   float scales[RW][16];  // K-quants: the super-block's (see super_block_scales)
+  [[maybe_unused]] const __m256i nibble_masks =
+      _mm256_setr_epi64x(0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL,
+                         static_cast<long long>(0xf0f0f0f0f0f0f0f0ULL),
+                         static_cast<long long>(0xf0f0f0f0f0f0f0f0ULL));
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t s = b % kSub;
     if constexpr (is_k_quant(QType)) {
@@ -312,6 +331,12 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
       c[j] = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(x.codes.data() + (first + j) * x.k + b * kBlock));
     const float* xs = x.scales.data() + (b * x.m + first) * 2;
+    [[maybe_unused]] __m128 q4_scales[RX];  // kNibbleDot: (dx, sx), Q4_0's (dx, -8 sx)
+    if constexpr (kNibbleDot<QType>)
+      for (int j = 0; j < RX; ++j)
+        q4_scales[j] = _mm_mul_ps(
+            _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs + 2 * j))),
+            _mm_setr_ps(1.0f, QType == kQ4_0 ? -8.0f : 1.0f, 0.0f, 0.0f));
     [[maybe_unused]] __m256i bias[RX];  // Q6_K: 32 * sum c per half block, lanes 0-3 and 4-7
     if constexpr (QType == kQ6_K)
       for (int j = 0; j < RX; ++j) bias[j] = dot_u8s8(_mm256_set1_epi8(32), c[j]);
@@ -320,6 +345,26 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
         _mm_prefetch(reinterpret_cast<const char*>(rows[r] + b * block_bytes(QType) +
                                                    kPrefetchBytes),
                      _MM_HINT_T0);
+      if constexpr (kNibbleDot<QType>) {
+        // The block's 16 bytes in both halves, masked to the low nibbles (values 0-15) and to the
+        // high ones in place (16 x values 16-31: that half of acc adds 16 times its share, taken
+        // off at the end); d and m (Q4_0: d and 2 bytes of codes) converted from memory.
+        const uint8_t* block = rows[r] + b * block_bytes(QType);
+        const __m256i codes = _mm256_and_si256(
+            _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbles<QType>))),
+            nibble_masks);
+        __m128 pair = _mm_cvtph_ps(_mm_loadu_si64(block));
+        if constexpr (QType == kQ4_0) pair = _mm_moveldup_ps(pair);  // (d, d): m = -8 d
+        for (int j = 0; j < RX; ++j) {
+          const __m256i sums = dot_u8s8(codes, c[j]);
+          const __m128 factors = _mm_mul_ps(pair, q4_scales[j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcastss_ps(factors),
+                                      acc[r][j]);
+          offset[r][j] = _mm_add_ps(offset[r][j], factors);
+        }
+        continue;
+      }
       const __m256i codes = block_codes<QType>(rows[r], b);
       if constexpr (QType == kQ8_0) {
         const float d = half_to_float(rows[r] + b * 34);
@@ -359,6 +404,9 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
       const float off = QType == kQ8_0 || QType == kQ6_K
                             ? 0.0f
                             : _mm_cvtss_f32(_mm_movehdup_ps(offset[r][j]));
+      if constexpr (kNibbleDot<QType>)
+        acc[r][j] = _mm256_mul_ps(acc[r][j], _mm256_setr_ps(1.0f, 1.0f, 1.0f, 1.0f, 0.0625f,
+                                                           0.0625f, 0.0625f, 0.0625f));
       out[r * RX + j] = hsum(acc[r][j]) + off;
     }
 }
