@@ -108,7 +108,7 @@ def matmul_part(args: argparse.Namespace) -> list[dict]:
         for key, op in routes.items():
             record[key] = _time(
                 lambda inputs=inputs, outputs=outputs, op=op: [
-                    op(inputs[w.in_features], p.blocks, int(p.qtype), outputs[id(p)])
+                    op(inputs[w.in_features], p.blocks, p.kernel_type, outputs[id(p)])
                     for w in kept
                     for p in w.parts
                 ],

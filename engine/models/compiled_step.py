@@ -60,7 +60,7 @@ def unsupported(model) -> str | None:
 
 
 def _parts(weight: BlockWeight) -> tuple[list[torch.Tensor], list[int]]:
-    return [p.blocks for p in weight.parts], [int(p.qtype) for p in weight.parts]
+    return [p.blocks for p in weight.parts], [p.kernel_type for p in weight.parts]
 
 
 class CompiledStep:
@@ -74,6 +74,14 @@ class CompiledStep:
         self._layers = torch.classes.pagedserve_cpu.DecoderLayers(
             first.num_heads, first.num_kv_heads, first.head_dim, config.rms_norm_eps,
             first.scale, model.norm.weight,
+        )  # fmt: skip
+        # The step's route (`quantized_linear.route`): by interleaved rows' crossovers where
+        # every layer's weights are.
+        self._interleaved = all(
+            quantized(p).interleaved
+            for layer in model.layers
+            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj)
         )  # fmt: skip
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -91,7 +99,9 @@ class CompiledStep:
         attention kernel takes every sequence (`cpu_ops.kernel_attends`: decodes, short extends
         and short prompts), no LoRA adapter is attached, and the cache holds the activations'
         dtype."""
-        if route(x.shape[0], x.dtype) == "dense" or self._first.qkv_lora is not None:
+        if route(x.shape[0], x.dtype, self._interleaved) == "dense":
+            return False
+        if self._first.qkv_lora is not None:
             return False
         if self._first.calibrate_dtype is not None or kv_caches[0][0].dtype != x.dtype:
             return False
@@ -115,5 +125,5 @@ class CompiledStep:
         return self._layers.forward(
             x.contiguous(), positions.contiguous(), [k for k, _ in kv_caches],
             [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            meta.query_start_loc, route(x.shape[0], x.dtype) == "amx",
+            meta.query_start_loc, route(x.shape[0], x.dtype, self._interleaved) == "amx",
         )  # fmt: skip

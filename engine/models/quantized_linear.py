@@ -4,8 +4,9 @@ dtype at load (`--quantization`).
 
 A decode step of one stream reads every weight once for one row of activations, so its time is
 the weights' bytes: Q4_1 is 5 bits a value against bfloat16's 16 and float32's 32. The blocks are
-the file's bytes, unchanged (the weights hold exactly the values llama.cpp multiplies by, and
-their memory is the file's size), and the matmuls read them directly
+the file's bytes (Q4_0, Q4_1 and Q8_0 with their rows interleaved by 8: the same bytes in another
+order, `QuantizedRows.interleave`), so the weights hold exactly the values llama.cpp multiplies by
+and their memory is the file's size, and the matmuls read them directly
 (kernels/csrc/cpu_gguf.cpp, on every x86 CPU with AVX2):
 
 - steps of few rows (`BLOCK_DOT_MAX_ROWS` by dtype): the activations are quantized per block of
@@ -48,11 +49,14 @@ KEPT_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 # Steps of at most this many rows multiply by the blocks, more rows dequantize and run a dense
 # GEMM: where the two cross on the 2-core dev VMs, by activation dtype (BENCHMARKS.md, "Quantized
-# weights on every x86 CPU").
+# weights on every x86 CPU"). Interleaved rows would cross later (float32: past 128 rows), but
+# longer steps keep their activations unquantized (BENCHMARKS.md, "Rows interleaved by 8").
 BLOCK_DOT_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 32}
-# With AMX, bfloat16 steps of more than AMX_MIN_ROWS and up to AMX_MAX_ROWS rows take the AMX
-# tiles (where they beat the block dot products and the dense route: BENCHMARKS.md).
+# With AMX, bfloat16 steps of more than AMX_MIN_ROWS (weights of interleaved rows: more than
+# INTERLEAVED_AMX_MIN_ROWS, where their block dot products cross) and up to AMX_MAX_ROWS rows take
+# the AMX tiles (where they beat the block dot products and the dense route: BENCHMARKS.md).
 AMX_MIN_ROWS = 6
+INTERLEAVED_AMX_MIN_ROWS = 12
 AMX_MAX_ROWS = 512
 # The dense route dequantizes a weight in slabs of at most this many bytes (a tied embedding of
 # 49152 x 576 would otherwise need 113 MB of float32 at once).
@@ -62,18 +66,82 @@ _QUANTIZED = "_pagedserve_quantized"
 logger = logging.getLogger(__name__)
 
 
+# Q4_0, Q4_1 and Q8_0 weights of whole groups of 8 rows are kept with their rows interleaved by 8
+# (`QuantizedRows.interleave`): the block dot products then take 8 rows per instruction, about a
+# third of the instructions per row and block of the file's layout (BENCHMARKS.md, "Rows
+# interleaved by 8"). The kernels know such a weight by its type id plus ROWS8 (kRows8 in
+# cpu_gguf.cpp).
+INTERLEAVED_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q8_0)
+GROUP_ROWS = 8
+ROWS8 = 1000
+
+
 @dataclass
 class QuantizedRows:
     """Rows of one GGUF weight as its blocks: `blocks` uint8 [N, K / 32 * block bytes], row n
-    the blocks of the weight's row n."""
+    the blocks of the weight's row n; or, `interleaved`, [N / 8, 8 x a row's bytes]: per group
+    of 8 rows and block, the 8 rows' float16 d (Q4_1: then their 8 m), then runs of 32 bytes
+    (Q4: 4, Q8_0: 8), run g holding each row's code bytes 4 g .. 4 g + 3 in row order (Q8_0's
+    int8 codes stored plus 128, for the unsigned side of vpdpbusd)."""
 
     qtype: gguf.GGMLQuantizationType
     blocks: torch.Tensor
     shape: tuple[int, int]
+    interleaved: bool = False
+
+    @property
+    def kernel_type(self) -> int:
+        """The type id the kernels take (ROWS8 added where the rows are interleaved)."""
+        return int(self.qtype) + (ROWS8 if self.interleaved else 0)
+
+    def interleave(self) -> QuantizedRows:
+        """The same weight with its rows interleaved by 8 where its type and rows allow (Q4_0 or
+        Q4_1, N a multiple of 8), else itself: same bytes, another order."""
+        n, k = self.shape
+        if self.interleaved or self.qtype not in INTERLEAVED_TYPES or n % GROUP_ROWS:
+            return self
+        halves, runs, bias = self._layout()
+        size = gguf.GGML_QUANT_SIZES[self.qtype][1]
+        g, nb = n // GROUP_ROWS, k // 32
+        a = self.blocks.numpy().reshape(g, GROUP_ROWS, nb, size).transpose(0, 2, 1, 3)
+        scales = [a[..., 2 * h : 2 * h + 2].reshape(g, nb, 16) for h in range(halves)]
+        codes = a[..., 2 * halves :].reshape(g, nb, GROUP_ROWS, runs, 4).transpose(0, 1, 3, 2, 4)
+        grouped = np.concatenate([*scales, codes.reshape(g, nb, 32 * runs) ^ bias], axis=-1)
+        blocks = torch.from_numpy(np.ascontiguousarray(grouped).reshape(g, -1))
+        return QuantizedRows(self.qtype, blocks, self.shape, interleaved=True)
+
+    def _layout(self) -> tuple[int, int, int]:
+        """An interleaved block's float16 values per row (d, and Q4_1's m), its runs of 32 code
+        bytes, and what its code bytes are XORed with (Q8_0's: 0x80, plus 128)."""
+        q8 = self.qtype == _Q.Q8_0
+        return (2 if self.qtype == _Q.Q4_1 else 1), (8 if q8 else 4), (0x80 if q8 else 0)
+
+    def in_file_order(self) -> np.ndarray:
+        """The blocks as the file stores them, [N, K / 32 * block bytes] (interleave undone)."""
+        if not self.interleaved:
+            return self.blocks.numpy()
+        halves, runs, bias = self._layout()
+        size = gguf.GGML_QUANT_SIZES[self.qtype][1]
+        n, nb = self.shape[0], self.shape[1] // 32
+        x = self.blocks.numpy().reshape(n // GROUP_ROWS, nb, GROUP_ROWS * size)
+        lead = x.shape[:2]
+        scales = [x[..., 16 * h : 16 * h + 16].reshape(*lead, GROUP_ROWS, 2) for h in range(halves)]
+        codes = (x[..., 16 * halves :] ^ bias).reshape(*lead, runs, GROUP_ROWS, 4)
+        codes = codes.transpose(0, 1, 3, 2, 4).reshape(*lead, GROUP_ROWS, 4 * runs)
+        rows = np.concatenate([*scales, codes], axis=-1)
+        return np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(n, nb * size)
+
+    def row_blocks(self, start: int, end: int) -> torch.Tensor:
+        """The blocks of rows start..end-1 (multiples of 8 where interleaved)."""
+        if not self.interleaved:
+            return self.blocks[start:end]
+        if start % GROUP_ROWS or end % GROUP_ROWS:
+            raise ValueError(f"rows {start}..{end} of interleaved blocks must be whole groups of 8")
+        return self.blocks[start // GROUP_ROWS : end // GROUP_ROWS]
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the values gguf.quants.dequantize gives."""
-        values = gguf.quants.dequantize(self.blocks.numpy(), self.qtype)
+        values = gguf.quants.dequantize(self.in_file_order(), self.qtype)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
     def select_rows(self, fn) -> QuantizedRows:
@@ -158,10 +226,12 @@ def block_ops():
     return torch.ops.pagedserve_cpu
 
 
-def route(rows: int, dtype: torch.dtype) -> str:
+def route(rows: int, dtype: torch.dtype, interleaved: bool = False) -> str:
     """How a step of `rows` activation rows in `dtype` multiplies by kept weights here: "amx"
-    (AMX tiles), "blocks" (the blocks' integer dot products) or "dense" (dequantized)."""
-    if dtype == torch.bfloat16 and AMX_MIN_ROWS < rows <= AMX_MAX_ROWS and amx_tiles():
+    (AMX tiles), "blocks" (the blocks' integer dot products) or "dense" (dequantized).
+    `interleaved`: weights whose rows are all interleaved by 8."""
+    amx_min = INTERLEAVED_AMX_MIN_ROWS if interleaved else AMX_MIN_ROWS
+    if dtype == torch.bfloat16 and amx_min < rows <= AMX_MAX_ROWS and amx_tiles():
         return "amx"
     if rows <= BLOCK_DOT_MAX_ROWS[dtype] and block_dot_isa():
         return "blocks"
@@ -186,7 +256,8 @@ class BlockWeight:
     each of one block type."""
 
     def __init__(self, parts: QuantizedRows | list[QuantizedRows]) -> None:
-        self.parts = [parts] if isinstance(parts, QuantizedRows) else list(parts)
+        parts = [parts] if isinstance(parts, QuantizedRows) else list(parts)
+        self.parts = [p.interleave() for p in parts]
         if not self.parts or len({p.shape[1] for p in self.parts}) != 1:
             raise ValueError("a block weight needs one or more parts of the same K")
         self.in_features = self.parts[0].shape[1]
@@ -194,6 +265,7 @@ class BlockWeight:
         # Each part's first output column.
         self._starts = [sum(p.shape[0] for p in self.parts[:i]) for i in range(len(self.parts))]
         self.kinds = [p.qtype.name for p in self.parts]
+        self.interleaved = all(p.interleaved for p in self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -204,7 +276,7 @@ class BlockWeight:
         if x.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"quantized weights multiply float32 or bfloat16, got {x.dtype}")
         x = x.contiguous()
-        way = route(x.shape[0], x.dtype)
+        way = route(x.shape[0], x.dtype, self.interleaved)
         if way == "amx":
             y = self._by_parts(x, block_ops().gguf_amx_linear)
         elif way == "blocks":
@@ -217,12 +289,13 @@ class BlockWeight:
         """x @ W^T by `op` (x, blocks, qtype, out), each part into its own columns."""
         y = x.new_empty(x.shape[0], self.out_features)
         for part, start in zip(self.parts, self._starts, strict=True):
-            op(x, part.blocks, int(part.qtype), y[:, start : start + part.shape[0]])
+            op(x, part.blocks, part.kernel_type, y[:, start : start + part.shape[0]])
         return y
 
     def _dense_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the weight dequantized, a slab of rows at a time."""
         slab = max(1, SCRATCH_BYTES // (self.in_features * x.element_size()))
+        slab = max(GROUP_ROWS, slab // GROUP_ROWS * GROUP_ROWS)  # whole groups of interleaved rows
         if len(self.parts) == 1 and self.out_features <= slab:
             return F.linear(x, self._dequantize_into(self.parts[0], 0, self.out_features, x.dtype))
         y = x.new_empty(x.shape[0], self.out_features)
@@ -238,23 +311,33 @@ class BlockWeight:
         self, part: QuantizedRows, start: int, end: int, dtype: torch.dtype
     ) -> torch.Tensor:
         out = _scratch_rows(end - start, self.in_features, dtype)
-        block_ops().gguf_block_dequantize(part.blocks[start:end], int(part.qtype), out)
+        block_ops().gguf_block_dequantize(part.row_blocks(start, end), part.kernel_type, out)
         return out
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight (a tied embedding's lookup, one part) in `dtype`."""
         (part,) = self.parts
-        out = torch.empty(ids.numel(), self.in_features, dtype=dtype)
-        rows = part.blocks.index_select(0, ids.reshape(-1))
-        block_ops().gguf_block_dequantize(rows, int(part.qtype), out)
-        return out.view(*ids.shape, self.in_features)
+        flat = ids.reshape(-1)
+        if not part.interleaved:
+            out = torch.empty(flat.numel(), self.in_features, dtype=dtype)
+            rows = part.blocks.index_select(0, flat)
+            block_ops().gguf_block_dequantize(rows, part.kernel_type, out)
+            return out.view(*ids.shape, self.in_features)
+        # Each id's whole group of 8, then its row of the 8.
+        groups = part.blocks.index_select(0, flat // GROUP_ROWS)
+        out = torch.empty(flat.numel() * GROUP_ROWS, self.in_features, dtype=dtype)
+        block_ops().gguf_block_dequantize(groups, part.kernel_type, out)
+        picked = out.view(flat.numel(), GROUP_ROWS, -1)[
+            torch.arange(flat.numel()), flat % GROUP_ROWS
+        ]
+        return picked.view(*ids.shape, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`: the values the matmuls multiply by (for tests and references)."""
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
         for part, start in zip(self.parts, self._starts, strict=True):
             view = out[start : start + part.shape[0]]
-            block_ops().gguf_block_dequantize(part.blocks, int(part.qtype), view)
+            block_ops().gguf_block_dequantize(part.blocks, part.kernel_type, view)
         return out
 
 
@@ -280,16 +363,20 @@ def describe(weights: list[BlockWeight], dtype: torch.dtype) -> str:
     dense = sum(weight_bytes(w.out_features, w.in_features, dtype) for w in weights)
     parts = [kind for w in weights for kind in w.kinds]
     counts = ", ".join(f"{parts.count(kind)} {kind}" for kind in sorted(set(parts)))
+    interleaved = all(w.interleaved for w in weights)
+    by_blocks = f"multiply by the blocks ({block_dot_isa()}" + (
+        ", rows interleaved by 8)" if interleaved else ")"
+    )
     if dtype == torch.bfloat16 and amx_tiles():
+        amx_min = INTERLEAVED_AMX_MIN_ROWS if interleaved else AMX_MIN_ROWS
         routes = (
-            f"steps of up to {AMX_MIN_ROWS} rows multiply by the blocks ({block_dot_isa()}), up "
-            f"to {AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer ones "
-            "by the weights dequantized"
+            f"steps of up to {amx_min} rows {by_blocks}, up to {AMX_MAX_ROWS} by AMX bf16 tiles "
+            "of weights dequantized in cache, longer ones by the weights dequantized"
         )
     else:
         routes = (
-            f"steps of up to {BLOCK_DOT_MAX_ROWS[dtype]} rows multiply by the blocks "
-            f"({block_dot_isa()}), longer ones by the weights dequantized"
+            f"steps of up to {BLOCK_DOT_MAX_ROWS[dtype]} rows {by_blocks}, longer ones by the "
+            "weights dequantized"
         )
     return (
         f"quantized matmul weights kept as the GGUF file's blocks ({counts}): "

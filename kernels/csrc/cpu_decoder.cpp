@@ -42,7 +42,8 @@ struct Matmul {
       : parts(std::move(blocks)), qtypes(std::move(types)) {
     TORCH_CHECK(!parts.empty() && parts.size() == qtypes.size(),
                 "a matmul weight needs one block type per part");
-    for (const auto& p : parts) out_features += p.size(0);
+    for (size_t i = 0; i < parts.size(); ++i)
+      out_features += pagedserve_cpu::gguf_weight_rows(parts[i], qtypes[i]);
   }
 
   // out [rows, out_features] = x @ W^T, by the AMX tiles or the blocks' dot products.
@@ -54,9 +55,10 @@ struct Matmul {
     }
     int64_t start = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
-      at::Tensor columns = out.narrow(1, start, parts[i].size(0));
+      const int64_t rows = pagedserve_cpu::gguf_weight_rows(parts[i], qtypes[i]);
+      at::Tensor columns = out.narrow(1, start, rows);
       run(x, parts[i], qtypes[i], columns);
-      start += parts[i].size(0);
+      start += rows;
     }
   }
 };

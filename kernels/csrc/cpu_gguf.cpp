@@ -68,6 +68,22 @@ constexpr int64_t block_bytes(int64_t qtype) {
   }
 }
 
+// A Q4_0, Q4_1 or Q8_0 weight whose rows come interleaved by groups of 8
+// (`QuantizedRows.interleave` on the Python side, which passes its type id plus kRows8). Per
+// group and block of 32 values: the 8 rows' float16 d (Q4_1: then their 8 m), then runs of 32
+// bytes, run g holding each row's code bytes 4 g .. 4 g + 3 in row order (4 runs of Q4 nibbles,
+// 8 of Q8_0 codes stored plus 128, as unsigned bytes). One 256-bit load is then 4 codes of 8 rows
+// (and, in a Q4 block's high nibbles, 4 more), so that vpdpbusd sums the 8 rows at once, each in
+// its own lane, and a block's 8 scales are one conversion: about a third of the instructions per
+// (row, block) of the file's layout (rows8_linear; BENCHMARKS.md, "Rows interleaved by 8"). Same
+// size as the file's blocks.
+constexpr int64_t kRows8 = 1000, kGroupRows = 8;
+constexpr bool is_rows8(int64_t qtype) {
+  return qtype == kQ4_0 + kRows8 || qtype == kQ4_1 + kRows8 || qtype == kQ8_0 + kRows8;
+}
+// Runs of 32 code bytes per group and block.
+constexpr int kRuns(int64_t qtype) { return qtype == kQ8_0 ? 8 : 4; }
+
 constexpr bool is_k_quant(int64_t qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
 }
@@ -145,6 +161,17 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// acc + dot_u8s8(u, s), in one instruction with VNNI.
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
 #endif
 }
 
@@ -439,6 +466,140 @@ void dot_tile_any(int nrows, int cols, const uint8_t* const* rows, const Quantiz
   }
 }
 
+// Whether the integer dot takes Q8_0's codes plus 128 as they are stored (vpdpbusd's sums do
+// not saturate); vpmaddubsw's pairwise sums would, so AVX2 builds take the signed codes back.
+constexpr bool kUnsignedQ8 =
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    true;
+#else
+    false;
+#endif
+
+// NG groups of 8 interleaved rows (`groups`, group_bytes apart) by RX activation rows (from row
+// `first`): sums[j * NG * 8 + row] for activation row j. Per block, each activation row's 32
+// codes are 8 broadcasts of 4, each group's codes 4 loads (Q8_0: 8); the offset is a
+// multiply-add of the 8 rows' m: Q4_1's m sx, Q4_0's -8 d sx, Q8_0's -128 d sx (its codes are
+// stored plus 128).
+template <int64_t QType, int NG, int RX>
+void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActivations& x,
+                int64_t first, float* sums) {
+  constexpr int64_t kBytes = kGroupRows * block_bytes(QType);  // a group's block
+  constexpr int64_t kScales = QType == kQ4_1 ? 32 : 16;         // its d (and m) bytes
+  constexpr bool kQ8 = QType == kQ8_0;
+  const int64_t nblocks = x.k / kBlock;
+  const __m256i low4 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[NG][RX], offset[NG][RX];
+  for (int q = 0; q < NG; ++q)
+    for (int j = 0; j < RX; ++j) acc[q][j] = offset[q][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int q = 0; q < NG; ++q) {
+      const uint8_t* chunk = groups + q * group_bytes + b * kBytes;
+      // The same block of the groups the next call takes (the tile's groups are read side by
+      // side, so a fixed distance ahead would land in the other group's rows).
+      for (int64_t line = 0; line < kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk + NG * group_bytes + line), _MM_HINT_T0);
+      const __m256 d =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+      const __m256 m =
+          QType == kQ4_1
+              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16)))
+              : _mm256_mul_ps(d, _mm256_set1_ps(!kQ8 ? -8.0f : kUnsignedQ8 ? -128.0f : 0.0f));
+      __m256i codes[8];  // the codes of values 4 g .. 4 g + 3, 8 rows
+      for (int g = 0; g < kRuns(QType); ++g) {
+        const __m256i raw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + kScales + 32 * g));
+        if constexpr (kQ8) {
+          codes[g] = kUnsignedQ8 ? raw : _mm256_xor_si256(raw, bias);
+        } else {  // the high nibbles are the values 16 further on
+          codes[g] = _mm256_and_si256(raw, low4);
+          codes[4 + g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+      }
+      for (int j = 0; j < RX; ++j) {
+        const int8_t* c = x.codes.data() + (first + j) * x.k + b * kBlock;
+        int32_t quads[8];
+        std::memcpy(quads, c, 32);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g += 2) {  // two chains of dot products
+          const __m256i c0 = _mm256_set1_epi32(quads[g]), c1 = _mm256_set1_epi32(quads[g + 1]);
+          if (kQ8 && !kUnsignedQ8) {
+            s0 = dot_add(s0, _mm256_sign_epi8(codes[g], codes[g]), _mm256_sign_epi8(c0, codes[g]));
+            s1 = dot_add(s1, _mm256_sign_epi8(codes[g + 1], codes[g + 1]),
+                         _mm256_sign_epi8(c1, codes[g + 1]));
+          } else {
+            s0 = dot_add(s0, codes[g], c0);
+            s1 = dot_add(s1, codes[g + 1], c1);
+          }
+        }
+        const float* xs = x.scales.data() + (b * x.m + first + j) * 2;
+        acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                                    _mm256_mul_ps(d, _mm256_set1_ps(xs[0])), acc[q][j]);
+        offset[q][j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[1]), offset[q][j]);
+      }
+    }
+  }
+  for (int j = 0; j < RX; ++j)
+    for (int q = 0; q < NG; ++q)
+      _mm256_storeu_ps(sums + (j * NG + q) * kGroupRows, _mm256_add_ps(acc[q][j], offset[q][j]));
+}
+
+template <int64_t QType, typename T>
+void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, T* out,
+                  int64_t ldo) {
+  const int64_t groups = n / kGroupRows;
+  const int64_t group_bytes = k / kBlock * kGroupRows * block_bytes(QType);
+  const QuantizedActivations xq(x, m, k);
+  // Threads split pairs of groups; one activation row takes both groups of a pair at once (two
+  // independent chains of products), more rows take a group at a time, up to 4 rows.
+  at::parallel_for(0, (groups + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    float sums[2 * kGroupRows * kTileCols];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t g0 = 2 * pair;
+      const int ng = static_cast<int>(std::min<int64_t>(2, groups - g0));
+      for (int q0 = 0; q0 < ng; q0 += (m == 1 ? 2 : 1)) {
+        const uint8_t* w = weight + (g0 + q0) * group_bytes;
+        const int nq = m == 1 ? ng : 1;
+        for (int64_t i = 0; i < m; i += kTileCols) {
+          const int cols = static_cast<int>(std::min<int64_t>(kTileCols, m - i));
+          if (nq == 2)
+            rows8_tile<QType, 2, 1>(w, group_bytes, xq, i, sums);
+          else if (cols == 4)
+            rows8_tile<QType, 1, 4>(w, group_bytes, xq, i, sums);
+          else if (cols == 3)
+            rows8_tile<QType, 1, 3>(w, group_bytes, xq, i, sums);
+          else if (cols == 2)
+            rows8_tile<QType, 1, 2>(w, group_bytes, xq, i, sums);
+          else
+            rows8_tile<QType, 1, 1>(w, group_bytes, xq, i, sums);
+          const int rows = nq * kGroupRows;
+          for (int j = 0; j < cols; ++j)
+            for (int c = 0; c < rows; ++c)
+              out[(i + j) * ldo + (g0 + q0) * kGroupRows + c] =
+                  pagedserve_cpu::store<T>(sums[j * rows + c]);
+        }
+      }
+    }
+  });
+}
+
+// Row r of a group of 8 interleaved rows back in the file's layout: `row` gets its nblocks
+// blocks (for the ops that read a row at a time: dequantizing, the AMX tiles).
+template <int64_t QType>
+void ungroup_row(const uint8_t* group, int64_t nblocks, int r, uint8_t* row) {
+  constexpr int64_t kBytes = block_bytes(QType), kHalves = QType == kQ4_1 ? 2 : 1;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* chunk = group + b * kGroupRows * kBytes;
+    uint8_t* block = row + b * kBytes;
+    for (int64_t h = 0; h < kHalves; ++h) std::memcpy(block + 2 * h, chunk + 16 * h + 2 * r, 2);
+    for (int g = 0; g < kRuns(QType); ++g) {
+      uint32_t quad;
+      std::memcpy(&quad, chunk + 16 * kHalves + 32 * g + 4 * r, 4);
+      if constexpr (QType == kQ8_0) quad ^= 0x80808080u;  // stored plus 128
+      std::memcpy(block + 2 * kHalves + 4 * g, &quad, 4);
+    }
+  }
+}
+
 template <int64_t QType, typename T>
 void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, T* out,
                   int64_t ldo) {
@@ -570,6 +731,22 @@ void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, T* out) {
   });
 }
 
+// The same for a weight of groups of 8 interleaved rows.
+template <int64_t QType, typename T>
+void dequantize_groups(const uint8_t* weight, int64_t n, int64_t k, T* out) {
+  const int64_t nblocks = k / kBlock, row_bytes = nblocks * block_bytes(QType);
+  at::parallel_for(0, n / kGroupRows, 2, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row(row_bytes);
+    for (int64_t group = begin; group < end; ++group)
+      for (int r = 0; r < kGroupRows; ++r) {
+        ungroup_row<QType>(weight + group * kGroupRows * row_bytes, nblocks, r, row.data());
+        for (int64_t b = 0; b < nblocks; ++b)
+          dequantize_block<QType>(row.data(), b, nullptr,
+                                  out + (group * kGroupRows + r) * k + b * kBlock);
+      }
+  });
+}
+
 // Calls f with the type's template instance (a std::integral_constant<int64_t, QType>).
 template <typename F>
 void with_qtype(int64_t qtype, F&& f) {
@@ -583,6 +760,14 @@ void with_qtype(int64_t qtype, F&& f) {
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     default: return f(std::integral_constant<int64_t, kQ6_K>{});
   }
+}
+
+// The same for a weight of interleaved rows, with its blocks' type (Q4_0, Q4_1 or Q8_0).
+template <typename F>
+void with_rows8_qtype(int64_t qtype, F&& f) {
+  if (qtype == kQ4_0 + kRows8) return f(std::integral_constant<int64_t, kQ4_0>{});
+  if (qtype == kQ8_0 + kRows8) return f(std::integral_constant<int64_t, kQ8_0>{});
+  return f(std::integral_constant<int64_t, kQ4_1>{});
 }
 #endif
 
@@ -642,27 +827,80 @@ pagedserve_cpu::LineVector<uint32_t> activation_tiles(const c10::BFloat16* x, in
 // them. A block of 4- or 5-bit codes has at most 32 distinct values: they are computed once (d q
 // + m for q = 0..31, in float32, rounded to bf16) and looked up by code (vpermw), half the
 // instructions of converting each value; Q8_0 and Q6_K convert.
+// A Q4 block's 32 values d q + m as bfloat16 from its 16 code bytes: the bytes widened twice to
+// 16-bit lanes, the second copy shifted to its high nibbles; vpermw reads an index's low 5 bits,
+// so the first copy's high nibble (bit 4) picks between the table's two equal halves.
+inline void q4_bf16(float d, float m, const uint8_t* codes, c10::BFloat16* o) {
+  const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 values = _mm512_fmadd_ps(_mm512_set1_ps(d), low, _mm512_set1_ps(m));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m512i words =
+      _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(raw)), shifts);
+  _mm512_storeu_si512(o, _mm512_permutexvar_epi16(words, table));
+}
+
+// Runs r[0..3] of an interleaved group's block (run g: 4 code bytes of each of 8 rows) as each
+// row's 16 bytes: rows i and i + 4 in the halves of out[i].
+inline void runs_to_rows(const __m256i* r, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// Block b of a group of 8 interleaved rows (Q4_0, Q4_1, Q8_0) as bfloat16: row i's 32 values at
+// o + i * kBlock, the values dequantize_bf16 gives for the file's blocks.
+template <int64_t QType>
+inline void dequantize_group_bf16(const uint8_t* group, int64_t b, c10::BFloat16* o) {
+  constexpr int64_t kBytes = kGroupRows * block_bytes(QType), kScales = QType == kQ4_1 ? 32 : 16;
+  const uint8_t* chunk = group + b * kBytes;
+  alignas(32) float d[8], m[8];
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+  _mm256_store_ps(d, dv);
+  _mm256_store_ps(m, QType == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                          reinterpret_cast<const __m128i*>(chunk + 16)))
+                                    : _mm256_mul_ps(dv, _mm256_set1_ps(QType == kQ4_0 ? -8.0f
+                                                                                     : -128.0f)));
+  // Each row's code bytes, through a buffer: read back as memory operands, they cost no shuffle.
+  __m256i runs[8], rows[8];
+  alignas(32) uint8_t bytes[2][4][32];  // [values 0-15, 16-31 (Q8_0)][row % 4][row / 4 half]
+  for (int g = 0; g < kRuns(QType); ++g)
+    runs[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + kScales + 32 * g));
+  for (int h = 0; h < kRuns(QType) / 4; ++h) {
+    runs_to_rows(runs + 4 * h, rows);
+    for (int i = 0; i < 4; ++i)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bytes[h][i]), rows[i]);
+  }
+  for (int i = 0; i < kGroupRows; ++i) {
+    c10::BFloat16* row = o + i * kBlock;
+    if constexpr (QType == kQ8_0) {  // codes plus 128: d u - 128 d, d q rounded once
+      for (int h = 0; h < 2; ++h) {
+        const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(bytes[h][i % 4] + 16 * (i / 4)))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * h),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(
+                                _mm512_set1_ps(d[i]), u, _mm512_set1_ps(m[i]))));
+      }
+    } else {
+      q4_bf16(d[i], m[i], bytes[0][i % 4] + 16 * (i / 4), row);
+    }
+  }
+}
+
 template <int64_t QType>
 inline void dequantize_bf16(const uint8_t* row, int64_t b, const float* scales,
                             c10::BFloat16* o) {
   if constexpr (QType == kQ8_0 || QType == kQ6_K) {
     dequantize_block<QType>(row, b, scales, o);
   } else if constexpr (QType == kQ4_0 || QType == kQ4_1) {
-    // The 16 code bytes widened twice to 16-bit lanes, the second copy shifted to its high
-    // nibbles; vpermw reads an index's low 5 bits, so the first copy's high nibble (bit 4) picks
-    // between the table's two equal halves.
     const uint8_t* block = row + b * block_bytes(QType);
     const __m128 pair = block_pair<QType>(block);
-    const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 values = _mm512_fmadd_ps(_mm512_broadcastss_ps(pair), low,
-                                          _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
-    const __m128i raw =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (QType == kQ4_1 ? 4 : 2)));
-    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    const __m512i words =
-        _mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(raw)), shifts);
-    _mm512_storeu_si512(o, _mm512_permutexvar_epi16(words, table));
+    q4_bf16(_mm_cvtss_f32(pair), _mm_cvtss_f32(_mm_movehdup_ps(pair)),
+            block + (QType == kQ4_1 ? 4 : 2), o);
   } else {
     float pair[4];
     if constexpr (is_k_quant(QType)) {
@@ -719,7 +957,7 @@ inline void tile_pass_any(int wt, int ch, const c10::BFloat16* weights, int64_t 
   pass(weights, tile, activations, chunk, nblocks, products);
 }
 
-template <int64_t QType>
+template <int64_t QType, bool Rows8 = false>
 void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n,
                 c10::BFloat16* out, int64_t ldo) {
   const int64_t nblocks = k / kBlock;
@@ -748,6 +986,21 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
         if (r >= count) {  // rows past the weight's last: zeros
           for (int64_t kb = 0; kb < nblocks; ++kb)
             std::memset(dst + kb * kAmxRows * kBlock, 0, kBlock * 2);
+          continue;
+        }
+        if constexpr (Rows8) {  // a group at a time (a pair's 32 rows are 4 whole groups)
+          if (r % kGroupRows != 0) continue;
+          // The next pair's same group, a block's lines at a time, as this one is read.
+          const uint8_t* ahead = r < next_count ? next + r * row_bytes : nullptr;
+          constexpr int64_t kBytes = kGroupRows * block_bytes(QType);
+          for (int64_t kb = 0; kb < nblocks; ++kb) {
+            if (ahead != nullptr)
+              for (int64_t line = 0; line < kBytes; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(ahead + kb * kBytes + line),
+                             _MM_HINT_T1);
+            dequantize_group_bf16<QType>(weight + (first + r) * row_bytes, kb,
+                                         dst + kb * kAmxRows * kBlock);
+          }
           continue;
         }
         if (r < next_count)
@@ -789,17 +1042,21 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
 #endif
 
 
-// The checks both ops share: weight holds [N, K] values in `qtype`'s blocks; returns (N, K).
+// The checks the ops share: weight holds [N, K] values in `qtype`'s blocks (rows interleaved by
+// 8 for kRows8 + Q4_0 / Q4_1 / Q8_0: [N / 8, 8 x a row's bytes]); returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype) {
-  const int64_t bytes = block_bytes(qtype), values = kBlock * sub_blocks(qtype);
+  const int64_t group = is_rows8(qtype) ? kGroupRows : 1;
+  const int64_t bytes = block_bytes(qtype - (group > 1 ? kRows8 : 0)) * group;
+  const int64_t values = kBlock * sub_blocks(qtype);
   TORCH_CHECK(bytes > 0,
               "GGUF block weights are Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
-              "Q5_K (13) or Q6_K (14), got type ",
-              qtype);
+              "Q5_K (13) or Q6_K (14), or Q4_0 / Q4_1 / Q8_0 with rows interleaved by 8 (",
+              kQ4_0 + kRows8, ", ", kQ4_1 + kRows8, ", ", kQ8_0 + kRows8, "), got type ", qtype);
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) % bytes == 0,
-              "weight must be contiguous uint8 [N, K / ", values, " * ", bytes, "] (GGUF blocks)");
-  return {weight.size(0), weight.size(1) / bytes * values};
+              "weight must be contiguous uint8 [N / ", group, ", K / ", values, " * ", bytes,
+              "] (GGUF blocks)");
+  return {weight.size(0) * group, weight.size(1) / bytes * values};
 }
 
 }  // namespace
@@ -814,6 +1071,10 @@ bool amx_available() {
 #endif
 }
 
+int64_t gguf_weight_rows(const at::Tensor& weight, int64_t qtype) {
+  return check_blocks(weight, qtype).first;
+}
+
 void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out) {
   TORCH_CHECK(kHasBlockDot, "this build has no GGUF block kernels (they need AVX2, F16C and FMA)");
   const auto [n, k] = check_blocks(weight, qtype);
@@ -822,6 +1083,15 @@ void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& 
               "out must be contiguous float32 or bfloat16 [", n, ", ", k, "]");
 #if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
+  if (is_rows8(qtype)) {
+    with_rows8_qtype(qtype, [&](auto type) {
+      if (out.scalar_type() == at::kFloat)
+        dequantize_groups<decltype(type)::value>(w, n, k, out.data_ptr<float>());
+      else
+        dequantize_groups<decltype(type)::value>(w, n, k, out.data_ptr<at::BFloat16>());
+    });
+    return;
+  }
   with_qtype(qtype, [&](auto type) {
     if (out.scalar_type() == at::kFloat)
       dequantize_rows<decltype(type)::value>(w, n, k, out.data_ptr<float>());
@@ -846,6 +1116,17 @@ void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
 #if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
   const int64_t m = x.size(0);
+  if (is_rows8(qtype)) {
+    with_rows8_qtype(qtype, [&](auto type) {
+      if (x.scalar_type() == at::kFloat)
+        rows8_linear<decltype(type)::value>(x.data_ptr<float>(), m, k, w, n,
+                                            out.data_ptr<float>(), out.stride(0));
+      else
+        rows8_linear<decltype(type)::value>(x.data_ptr<at::BFloat16>(), m, k, w, n,
+                                            out.data_ptr<at::BFloat16>(), out.stride(0));
+    });
+    return;
+  }
   with_qtype(qtype, [&](auto type) {
     if (x.scalar_type() == at::kFloat)
       block_linear<decltype(type)::value>(x.data_ptr<float>(), m, k, w, n, out.data_ptr<float>(),
@@ -870,11 +1151,15 @@ void gguf_amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtyp
                   out.stride(1) == 1 && out.stride(0) >= n && out.scalar_type() == at::kBFloat16,
               "out must be bfloat16 [", x.size(0), ", ", n, "] with contiguous rows");
 #if defined(PAGEDSERVE_AMX)
-  with_qtype(qtype, [&](auto type) {
-    amx_linear<decltype(type)::value>(x.data_ptr<at::BFloat16>(), x.size(0), k,
-                                      weight.data_ptr<uint8_t>(), n,
-                                      out.data_ptr<at::BFloat16>(), out.stride(0));
-  });
+  const auto run = [&](auto type, auto rows8) {
+    amx_linear<decltype(type)::value, decltype(rows8)::value>(
+        x.data_ptr<at::BFloat16>(), x.size(0), k, weight.data_ptr<uint8_t>(), n,
+        out.data_ptr<at::BFloat16>(), out.stride(0));
+  };
+  if (is_rows8(qtype))
+    with_rows8_qtype(qtype, [&](auto type) { run(type, std::true_type{}); });
+  else
+    with_qtype(qtype, [&](auto type) { run(type, std::false_type{}); });
 #endif
 }
 

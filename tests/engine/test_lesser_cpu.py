@@ -41,6 +41,7 @@ LEVEL = "avx2"
 SUBSET = [
     "tests/engine/lesser_cpu_check.py",
     "tests/engine/test_quantized_linear.py",
+    "tests/engine/test_interleaved_rows.py",
     "tests/engine/test_compiled_step.py",
     "tests/engine/test_cpu_linear.py",
     "tests/engine/test_lora_layers.py",

@@ -164,6 +164,7 @@ def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_
     """Without AMX (the AMX route's own test is below)."""
     monkeypatch.setattr(ql, "amx_tiles", lambda: False)
     weight = _weight(Q.Q4_1, n=192, k=128)
+    assert weight.interleaved  # rows interleaved by 8 (tests/engine/test_interleaved_rows.py)
     bias = torch.randn(192).to(dtype)
     most = ql.BLOCK_DOT_MAX_ROWS[dtype]
     dense = weight.dequantize(dtype)
@@ -176,13 +177,13 @@ def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_
         else:
             expected = torch.empty(rows, 192, dtype=dtype)
             torch.ops.pagedserve_cpu.gguf_block_linear(
-                x, weight.parts[0].blocks, int(Q.Q4_1), expected
+                x, weight.parts[0].blocks, weight.parts[0].kernel_type, expected
             )
             assert torch.equal(out, expected + bias)
     # A weight larger than the scratch budget is dequantized a slab of rows at a time.
     x = torch.randn(40, 128).to(dtype)
     whole = weight.linear(x)
-    monkeypatch.setattr(ql, "SCRATCH_BYTES", 50 * 128 * x.element_size())  # slabs of 50 rows
+    monkeypatch.setattr(ql, "SCRATCH_BYTES", 50 * 128 * x.element_size())  # slabs of 48 rows
     assert torch.equal(weight.linear(x), whole)
 
 
@@ -243,9 +244,10 @@ def test_bf16_linear_takes_the_amx_tiles_between_few_rows_and_long_steps():
     weight = BlockWeight([gguf_rows(q4, Q.Q4_1, (96, 128)), gguf_rows(q8, Q.Q8_0, (40, 128))])
     dense = weight.dequantize(torch.bfloat16)
     ops = torch.ops.pagedserve_cpu
+    assert weight.interleaved  # both parts: their crossover
     routes = [
-        (ql.AMX_MIN_ROWS, ops.gguf_block_linear),
-        (ql.AMX_MIN_ROWS + 1, ops.gguf_amx_linear),
+        (ql.INTERLEAVED_AMX_MIN_ROWS, ops.gguf_block_linear),
+        (ql.INTERLEAVED_AMX_MIN_ROWS + 1, ops.gguf_amx_linear),
         (ql.AMX_MAX_ROWS, ops.gguf_amx_linear),
         (ql.AMX_MAX_ROWS + 1, None),  # the dense route
     ]
@@ -257,7 +259,7 @@ def test_bf16_linear_takes_the_amx_tiles_between_few_rows_and_long_steps():
             continue
         expected = torch.empty(rows, 136, dtype=torch.bfloat16)
         for part, start in ((weight.parts[0], 0), (weight.parts[1], 96)):
-            op(x, part.blocks, int(part.qtype), expected[:, start : start + part.shape[0]])
+            op(x, part.blocks, part.kernel_type, expected[:, start : start + part.shape[0]])
         assert torch.equal(out, expected)
 
 
@@ -415,18 +417,18 @@ def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(tiny_llama, qt
     # A tied embedding is also the lm_head: kept too, its lookups dequantize their rows.
     assert quantized(model.embed_tokens).kinds == [qtype] and model.embed_tokens.numel() == 0
     assert f"quantized matmul weights kept as the GGUF file's blocks (9 {qtype})" in caplog.text
+    # Every matmul weight has whole groups of 8 rows: all interleaved, and routed so.
+    assert all(quantized(p).interleaved for p in model.parameters() if quantized(p) is not None)
+    by_blocks = f"multiply by the blocks ({block_dot_isa()}, rows interleaved by 8)"
     if dtype == "bfloat16" and ql.amx_tiles():
         routes = (
-            f"steps of up to {ql.AMX_MIN_ROWS} rows multiply by the blocks ({block_dot_isa()}), "
-            f"up to {ql.AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer "
-            "ones by the weights dequantized"
+            f"steps of up to {ql.INTERLEAVED_AMX_MIN_ROWS} rows {by_blocks}, up to "
+            f"{ql.AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer ones by "
+            "the weights dequantized"
         )
     else:
         rows = ql.BLOCK_DOT_MAX_ROWS[getattr(torch, dtype)]
-        routes = (
-            f"steps of up to {rows} rows multiply by the blocks ({block_dot_isa()}), longer ones "
-            "by the weights dequantized"
-        )
+        routes = f"steps of up to {rows} rows {by_blocks}, longer ones by the weights dequantized"
     assert routes in caplog.text
 
 
