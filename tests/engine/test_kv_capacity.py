@@ -232,12 +232,14 @@ def test_fp8_cache_greedy_agreement_on_smollm2():
     # Measured on one AMD EPYC VM at its own level (avx512_bf16) and emulating an AVX2 CPU
     # (PAGEDSERVE_CPU_ISA=avx2, tests/engine/test_lesser_cpu.py): greedy prefix 0.637 and 0.602
     # (scales 1.0, calibrated) there, 0.523 and 0.477 under avx2; teacher-forced 0.961 and 0.957,
-    # 0.941 and 0.965. (An Intel VM with AMX: prefix 0.625 and 0.785.) The same on every run of one
-    # machine, but a few ulps anywhere (other CPUs' float32 kernels sum in other orders) move a
-    # row's first differing token, after which the rest of the row counts as disagreement: the
-    # prefix floor only guards against a broken fp8 path (near 0). Teacher-forced, each position
-    # is scored on its own: a flip costs one position, so its floor can sit much closer.
-    assert unit[0] >= 0.35 and calibrated[0] >= 0.35
+    # 0.941 and 0.965. (An Intel VM with AMX: prefix 0.625 and 0.785; once the Q4_1 rows were
+    # interleaved by 8, whose block dots sum in another order, 0.324 and 0.500, teacher-forced
+    # 0.941 and 0.969.) The same on every run of one machine, but a few ulps anywhere (other CPUs'
+    # float32 kernels sum in other orders) move a row's first differing token, after which the
+    # rest of the row counts as disagreement: the prefix floor only guards against a broken fp8
+    # path (near 0). Teacher-forced, each position is scored on its own: a flip costs one
+    # position, so its floor can sit much closer.
+    assert unit[0] >= 0.25 and calibrated[0] >= 0.25
     assert unit[1] >= 0.9 and calibrated[1] >= 0.9
 
 
