@@ -219,15 +219,16 @@ def _agreement(model, reference, prompts: list[list[int]], tokens: int) -> dict:
 def agreement_part(args: argparse.Namespace) -> list[dict]:
     """Kept quantized against dequantized, both in --dtype; and, for scale, dequantized bf16
     against dequantized float32 (what bf16 arithmetic alone changes). The kept model multiplies
-    every step by the block dot products, whatever its rows (`BLOCK_DOT_MAX_ROWS` and
-    `AMX_MIN_ROWS` raised): the teacher-forced passes are long steps, which would otherwise take
+    every step by the block dot products, whatever its rows (`BLOCK_DOT_MAX_ROWS` and the AMX
+    crossovers raised): the teacher-forced passes are long steps, which would otherwise take
     the AMX tiles or the dequantized weights, and a row's block dot products do not depend on the
     other rows of its step, so each position scores as a decode step of one stream would."""
     from pagedserve.engine import LLM
 
     for dtype in quantized_linear.BLOCK_DOT_MAX_ROWS:
         quantized_linear.BLOCK_DOT_MAX_ROWS[dtype] = 1 << 20
-    quantized_linear.AMX_MIN_ROWS = 1 << 20  # nor AMX's bf16 tiles: the int8 rounding throughout
+    # nor AMX's bf16 tiles: the int8 rounding throughout
+    quantized_linear.AMX_MIN_ROWS = quantized_linear.INTERLEAVED_AMX_MIN_ROWS = 1 << 20
 
     def load(quantization: str, dtype: str) -> LLM:
         return LLM(args.model, quantization=quantization, dtype=dtype, max_model_len=512)
