@@ -317,20 +317,10 @@ class BlockWeight:
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight (a tied embedding's lookup, one part) in `dtype`."""
         (part,) = self.parts
-        flat = ids.reshape(-1)
-        if not part.interleaved:
-            out = torch.empty(flat.numel(), self.in_features, dtype=dtype)
-            rows = part.blocks.index_select(0, flat)
-            block_ops().gguf_block_dequantize(rows, part.kernel_type, out)
-            return out.view(*ids.shape, self.in_features)
-        # Each id's whole group of 8, then its row of the 8.
-        groups = part.blocks.index_select(0, flat // GROUP_ROWS)
-        out = torch.empty(flat.numel() * GROUP_ROWS, self.in_features, dtype=dtype)
-        block_ops().gguf_block_dequantize(groups, part.kernel_type, out)
-        picked = out.view(flat.numel(), GROUP_ROWS, -1)[
-            torch.arange(flat.numel()), flat % GROUP_ROWS
-        ]
-        return picked.view(*ids.shape, self.in_features)
+        flat = ids.reshape(-1).long().contiguous()
+        out = torch.empty(flat.numel(), self.in_features, dtype=dtype)
+        block_ops().gguf_block_dequantize(part.blocks, part.kernel_type, out, flat)
+        return out.view(*ids.shape, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`: the values the matmuls multiply by (for tests and references)."""

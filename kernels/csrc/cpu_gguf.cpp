@@ -713,37 +713,37 @@ inline void dequantize_block(const uint8_t* row, int64_t b, const float* scales,
   }
 }
 
-// Rows of GGUF blocks as values: a kept embedding's lookups, and steps of many rows, where a
-// dense GEMM beats the block dot products.
+// One row of GGUF blocks (`w`, the file's layout) as K values.
 template <int64_t QType, typename T>
-void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, T* out) {
-  const int64_t nblocks = k / kBlock, row_bytes = nblocks / sub_blocks(QType) * block_bytes(QType);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float scales[16];
-    for (int64_t row = begin; row < end; ++row) {
-      const uint8_t* w = weight + row * row_bytes;
-      for (int64_t b = 0; b < nblocks; ++b) {
-        if (is_k_quant(QType) && b % 8 == 0)
-          super_block_scales<QType>(w + b / 8 * block_bytes(QType), scales);
-        dequantize_block<QType>(w, b, scales, out + row * k + b * kBlock);
-      }
-    }
-  });
+void dequantize_row(const uint8_t* w, int64_t k, T* out) {
+  float scales[16];
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    if (is_k_quant(QType) && b % 8 == 0)
+      super_block_scales<QType>(w + b / 8 * block_bytes(QType), scales);
+    dequantize_block<QType>(w, b, scales, out + b * kBlock);
+  }
 }
 
-// The same for a weight of groups of 8 interleaved rows.
-template <int64_t QType, typename T>
-void dequantize_groups(const uint8_t* weight, int64_t n, int64_t k, T* out) {
-  const int64_t nblocks = k / kBlock, row_bytes = nblocks * block_bytes(QType);
-  at::parallel_for(0, n / kGroupRows, 2, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> row(row_bytes);
-    for (int64_t group = begin; group < end; ++group)
-      for (int r = 0; r < kGroupRows; ++r) {
-        ungroup_row<QType>(weight + group * kGroupRows * row_bytes, nblocks, r, row.data());
-        for (int64_t b = 0; b < nblocks; ++b)
-          dequantize_block<QType>(row.data(), b, nullptr,
-                                  out + (group * kGroupRows + r) * k + b * kBlock);
+// Rows of GGUF blocks as values, `Rows8` of groups of 8 interleaved rows: all n of them (steps of
+// many rows, where a dense GEMM beats the block dot products), or rows ids[0..m-1] (a kept
+// embedding's lookups: the weight's n rows checked).
+template <int64_t QType, bool Rows8, typename T>
+void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, T* out,
+                     const int64_t* ids = nullptr, int64_t m = 0) {
+  const int64_t row_bytes = k / kBlock / sub_blocks(QType) * block_bytes(QType);
+  at::parallel_for(0, ids ? m : n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> ungrouped(Rows8 ? row_bytes : 0);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = ids ? ids[i] : i;
+      TORCH_CHECK(row >= 0 && row < n, "row ", row, " of a weight of ", n, " rows");
+      const uint8_t* w = weight + row * row_bytes;
+      if constexpr (Rows8) {
+        ungroup_row<QType>(weight + row / kGroupRows * kGroupRows * row_bytes, k / kBlock,
+                           static_cast<int>(row % kGroupRows), ungrouped.data());
+        w = ungrouped.data();
       }
+      dequantize_row<QType>(w, k, out + i * k);
+    }
   });
 }
 
@@ -1075,29 +1075,32 @@ int64_t gguf_weight_rows(const at::Tensor& weight, int64_t qtype) {
   return check_blocks(weight, qtype).first;
 }
 
-void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out) {
+void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out,
+                           const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(kHasBlockDot, "this build has no GGUF block kernels (they need AVX2, F16C and FMA)");
   const auto [n, k] = check_blocks(weight, qtype);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == k && out.is_contiguous() &&
+  TORCH_CHECK(!rows || (rows->scalar_type() == at::kLong && rows->dim() == 1 &&
+                        rows->is_contiguous()),
+              "rows must be a contiguous int64 vector of row ids");
+  const int64_t m = rows ? rows->size(0) : n;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == k && out.is_contiguous() &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              "out must be contiguous float32 or bfloat16 [", n, ", ", k, "]");
+              "out must be contiguous float32 or bfloat16 [", m, ", ", k, "]");
 #if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
-  if (is_rows8(qtype)) {
-    with_rows8_qtype(qtype, [&](auto type) {
-      if (out.scalar_type() == at::kFloat)
-        dequantize_groups<decltype(type)::value>(w, n, k, out.data_ptr<float>());
-      else
-        dequantize_groups<decltype(type)::value>(w, n, k, out.data_ptr<at::BFloat16>());
-    });
-    return;
-  }
-  with_qtype(qtype, [&](auto type) {
+  const int64_t* ids = rows ? rows->data_ptr<int64_t>() : nullptr;
+  const auto run = [&](auto type, auto rows8) {
+    constexpr int64_t QType = decltype(type)::value;
+    constexpr bool Rows8 = decltype(rows8)::value;
     if (out.scalar_type() == at::kFloat)
-      dequantize_rows<decltype(type)::value>(w, n, k, out.data_ptr<float>());
+      dequantize_rows<QType, Rows8>(w, n, k, out.data_ptr<float>(), ids, m);
     else
-      dequantize_rows<decltype(type)::value>(w, n, k, out.data_ptr<at::BFloat16>());
-  });
+      dequantize_rows<QType, Rows8>(w, n, k, out.data_ptr<at::BFloat16>(), ids, m);
+  };
+  if (is_rows8(qtype))
+    with_rows8_qtype(qtype, [&](auto type) { run(type, std::true_type{}); });
+  else
+    with_qtype(qtype, [&](auto type) { run(type, std::false_type{}); });
 #endif
 }
 
@@ -1170,7 +1173,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("gguf_amx_linear(Tensor x, Tensor weight, int qtype, Tensor(a!) out) -> ()");
   m.def("block_dot_isa() -> str");
   m.def("gguf_block_linear(Tensor x, Tensor weight, int qtype, Tensor(a!) out) -> ()");
-  m.def("gguf_block_dequantize(Tensor weight, int qtype, Tensor(a!) out) -> ()");
+  m.def("gguf_block_dequantize(Tensor weight, int qtype, Tensor(a!) out, Tensor? rows=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

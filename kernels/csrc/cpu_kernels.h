@@ -35,7 +35,9 @@ void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
                        at::Tensor& out);
 void gguf_amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                      at::Tensor& out);
-void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out);
+// out = W's values, all rows or rows `rows` (int64 ids).
+void gguf_block_dequantize(const at::Tensor& weight, int64_t qtype, at::Tensor& out,
+                           const c10::optional<at::Tensor>& rows);
 // W's N (`qtype` may be a Q4 type with rows interleaved by 8: its tensor holds N / 8 rows).
 int64_t gguf_weight_rows(const at::Tensor& weight, int64_t qtype);
 // Whether this build has AMX's bf16 tiles and the process may use them (Linux grants the tile

@@ -99,6 +99,8 @@ def test_dequantizing_and_lookups_of_interleaved_rows_are_the_files_values(qtype
     assert torch.equal(weight.dequantize(torch.bfloat16), values.bfloat16())
     ids = torch.tensor([[3, 71, 8], [0, 3, 64]])
     assert torch.equal(weight.embedding(ids, torch.float32), values[ids])
+    with pytest.raises(RuntimeError, match="row 72 of a weight of 72 rows"):
+        weight.embedding(torch.tensor([5, 72]), torch.float32)
     # The dense route a slab of whole groups at a time: 50 rows' budget, slabs of 48.
     x = torch.randn(40, K)
     whole = weight.linear(x)
