@@ -8,7 +8,9 @@
 // its tokens times the GQA group's query heads, so every K/V block is loaded (and converted to
 // float) once per item and shared by all the group's query heads. Items run on torch's OpenMP
 // threads, costliest first, each thread taking the next item from an atomic counter (prefill
-// tiles late in a long prompt cost more than early ones, and decodes cost little).
+// tiles late in a long prompt cost more than early ones, and decodes cost little). When there are
+// too few items for the threads (one stream's decode), each decode item is split by keys and the
+// parts' softmax states merged after (split_decodes, merge_splits).
 //
 // Per item and key block: each key is converted to float32 once and dotted with every row; the
 // softmax is online (running max and sum per row, in float32); each value is converted once and
@@ -59,7 +61,14 @@ struct Item {
   int32_t seq, first, last;       // new tokens first..last-1 of sequence seq
   int32_t kv_head, num_kv_heads;  // against KV heads kv_head..kv_head+num_kv_heads-1
   int64_t cost;                   // rows x keys, for the ordering
+  // A decode item split by keys (split_decodes): keys key_lo..key_hi only, its rows' running
+  // state left in partial slot `part` for the merge; part < 0: all its keys, normalized rows out.
+  int32_t key_lo = 0, key_hi = std::numeric_limits<int32_t>::max(), part = -1;
 };
+
+// A split item's rows (the GQA group's query heads of its one token): unnormalized accumulators,
+// then each row's running max and sum.
+inline int64_t partial_floats(int64_t group, int64_t head_dim) { return group * (head_dim + 2); }
 
 struct Geometry {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size;
@@ -583,9 +592,11 @@ void attend_item_amx(const Item&, const Geometry&, const c10::BFloat16*, const c
 template <typename T, int64_t kD>
 void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cache,
                  const T* v_cache, const int32_t* block_table, int64_t seq_len, int64_t q_start,
-                 int64_t q_len, T* out, std::vector<float>& scratch, AmxScratch& amx_scratch) {
+                 int64_t q_len, T* out, std::vector<float>& scratch, AmxScratch& amx_scratch,
+                 float* partials) {
+  float* partial = item.part >= 0 ? partials : nullptr;
   if constexpr (kAmxAttention && std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 64 == 0) {
-    if (g.amx && (item.last - item.first) * g.group >= 16) {
+    if (g.amx && (item.last - item.first) * g.group >= 16 && partial == nullptr) {
       attend_item_amx<kD>(item, g, q, k_cache, v_cache, block_table, seq_len, q_start, q_len, out,
                           amx_scratch);
       return;
@@ -621,12 +632,14 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
     row_sum[r] = 0.0f;
   }
 
-  const int64_t first_key = g.window > 0 ? std::max<int64_t>(0, first_pos - g.window + 1) : 0;
-  const int64_t last_block = last_pos / B;
+  const int64_t first_key = std::max<int64_t>(
+      item.key_lo, g.window > 0 ? std::max<int64_t>(0, first_pos - g.window + 1) : 0);
+  const int64_t last_key = std::min<int64_t>(last_pos, item.key_hi);
+  const int64_t last_block = last_key / B;
   for (int64_t block = first_key / B; block <= last_block; ++block) {
     const int64_t base = block * B;
     const int64_t start = std::max<int64_t>(first_key - base, 0);  // keys start..end-1 of this
-    const int64_t end = std::min(B, last_pos + 1 - base);             // block are seen by some row
+    const int64_t end = std::min(B, last_key + 1 - base);             // block are seen by some row
     const int64_t physical = block_table[block];
     // The block's keys and values of the item's KV heads as float32 rows, converted once and
     // shared by each head's rows.
@@ -671,6 +684,13 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
     }
   }
 
+  if (partial != nullptr) {  // a split decode item: its G rows' state, merged by merge_splits
+    float* slot = partial + item.part * partial_floats(G, D);
+    std::memcpy(slot, acc, sizeof(float) * rows * D);
+    std::memcpy(slot + rows * D, row_max, sizeof(float) * rows);
+    std::memcpy(slot + rows * D + rows, row_sum, sizeof(float) * rows);
+    return;
+  }
   const int64_t H = g.num_heads;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = q_start + item.first + (r % per_head) / G;
@@ -680,6 +700,88 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
     const float* ar = acc + r * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) dst[d] = pagedserve_cpu::store<T>(ar[d] * inv);
+  }
+}
+
+// Keys per part of a split decode item, at least: below it a part's fixed costs outweigh what
+// the threads gain.
+constexpr int64_t kMinSplitKeys = 64;
+
+// Too few items for the threads (one stream's decode: an item per KV head, 3 on 2 threads
+// leaves one thread idle a third of the time): each decode item is split by keys, at block
+// boundaries, into parts the threads take apart; their rows' running states (max, sum,
+// unnormalized accumulators) are merged after (merge_splits). Returns the number of parts.
+int64_t split_decodes(std::vector<Item>& items, const Geometry& g, int64_t threads,
+                      const std::vector<int32_t>& seq_lens, const std::vector<int32_t>& starts) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  if (count == 0 || count >= 2 * threads) return 0;
+  const int64_t want = (2 * threads + count - 1) / count;  // parts per item
+  std::vector<Item> split;
+  int64_t parts = 0;
+  for (const Item& item : items) {
+    const int64_t s = item.seq, last_pos = seq_lens[s] - 1;
+    const int64_t first_key =
+        g.window > 0 ? std::max<int64_t>(0, last_pos - g.window + 1) : 0;  // what it sees
+    const int64_t keys = last_pos + 1 - first_key;
+    const int64_t n = std::min<int64_t>(want, keys / kMinSplitKeys);
+    if (starts[s + 1] - starts[s] != 1 || item.num_kv_heads != 1 || n < 2) {
+      split.push_back(item);
+      continue;
+    }
+    // n runs of keys, each ending at a block's end but the last.
+    const int64_t per = (keys + n - 1) / n, B = g.block_size;
+    for (int64_t lo = first_key; lo <= last_pos;) {
+      const int64_t hi = std::min(last_pos, (lo + per + B - 1) / B * B - 1);
+      Item part = item;
+      part.key_lo = static_cast<int32_t>(lo);
+      part.key_hi = static_cast<int32_t>(hi);
+      part.cost = hi + 1 - lo;
+      part.part = static_cast<int32_t>(parts++);
+      split.push_back(part);
+      lo = hi + 1;
+    }
+  }
+  items.swap(split);
+  return parts;
+}
+
+// The split items' parts merged into their rows of `out`: for each row, its parts' running
+// states rescaled to their common max, summed, and normalized.
+template <typename T>
+void merge_splits(const std::vector<Item>& items, const Geometry& g, const float* partials,
+                  const std::vector<int32_t>& starts, T* out) {
+  const int64_t G = g.group, D = g.head_dim, floats = partial_floats(G, D);
+  std::vector<const Item*> parts;
+  for (const Item& item : items)
+    if (item.part >= 0) parts.push_back(&item);
+  std::stable_sort(parts.begin(), parts.end(), [](const Item* a, const Item* b) {
+    return std::make_pair(a->seq, a->kv_head) < std::make_pair(b->seq, b->kv_head);
+  });
+  std::vector<float> acc(D);
+  for (size_t first = 0; first < parts.size();) {
+    size_t last = first;
+    while (last < parts.size() && parts[last]->seq == parts[first]->seq &&
+           parts[last]->kv_head == parts[first]->kv_head)
+      ++last;
+    const Item& item = *parts[first];
+    for (int64_t r = 0; r < G; ++r) {
+      float top = kNegInf;
+      for (size_t i = first; i < last; ++i)
+        top = std::max(top, partials[parts[i]->part * floats + G * D + r]);
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (size_t i = first; i < last; ++i) {
+        const float* slot = partials + parts[i]->part * floats;
+        if (slot[G * D + G + r] == 0.0f) continue;  // a part of no visible key
+        const float weight = std::exp(slot[G * D + r] - top);
+        sum += slot[G * D + G + r] * weight;
+        for (int64_t d = 0; d < D; ++d) acc[d] += slot[r * D + d] * weight;
+      }
+      const int64_t token = starts[item.seq] + item.first;
+      T* dst = out + (token * g.num_heads + item.kv_head * G + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = pagedserve_cpu::store<T>(acc[d] / sum);
+    }
+    first = last;
   }
 }
 
@@ -711,6 +813,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
     }
   }
+  const int64_t splits = split_decodes(items, g, threads_wanted, seq_lens, starts);
+  std::vector<float> partials(splits * partial_floats(g.group, g.head_dim));
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
@@ -733,16 +837,17 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t q_len = starts[s + 1] - starts[s];
       if (g.head_dim == 64) {
         attend_item<T, 64>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch,
-                             amx_scratch);
+                             amx_scratch, partials.data());
       } else if (g.head_dim == 128) {
         attend_item<T, 128>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch,
-                             amx_scratch);
+                             amx_scratch, partials.data());
       } else {
         attend_item<T, 0>(item, g, qp, kp, vp, table, seq_lens[s], starts[s], q_len, op, scratch,
-                             amx_scratch);
+                             amx_scratch, partials.data());
       }
     }
   }
+  if (splits > 0) merge_splits(items, g, partials.data(), starts, op);
 }
 
 }  // namespace

@@ -148,6 +148,26 @@ def test_sliding_window(sliding_window, kernel_only):
         assert not torch.allclose(got, dense_attention(batch, 0.125).float(), atol=1e-3)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 100])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_one_decoding_stream_is_split_by_keys(sliding_window, softcap, threads):
+    """One stream's decode is an item per KV head, too few for the threads: each is split by keys
+    into parts of 64 keys or more (kernels/csrc/cpu_attention.cpp `split_decodes`), merged after.
+    127 keys: one part; 128: two; 200 and 999: as many as the threads want, block ends and not;
+    with a window, the parts cover the window's keys."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for context in (127, 128, 200, 999):
+            batch = make_batch([(context, 1)], num_heads=6, num_kv_heads=2, head_dim=64,
+                               block_size=16, seed=context)  # fmt: skip
+            got = run(batch, 0.3, sliding_window=sliding_window, softcap=softcap)
+            check(got, batch, 0.3, sliding_window, softcap)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("sliding_window", [None, 7])
 def test_softcap(sliding_window, kernel_only):
     # Scale 0.3 gives scores of a few units, which a cap of 2 bends hard.
