@@ -399,6 +399,25 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, finite
 
 
+def temperature_pick(
+    logits: torch.Tensor, temperatures: list[float], uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For float32 CPU logits [rows, vocab] (rows contiguous), rows that sample by temperature
+    alone: row i's token drawn from softmax(logits[i] / temperatures[i]) by its uniform, as the
+    sampler's `inverse_cdf_sample` draws (int64), and whether the row is all finite (bool; a row
+    that is not gets id 0), in one call (engine/worker/sampler.py checks `available()` first)."""
+    if not available():
+        raise RuntimeError("temperature_pick needs pagedserve's compiled CPU kernels (not loaded)")
+    n = logits.shape[0]
+    ids = torch.empty(n, dtype=torch.long)
+    finite = torch.empty(n, dtype=torch.bool)
+    temps = torch.tensor(temperatures, dtype=torch.float32)
+    torch.ops.pagedserve_cpu.temperature_pick(
+        _rows(logits), temps, uniforms.double().contiguous(), ids, finite
+    )
+    return ids, finite
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
 ) -> torch.Tensor:

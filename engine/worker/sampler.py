@@ -47,6 +47,27 @@ def _compiled_greedy(logits: torch.Tensor, plan: SamplingPlan) -> bool:
     )
 
 
+def _compiled_temperature(logits: torch.Tensor, plan: SamplingPlan) -> bool:
+    """Whether the batch takes the compiled draw (`cpu_ops.temperature_pick`): CPU float32
+    logits, every row sampling by its temperature alone (no top-k, top-p or min-p), no rule,
+    penalty or grammar changing the logits first."""
+    vocab = logits.shape[-1]
+    return (
+        bool(plan.randoms)
+        and plan.random_idx is None
+        and plan.rules is None
+        and not plan.penalized
+        and plan.allowed is None
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and all(
+            (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
+            for p in (row.params for row in plan.rows)
+        )
+        and cpu_ops.available()
+    )
+
+
 @dataclass(frozen=True)
 class SamplingPlan:
     """What `Sampler.plan` decides on the host for one batch of rows."""
@@ -138,6 +159,9 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         if _compiled_greedy(logits, plan):
             token_ids, finite = cpu_ops.greedy_pick(logits)
+        elif _compiled_temperature(logits, plan):
+            temperatures = [row.params.temperature for row in rows]
+            token_ids, finite = cpu_ops.temperature_pick(logits, temperatures, plan.uniforms)
         else:
             token_ids, finite = self._sample(logits, plan)
         # Logprobs describe the model's distribution before any rule, penalty or temperature

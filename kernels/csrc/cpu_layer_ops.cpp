@@ -277,10 +277,84 @@ void greedy_pick(const at::Tensor& logits, at::Tensor& ids, at::Tensor& finite) 
   });
 }
 
+// The sampler's draw for rows that sample by temperature alone (no top-k, top-p, min-p, rule,
+// penalty or grammar), as `inverse_cdf_sample` draws from softmax(x / T): the first token whose
+// running weight passes u times the row's total, the weights exp((x - max) / T), summed per chunk
+// of 1024 in float32, the chunks' sums in double, then the chosen chunk's tokens in double. Its
+// passes: the max and finite check, the chunk sums, the chunk; torch's path makes the
+// probabilities, their chunk sums and cumulative sums, and two searches (0.3 ms of a decode
+// token of one stream: BENCHMARKS.md, "Rows interleaved by 8"). A row not all finite gets id 0.
+void temperature_pick(const at::Tensor& logits, const at::Tensor& temperatures,
+                      const at::Tensor& uniforms, at::Tensor& ids, at::Tensor& finite) {
+  check_rows(logits, "logits");
+  const int64_t n = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && vocab > 0,
+              "temperature_pick: logits must be float32 [rows, vocab] with vocab > 0");
+  TORCH_CHECK(temperatures.scalar_type() == at::kFloat && temperatures.is_contiguous() &&
+                  temperatures.numel() == n && uniforms.scalar_type() == at::kDouble &&
+                  uniforms.is_contiguous() && uniforms.numel() == n,
+              "temperature_pick: temperatures must be float32 [rows], uniforms float64 [rows]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.numel() == n &&
+                  finite.scalar_type() == at::kBool && finite.is_contiguous() &&
+                  finite.numel() == n,
+              "temperature_pick: ids must be int64 [rows], finite bool [rows]");
+  constexpr int64_t kChunk = 1024;  // inverse_cdf_sample's
+  const float* x = logits.data_ptr<float>();
+  const float* temps = temperatures.data_ptr<float>();
+  const double* us = uniforms.data_ptr<double>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  bool* ok = finite.data_ptr<bool>();
+  at::parallel_for(0, n, grain_rows(vocab), [&](int64_t begin, int64_t end) {
+    std::vector<double> mass((vocab + kChunk - 1) / kChunk);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * stride;
+      float top = -std::numeric_limits<float>::infinity(), zero = 0.0f;
+#pragma omp simd reduction(max : top) reduction(+ : zero)
+      for (int64_t i = 0; i < vocab; ++i) {
+        top = row[i] > top ? row[i] : top;
+        zero += row[i] * 0.0f;
+      }
+      ok[r] = zero == 0.0f;
+      id[r] = 0;
+      if (!ok[r]) continue;
+      TORCH_CHECK(temps[r] > 0.0f, "temperature_pick: temperatures must be positive");
+      const float inverse = 1.0f / temps[r];
+      double total = 0.0;
+      for (size_t c = 0; c < mass.size(); ++c) {
+        const int64_t lo = static_cast<int64_t>(c) * kChunk, hi = std::min(vocab, lo + kChunk);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = lo; i < hi; ++i) sum += exp_nonpositive((row[i] - top) * inverse);
+        mass[c] = sum;
+        total += sum;
+      }
+      const double target = us[r] * total;
+      size_t c = 0;
+      double before = 0.0;
+      for (; c + 1 < mass.size() && before + mass[c] <= target; ++c) before += mass[c];
+      const int64_t lo = static_cast<int64_t>(c) * kChunk, hi = std::min(vocab, lo + kChunk);
+      const double remaining = target - before;
+      double running = 0.0;
+      int64_t pick = -1, last_nonzero = lo;
+      for (int64_t i = lo; i < hi; ++i) {
+        const float w = exp_nonpositive((row[i] - top) * inverse);
+        if (w > 0.0f) last_nonzero = i;
+        running += w;
+        if (pick < 0 && running > remaining) pick = i;
+      }
+      // Rounding can leave `remaining` at or past the chunk's total: its last token of weight.
+      id[r] = pick >= 0 ? pick : last_nonzero;
+    }
+  });
+}
+
 }  // namespace pagedserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("greedy_pick(Tensor logits, Tensor(a!) ids, Tensor(b!) finite) -> ()");
+  m.def(
+      "temperature_pick(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor(a!) ids, "
+      "Tensor(b!) finite) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset, Tensor(a!) out) -> ()");
   m.def(
       "fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, "
@@ -298,4 +372,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &pagedserve_cpu::silu_and_mul);
   m.impl("rotary_and_cache", &pagedserve_cpu::rotary_and_cache);
   m.impl("greedy_pick", &pagedserve_cpu::greedy_pick);
+  m.impl("temperature_pick", &pagedserve_cpu::temperature_pick);
 }

@@ -44,6 +44,35 @@ def test_greedy_rows_with_non_finite_logits_get_token_0(compiled, monkeypatch):
     assert out.nonfinite_rows == [1, 2, 3]  # -inf too: a model's logits hold none
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+def test_rows_sampling_by_temperature_alone_follow_their_distribution(compiled, monkeypatch):
+    # All-sampling batches with no top-k, top-p, min-p, rule or penalty take the compiled draw on
+    # CPU (`sampler._compiled_temperature`); both roads draw the same tokens from the same seeds.
+    if compiled and not sampler_module.cpu_ops.available():
+        pytest.skip("no C++ compiler here: such rows take torch's softmax and search")
+    if not compiled:
+        monkeypatch.setattr(sampler_module, "_compiled_temperature", lambda logits, plan: False)
+    logits = _logits([0.6, 0.3, 0.1]).repeat(6000, 1)
+    rows = [_row(num_output_tokens=i, seed=i, temperature=(1.0, 0.5)[i % 2]) for i in range(6000)]
+    plan = Sampler().plan(rows, logits.device)
+    assert sampler_module._compiled_temperature(logits, plan) == compiled
+    tokens = Sampler()(logits, rows).token_ids
+    hot, cold = tokens[0::2], tokens[1::2]
+    assert abs(hot.count(0) / 3000 - 0.6) < 0.03 and abs(hot.count(2) / 3000 - 0.1) < 0.02
+    z = 0.36 + 0.09 + 0.01  # T = 0.5 squares the probabilities
+    assert (
+        abs(cold.count(0) / 3000 - 0.36 / z) < 0.03 and abs(cold.count(2) / 3000 - 0.01 / z) < 0.01
+    )
+    # The same seeds draw the same tokens on the other road (no row's uniform lies within 3e-5 of
+    # a boundary between two tokens, far past what rounding moves).
+    monkeypatch.setattr(sampler_module, "_compiled_temperature", lambda logits, plan: False)
+    assert Sampler()(logits, rows).token_ids == tokens
+    # Non-finite rows get token 0 and are reported.
+    bad = torch.tensor([[0.0, float("nan"), 1.0], [0.0, 1.0, 2.0]])
+    out = Sampler()(bad, [_row(seed=1), _row(seed=2)])
+    assert out.token_ids[0] == 0 and out.nonfinite_rows == [0]
+
+
 def test_top_k_top_p_min_p_masks_are_exact():
     logits = _logits([0.5, 0.3, 0.15, 0.05])
     cases = [

@@ -205,3 +205,39 @@ def test_greedy_pick_is_torch_max_with_the_finite_check():
     assert cpu_ops.greedy_pick(wide[2:3])[0].tolist() == [int(wide[2].argmax())]
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.greedy_pick(wide.bfloat16())
+
+
+def test_temperature_pick_draws_as_the_samplers_inverse_cdf():
+    # The sampler's rows that sample by temperature alone (engine/worker/sampler.py): the token
+    # `inverse_cdf_sample` picks from softmax(logits / T) with the same uniform, chunks of 1024
+    # over a vocabulary of 49152 + 7 (a partial last chunk); rows not all finite get id 0.
+    from pagedserve.engine.worker.sampler import inverse_cdf_sample
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 400, 49159
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temps = [0.25, 0.7, 1.0, 1.5, 3.0] * (rows // 5)
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+    uniforms[:4] = torch.tensor([0.0, 1e-12, 0.5, 1.0 - 1e-12], dtype=torch.float64)
+    logits[10, 5] = float("nan")
+    logits[11, 49158] = float("-inf")
+    ids, finite = cpu_ops.temperature_pick(logits, temps, uniforms)
+    assert ids.dtype == torch.int64 and finite.tolist() == [i not in (10, 11) for i in range(rows)]
+    assert ids[[10, 11]].tolist() == [0, 0]
+    probs = (logits / torch.tensor(temps).unsqueeze(1)).softmax(dim=-1)
+    want = inverse_cdf_sample(probs, uniforms)
+    ok = finite.nonzero().squeeze(1)
+    # The same token, rounding apart: the weights exp((x - max) / T) and softmax(x / T) differ in
+    # the last bits, so a uniform within that of a boundary takes the neighbour (1 row of 398
+    # here, 39695 against 39696: probabilities of 9e-7 and 6e-8).
+    same = ids[ok] == want[ok]
+    assert same.sum() >= len(ok) - 2 and (ids[ok] - want[ok]).abs().max() <= 1
+    # u = 0 takes the first token of any weight, u just under 1 the last.
+    assert ids[0] == 0 and ids[3] == int((probs[3] > 0).nonzero().max())
+    # Strided rows and bad arguments.
+    wide = torch.randn(3, 1100, generator=gen)
+    u = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    got, _ = cpu_ops.temperature_pick(wide[:, :1000], [1.0] * 3, u)
+    assert torch.equal(got, inverse_cdf_sample(wide[:, :1000].softmax(dim=-1), u))
+    with pytest.raises(RuntimeError, match="temperatures must be positive"):
+        cpu_ops.temperature_pick(wide, [1.0, 0.0, 1.0], u)
