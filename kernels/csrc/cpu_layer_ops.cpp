@@ -241,6 +241,19 @@ void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
   });
 }
 
+// A row's largest value in `top`; returns whether the row is all finite (x * 0 is NaN only for a
+// NaN or an infinity), in one pass.
+inline bool max_and_finite(const float* row, int64_t vocab, float& top) {
+  float high = -std::numeric_limits<float>::infinity(), zero = 0.0f;
+#pragma omp simd reduction(max : high) reduction(+ : zero)
+  for (int64_t i = 0; i < vocab; ++i) {
+    high = row[i] > high ? row[i] : high;
+    zero += row[i] * 0.0f;
+  }
+  top = high;
+  return zero == 0.0f;
+}
+
 // The sampler's greedy pick over float32 logits [rows, vocab] (rows contiguous): each row's
 // first index of its largest value, and whether the row is all finite (a NaN or an infinity
 // anywhere: false, and id 0, as the sampler's torch path gives). One pass finds the max and
@@ -262,13 +275,8 @@ void greedy_pick(const at::Tensor& logits, at::Tensor& ids, at::Tensor& finite) 
   at::parallel_for(0, n, grain_rows(vocab), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * stride;
-      float top = -std::numeric_limits<float>::infinity(), zero = 0.0f;
-#pragma omp simd reduction(max : top) reduction(+ : zero)
-      for (int64_t i = 0; i < vocab; ++i) {
-        top = row[i] > top ? row[i] : top;
-        zero += row[i] * 0.0f;
-      }
-      ok[r] = zero == 0.0f;
+      float top;
+      ok[r] = max_and_finite(row, vocab, top);
       int64_t first = 0;
       if (ok[r])
         while (row[first] != top) ++first;  // every value is finite: top is one of them
@@ -308,13 +316,8 @@ void temperature_pick(const at::Tensor& logits, const at::Tensor& temperatures,
     std::vector<double> mass((vocab + kChunk - 1) / kChunk);
     for (int64_t r = begin; r < end; ++r) {
       const float* row = x + r * stride;
-      float top = -std::numeric_limits<float>::infinity(), zero = 0.0f;
-#pragma omp simd reduction(max : top) reduction(+ : zero)
-      for (int64_t i = 0; i < vocab; ++i) {
-        top = row[i] > top ? row[i] : top;
-        zero += row[i] * 0.0f;
-      }
-      ok[r] = zero == 0.0f;
+      float top;
+      ok[r] = max_and_finite(row, vocab, top);
       id[r] = 0;
       if (!ok[r]) continue;
       TORCH_CHECK(temps[r] > 0.0f, "temperature_pick: temperatures must be positive");
