@@ -95,8 +95,8 @@ class QuantizedRows:
         return int(self.qtype) + (ROWS8 if self.interleaved else 0)
 
     def interleave(self) -> QuantizedRows:
-        """The same weight with its rows interleaved by 8 where its type and rows allow (Q4_0 or
-        Q4_1, N a multiple of 8), else itself: same bytes, another order."""
+        """The same weight with its rows interleaved by 8 where its type and rows allow (Q4_0,
+        Q4_1 or Q8_0, N a multiple of 8), else itself: same bytes, another order."""
         n, k = self.shape
         if self.interleaved or self.qtype not in INTERLEAVED_TYPES or n % GROUP_ROWS:
             return self
@@ -146,14 +146,14 @@ class QuantizedRows:
 
     def select_rows(self, fn) -> QuantizedRows:
         """The same weight with `fn` (a numpy function of an array's rows, such as the q/k
-        unpermutation) applied to its rows."""
-        blocks = torch.from_numpy(np.ascontiguousarray(fn(self.blocks.numpy())))
+        unpermutation) applied to its rows, in the file's layout."""
+        blocks = torch.from_numpy(np.ascontiguousarray(fn(self.in_file_order())))
         return QuantizedRows(self.qtype, blocks, self.shape)
 
     @staticmethod
     def stack(parts: list[QuantizedRows]) -> list[QuantizedRows]:
         """Rows of several weights stacked in order (a fused q/k/v or gate/up weight): each run of
-        parts of one block type joined into one."""
+        parts of one block type joined into one (in the file's layout where joined)."""
         runs: list[list[QuantizedRows]] = []
         for part in parts:
             if runs and runs[-1][0].qtype == part.qtype:
@@ -165,7 +165,7 @@ class QuantizedRows:
             if len(run) == 1
             else QuantizedRows(
                 run[0].qtype,
-                torch.cat([p.blocks for p in run]),
+                torch.cat([torch.from_numpy(p.in_file_order()) for p in run]),
                 (sum(p.shape[0] for p in run), run[0].shape[1]),
             )
             for run in runs

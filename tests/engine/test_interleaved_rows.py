@@ -52,6 +52,11 @@ def test_interleaving_moves_the_files_bytes_and_is_undone_exactly(qtype):
         assert group[16 * h : 16 * h + 16].tobytes() == file_rows[:, 2 * h : 2 * h + 2].tobytes()
     first_codes = file_rows[:, 2 * halves : 2 * halves + 4] ^ (0x80 if qtype == Q.Q8_0 else 0)
     assert group[16 * halves : 16 * halves + 32].tobytes() == first_codes.tobytes()
+    # Stacking and row functions take the file's layout back.
+    (stacked,) = ql.QuantizedRows.stack([inter, rows])
+    assert not stacked.interleaved and torch.equal(stacked.blocks, torch.cat([rows.blocks] * 2))
+    flipped = inter.select_rows(lambda a: a[::-1])
+    assert not flipped.interleaved and torch.equal(flipped.blocks, rows.blocks.flip(0))
     # Rows by whole groups only.
     assert torch.equal(inter.row_blocks(8, 24), inter.blocks[1:3])
     with pytest.raises(ValueError, match="rows 4..16 of interleaved blocks must be whole groups"):
