@@ -731,11 +731,12 @@ template <int64_t QType, bool Rows8, typename T>
 void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, T* out,
                      const int64_t* ids = nullptr, int64_t m = 0) {
   const int64_t row_bytes = k / kBlock / sub_blocks(QType) * block_bytes(QType);
+  for (int64_t i = 0; ids != nullptr && i < m; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < n, "row ", ids[i], " of a weight of ", n, " rows");
   at::parallel_for(0, ids ? m : n, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> ungrouped(Rows8 ? row_bytes : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = ids ? ids[i] : i;
-      TORCH_CHECK(row >= 0 && row < n, "row ", row, " of a weight of ", n, " rows");
       const uint8_t* w = weight + row * row_bytes;
       if constexpr (Rows8) {
         ungroup_row<QType>(weight + row / kGroupRows * kGroupRows * row_bytes, k / kBlock,

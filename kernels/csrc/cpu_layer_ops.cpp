@@ -312,6 +312,8 @@ void temperature_pick(const at::Tensor& logits, const at::Tensor& temperatures,
   const double* us = uniforms.data_ptr<double>();
   int64_t* id = ids.data_ptr<int64_t>();
   bool* ok = finite.data_ptr<bool>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(temps[r] > 0.0f, "temperature_pick: temperatures must be positive");
   at::parallel_for(0, n, grain_rows(vocab), [&](int64_t begin, int64_t end) {
     std::vector<double> mass((vocab + kChunk - 1) / kChunk);
     for (int64_t r = begin; r < end; ++r) {
@@ -320,7 +322,6 @@ void temperature_pick(const at::Tensor& logits, const at::Tensor& temperatures,
       ok[r] = max_and_finite(row, vocab, top);
       id[r] = 0;
       if (!ok[r]) continue;
-      TORCH_CHECK(temps[r] > 0.0f, "temperature_pick: temperatures must be positive");
       const float inverse = 1.0f / temps[r];
       double total = 0.0;
       for (size_t c = 0; c < mass.size(); ++c) {
