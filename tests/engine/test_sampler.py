@@ -27,14 +27,21 @@ def test_greedy_takes_the_argmax():
     assert out.logprobs == [None, None]
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
-def test_greedy_rows_with_non_finite_logits_get_token_0(compiled, monkeypatch):
-    # All-greedy batches on CPU take the compiled pick where the kernels load
-    # (`sampler._compiled_greedy`); both roads give the same ids and flags.
-    if compiled and not sampler_module.cpu_ops.available():
-        pytest.skip("no C++ compiler here: greedy rows take torch's max")
-    if not compiled:
+@pytest.fixture(params=[True, False], ids=["compiled", "torch"])
+def compiled(request, monkeypatch) -> bool:
+    """Both roads of the sampler on CPU: the compiled picks where the kernels load
+    (`sampler._compiled_greedy`, `_compiled_temperature`), or torch's ops with both turned off."""
+    if request.param and not sampler_module.cpu_ops.available():
+        pytest.skip("no C++ compiler here: the compiled picks do not load, torch's ops sample")
+    if not request.param:
         monkeypatch.setattr(sampler_module, "_compiled_greedy", lambda logits, plan: False)
+        monkeypatch.setattr(sampler_module, "_compiled_temperature", lambda logits, plan: False)
+    return request.param
+
+
+def test_greedy_rows_with_non_finite_logits_get_token_0(compiled):
+    # All-greedy batches take the compiled pick on the compiled road; both roads give the same
+    # ids and flags.
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor(
         [[0.1, 2.0, 2.0, 1.9], [1.0, nan, 0.0, 3.0], [inf, 0.0, 0.0, 0.0], [0.0, 0.5, -inf, 0.2]]
@@ -44,14 +51,9 @@ def test_greedy_rows_with_non_finite_logits_get_token_0(compiled, monkeypatch):
     assert out.nonfinite_rows == [1, 2, 3]  # -inf too: a model's logits hold none
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 def test_rows_sampling_by_temperature_alone_follow_their_distribution(compiled, monkeypatch):
     # All-sampling batches with no top-k, top-p, min-p, rule or penalty take the compiled draw on
-    # CPU (`sampler._compiled_temperature`); both roads draw the same tokens from the same seeds.
-    if compiled and not sampler_module.cpu_ops.available():
-        pytest.skip("no C++ compiler here: such rows take torch's softmax and search")
-    if not compiled:
-        monkeypatch.setattr(sampler_module, "_compiled_temperature", lambda logits, plan: False)
+    # the compiled road; both roads draw the same tokens from the same seeds.
     logits = _logits([0.6, 0.3, 0.1]).repeat(6000, 1)
     rows = [_row(num_output_tokens=i, seed=i, temperature=(1.0, 0.5)[i % 2]) for i in range(6000)]
     plan = Sampler().plan(rows, logits.device)
