@@ -387,8 +387,11 @@ class CausalLM(nn.Module):
         """float32 logits [rows, vocab]. Tensor parallel: every rank scores its vocabulary rows,
         rank 0 gets the whole and the other ranks None."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = linear(hidden, weight)
         cap = self.config.final_logit_softcapping
+        kept = quantized(weight)
+        if kept is not None and cap is None and self.tp is None:
+            return kept.linear(hidden, float_out=True)
+        logits = linear(hidden, weight)
         if cap is not None:  # Gemma 2, in the model's dtype as transformers caps
             logits = torch.tanh(logits / cap) * cap
         if self.tp is not None:  # gathered in the model's dtype: half the bytes of float32

@@ -271,23 +271,30 @@ class BlockWeight:
     def nbytes(self) -> int:
         return sum(p.blocks.nbytes for p in self.parts)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`F.linear(x, weight, bias)` for float32 or bfloat16 x of shape [rows, K]."""
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False
+    ) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` for float32 or bfloat16 x of shape [rows, K]; with
+        `float_out`, in float32 whatever x's dtype (the block dots write their float32 sums
+        straight out, where a bfloat16 result would be rounded and converted back)."""
         if x.dtype not in ACTIVATION_DTYPES:
             raise ValueError(f"quantized weights multiply float32 or bfloat16, got {x.dtype}")
         x = x.contiguous()
         way = route(x.shape[0], x.dtype, self.interleaved)
-        if way == "amx":
-            y = self._by_parts(x, block_ops().gguf_amx_linear)
-        elif way == "blocks":
-            y = self._by_parts(x, block_ops().gguf_block_linear)
+        if way == "blocks":
+            out_dtype = torch.float32 if float_out else x.dtype
+            y = self._by_parts(x, block_ops().gguf_block_linear, out_dtype)
         else:
-            y = self._dense_linear(x)
+            if way == "amx":
+                y = self._by_parts(x, block_ops().gguf_amx_linear, x.dtype)
+            else:
+                y = self._dense_linear(x)
+            y = y.float() if float_out else y
         return y if bias is None else y.add_(bias)
 
-    def _by_parts(self, x: torch.Tensor, op) -> torch.Tensor:
+    def _by_parts(self, x: torch.Tensor, op, out_dtype: torch.dtype) -> torch.Tensor:
         """x @ W^T by `op` (x, blocks, qtype, out), each part into its own columns."""
-        y = x.new_empty(x.shape[0], self.out_features)
+        y = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         for part, start in zip(self.parts, self._starts, strict=True):
             op(x, part.blocks, part.kernel_type, y[:, start : start + part.shape[0]])
         return y

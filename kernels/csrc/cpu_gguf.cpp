@@ -543,8 +543,8 @@ void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActiv
       _mm256_storeu_ps(sums + (j * NG + q) * kGroupRows, _mm256_add_ps(acc[q][j], offset[q][j]));
 }
 
-template <int64_t QType, typename T>
-void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, T* out,
+template <int64_t QType, typename T, typename U>
+void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, U* out,
                   int64_t ldo) {
   const int64_t groups = n / kGroupRows;
   const int64_t group_bytes = k / kBlock * kGroupRows * block_bytes(QType);
@@ -575,7 +575,7 @@ void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64
           for (int j = 0; j < cols; ++j)
             for (int c = 0; c < rows; ++c)
               out[(i + j) * ldo + (g0 + q0) * kGroupRows + c] =
-                  pagedserve_cpu::store<T>(sums[j * rows + c]);
+                  pagedserve_cpu::store<U>(sums[j * rows + c]);
         }
       }
     }
@@ -600,8 +600,8 @@ void ungroup_row(const uint8_t* group, int64_t nblocks, int r, uint8_t* row) {
   }
 }
 
-template <int64_t QType, typename T>
-void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, T* out,
+template <int64_t QType, typename T, typename U>
+void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, U* out,
                   int64_t ldo) {
   const int64_t row_bytes = k / kBlock / sub_blocks(QType) * block_bytes(QType);
   const QuantizedActivations xq(x, m, k);
@@ -620,7 +620,7 @@ void block_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64
         dot_tile_any<QType>(count, cols, rows, xq, i, sums);
         for (int r = 0; r < count; ++r)
           for (int j = 0; j < cols; ++j)
-            out[(i + j) * ldo + first + r] = pagedserve_cpu::store<T>(sums[r * cols + j]);
+            out[(i + j) * ldo + first + r] = pagedserve_cpu::store<U>(sums[r * cols + j]);
       }
     }
   });
@@ -1113,31 +1113,37 @@ void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qt
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be contiguous float32 or bfloat16 [rows, ", k, "]");
   // out may be a slice of wider rows: a weight stacked from parts of different block types
-  // writes each part's columns.
+  // writes each part's columns. A bfloat16 x may write float32 (the lm_head's logits, which
+  // would otherwise be rounded to bfloat16 and converted back).
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n &&
-                  out.stride(1) == 1 && out.stride(0) >= n && out.scalar_type() == x.scalar_type(),
-              "out must be [", x.size(0), ", ", n, "] of x's dtype with contiguous rows");
+                  out.stride(1) == 1 && out.stride(0) >= n &&
+                  (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat),
+              "out must be [", x.size(0), ", ", n,
+               "] of x's dtype or float32 with contiguous rows");
 #if defined(PAGEDSERVE_BLOCK_DOT)
   const auto* w = weight.data_ptr<uint8_t>();
-  const int64_t m = x.size(0);
+  const int64_t m = x.size(0), ldo = out.stride(0);
+  // `linear(x, out)` on the tensors' data, the one pair of types they have.
+  const auto by_dtype = [&](auto linear) {
+    if (x.scalar_type() == at::kFloat)
+      linear(x.data_ptr<float>(), out.data_ptr<float>());
+    else if (out.scalar_type() == at::kFloat)
+      linear(x.data_ptr<at::BFloat16>(), out.data_ptr<float>());
+    else
+      linear(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  };
   if (is_rows8(qtype)) {
     with_rows8_qtype(qtype, [&](auto type) {
-      if (x.scalar_type() == at::kFloat)
-        rows8_linear<decltype(type)::value>(x.data_ptr<float>(), m, k, w, n,
-                                            out.data_ptr<float>(), out.stride(0));
-      else
-        rows8_linear<decltype(type)::value>(x.data_ptr<at::BFloat16>(), m, k, w, n,
-                                            out.data_ptr<at::BFloat16>(), out.stride(0));
+      by_dtype([&](const auto* xs, auto* outs) {
+        rows8_linear<decltype(type)::value>(xs, m, k, w, n, outs, ldo);
+      });
     });
     return;
   }
   with_qtype(qtype, [&](auto type) {
-    if (x.scalar_type() == at::kFloat)
-      block_linear<decltype(type)::value>(x.data_ptr<float>(), m, k, w, n, out.data_ptr<float>(),
-                                          out.stride(0));
-    else
-      block_linear<decltype(type)::value>(x.data_ptr<at::BFloat16>(), m, k, w, n,
-                                          out.data_ptr<at::BFloat16>(), out.stride(0));
+    by_dtype([&](const auto* xs, auto* outs) {
+      block_linear<decltype(type)::value>(xs, m, k, w, n, outs, ldo);
+    });
   });
 #endif
 }

@@ -188,6 +188,32 @@ def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_
 
 
 @needs_block_dot
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K])  # interleaved rows and the file's
+def test_float_out_gives_the_block_dots_sums_before_bfloat16_rounds_them(qtype, monkeypatch):
+    """The lm_head's logits (`Model.compute_logits`): bfloat16 activations, float32 out."""
+    monkeypatch.setattr(ql, "amx_tiles", lambda: False)
+    k = _cols(qtype)
+    weight = BlockWeight(gguf_rows(kquants.random_blocks(qtype, 64, k, seed=3), qtype, (64, k)))
+    most = ql.BLOCK_DOT_MAX_ROWS[torch.bfloat16]
+    for rows in (1, 3, most):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        sums = weight.linear(x, float_out=True)
+        assert sums.dtype == torch.float32 and sums.shape == (rows, 64)
+        # The float32 sums the bfloat16 output is rounded from, once: those of float32
+        # activations of the same values, not rounded to bfloat16.
+        assert torch.equal(sums.bfloat16(), weight.linear(x))
+        assert torch.equal(sums, weight.linear(x.float()))
+        assert not torch.equal(sums, sums.bfloat16().float())
+    x = torch.randn(most + 1, k).bfloat16()  # the dense route: its bfloat16 result as float32
+    assert torch.equal(weight.linear(x, float_out=True), weight.linear(x).float())
+    out = torch.empty(1, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="of x's dtype or float32"):
+        torch.ops.pagedserve_cpu.gguf_block_linear(
+            x[:1], weight.parts[0].blocks, weight.parts[0].kernel_type, out
+        )
+
+
+@needs_block_dot
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_weight_of_parts_of_different_types_multiplies_each_into_its_columns(dtype, monkeypatch):
     """A fused q/k/v as llama.cpp's Q4_K_M files store some layers': q and k in Q5_0 (rows of
