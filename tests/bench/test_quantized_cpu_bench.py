@@ -1,7 +1,7 @@
 """`python -m pagedserve.bench.quantized_cpu --part matmul` runs whole on the real SmolLM2 Q4_1
 file: one JSON line per row count, timing the same 121 weights (30 layers' stacked q/k/v, o,
 gate/up and down, and the tied embedding) through each route, in float32 (the block dot products
-where the CPU level has them)."""
+where the CPU level has them). And the agreement part's top-1 of a position, as greedy picks it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedserve.bench.quantized_cpu import greedy_top
+from pagedserve.engine.frontend.outputs import Logprob
 from pagedserve.engine.models.quantized_linear import block_dot_isa
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,3 +34,11 @@ def test_matmul_part_times_every_kept_weight_by_rows():
     )
     for record in records:
         assert keys <= record.keys() and all(record[k] > 0 for k in keys)
+
+
+def test_teacher_forced_top1_takes_the_lowest_id_of_tied_tokens_as_greedy_does():
+    # The scored token first, as the engine lists it; tied with the top one (both rank 1).
+    assert greedy_top({812: Logprob(-0.7, 1, "a"), 95: Logprob(-0.7, 1, "b")}) == 95
+    assert greedy_top({95: Logprob(-0.7, 1, "b"), 812: Logprob(-0.7, 1, "a")}) == 95
+    assert greedy_top({812: Logprob(-1.2, 2, "a"), 95: Logprob(-0.4, 1, "b")}) == 95
+    assert greedy_top({95: Logprob(-0.4, 1, "b")}) == 95  # the scored token is the top one
