@@ -60,12 +60,18 @@ def is_packed(weight: torch.Tensor) -> bool:
     return getattr(weight, _PACKED, None) is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    float_out: bool = False,
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the weight kept quantized
-    (engine/models/quantized_linear.py) or the packed weight when there is one."""
+    (engine/models/quantized_linear.py) or the packed weight when there is one. `float_out`: a
+    kept weight may give float32 whatever x's dtype (others give x's dtype)."""
     kept = quantized(weight)
     if kept is not None:
-        return kept.linear(x, bias)
+        return kept.linear(x, bias, float_out)
     packed = getattr(weight, _PACKED, None)
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)

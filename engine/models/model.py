@@ -388,10 +388,7 @@ class CausalLM(nn.Module):
         rank 0 gets the whole and the other ranks None."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         cap = self.config.final_logit_softcapping
-        kept = quantized(weight)
-        if kept is not None and cap is None and self.tp is None:
-            return kept.linear(hidden, float_out=True)
-        logits = linear(hidden, weight)
+        logits = linear(hidden, weight, float_out=cap is None and self.tp is None)
         if cap is not None:  # Gemma 2, in the model's dtype as transformers caps
             logits = torch.tanh(logits / cap) * cap
         if self.tp is not None:  # gathered in the model's dtype: half the bytes of float32
