@@ -14,7 +14,8 @@
 //
 // Per item and key block: each key is converted to float32 once and dotted with every row; the
 // softmax is online (running max and sum per row, in float32); each value is converted once and
-// added to every row's accumulator. The output is rounded to q's dtype once, at the end. head_dim
+// added to every row's accumulator. A decode item whose rows fit one pass converts its keys and
+// values as it loads them from the cache; other items convert a block into buffers first. The output is rounded to q's dtype once, at the end. head_dim
 // 64 and 128 are compile-time constants, so those loops unroll and vectorize fully.
 //
 // `take`, when given, names the sequences to attend to (bool [sequences]); the others are left to
@@ -105,6 +106,7 @@ inline VF vload_bf16(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline VF vload(const c10::BFloat16* p) { return vload_bf16(p); }
 // The sum of a vector's two 8-lane halves.
 inline __m256 fold8(VF a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a),
@@ -123,6 +125,7 @@ inline VF vload_bf16(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+inline VF vload(const c10::BFloat16* p) { return vload_bf16(p); }
 inline __m256 fold8(VF a) { return a; }
 #endif
 
@@ -132,9 +135,10 @@ inline __m256 fold8(VF a) { return a; }
 template <int64_t kD>
 constexpr int kGroupRows = std::max<int64_t>(1, std::min<int64_t>(4, 16 / (kD / kLanes)));
 
-// out[r * ld + j] = q_r . keys[j * stride] for R rows (q_r = q + r * kD) and 4 keys.
-template <int64_t kD, int R>
-inline void dot4_rows(const float* q, const float* keys, int64_t stride, float* out, int64_t ld) {
+// out[r * ld + j] = q_r . keys[j * stride] for R rows (q_r = q + r * kD) and 4 keys. Keys (and
+// values below) are float32 rows, or bfloat16 ones converted as they are loaded.
+template <int64_t kD, int R, typename K>
+inline void dot4_rows(const float* q, const K* keys, int64_t stride, float* out, int64_t ld) {
   VF a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = vzero();
@@ -156,8 +160,8 @@ inline void dot4_rows(const float* q, const float* keys, int64_t stride, float* 
 }
 
 // q . key.
-template <int64_t kD>
-inline float dot1(const float* q, const float* key) {
+template <int64_t kD, typename K>
+inline float dot1(const float* q, const K* key) {
   VF a = vzero();
   for (int64_t d = 0; d < kD; d += kLanes) a = vfma(vload(q + d), vload(key + d), a);
   const __m256 f = fold8(a);
@@ -167,9 +171,9 @@ inline float dot1(const float* q, const float* key) {
 }
 
 // For R rows: acc_r = acc_r * correction[r] + sum over keys lo..hi of p[r * ld + i] * values[i].
-template <int64_t kD, int R>
+template <int64_t kD, int R, typename V>
 inline void accumulate_rows(float* acc, const float* correction, const float* p, int64_t ld,
-                            const float* values, int64_t stride, int64_t lo, int64_t hi) {
+                            const V* values, int64_t stride, int64_t lo, int64_t hi) {
   constexpr int kChunks = kD / kLanes;
   VF a[R][kChunks];
   for (int r = 0; r < R; ++r) {
@@ -200,12 +204,12 @@ inline void bf16_rows_as_float(const c10::BFloat16* src, int64_t stride, int64_t
 constexpr bool kVectorRows = false;
 template <int64_t kD>
 constexpr int kGroupRows = 1;
-template <int64_t kD, int R>
-inline void dot4_rows(const float*, const float*, int64_t, float*, int64_t) {}
-template <int64_t kD>
-inline float dot1(const float*, const float*) { return 0.0f; }
-template <int64_t kD, int R>
-inline void accumulate_rows(float*, const float*, const float*, int64_t, const float*, int64_t,
+template <int64_t kD, int R, typename K>
+inline void dot4_rows(const float*, const K*, int64_t, float*, int64_t) {}
+template <int64_t kD, typename K>
+inline float dot1(const float*, const K*) { return 0.0f; }
+template <int64_t kD, int R, typename V>
+inline void accumulate_rows(float*, const float*, const float*, int64_t, const V*, int64_t,
                             int64_t, int64_t) {}
 template <int64_t kD>
 inline void bf16_rows_as_float(const c10::BFloat16*, int64_t, int64_t, int64_t, float*) {}
@@ -233,21 +237,32 @@ inline void row_as_float(const T* row, float* dst, int64_t D) {
 // block was crossed once per head, every third 128-byte run: decode attention from memory (64
 // sequences x 160 keys) took 1.4x the time, in float32 too, where this is a copy (BENCHMARKS.md,
 // "Prefill attention on AMX tiles").
+// Fetch slot i's keys and values of `heads` KV heads of a block (at the first one) ahead.
+template <typename T>
+inline void prefetch_slot(const T* keys, const T* values, const Geometry& g, int64_t heads,
+                          int64_t i) {
+  const int64_t slot_bytes = heads * g.head_dim * static_cast<int64_t>(sizeof(T));
+  const char* k = reinterpret_cast<const char*>(keys + i * g.k_slot);
+  const char* v = reinterpret_cast<const char*>(values + i * g.v_slot);
+  for (int64_t offset = 0; offset < slot_bytes; offset += 64) {
+    __builtin_prefetch(k + offset, 0, 2);
+    __builtin_prefetch(v + offset, 0, 2);
+  }
+}
+
+template <typename T>
+inline void prefetch_block(const T* keys, const T* values, const Geometry& g, int64_t heads,
+                           int64_t start, int64_t end) {
+  for (int64_t i = start; i < end; ++i) prefetch_slot(keys, values, g, heads, i);
+}
+
 template <typename T, int64_t kD>
 inline void block_as_float(const T* keys, const T* values, const Geometry& g, int64_t heads,
                            int64_t start, int64_t end, float* kbuf, float* vbuf,
                            const T* next_keys, const T* next_values) {
   const int64_t B = g.block_size, D = g.head_dim;
-  const int64_t slot_bytes = heads * D * static_cast<int64_t>(sizeof(T));
   for (int64_t i = start; i < end; ++i) {
-    if (next_keys != nullptr) {
-      const char* k = reinterpret_cast<const char*>(next_keys + i * g.k_slot);
-      const char* v = reinterpret_cast<const char*>(next_values + i * g.v_slot);
-      for (int64_t offset = 0; offset < slot_bytes; offset += 64) {
-        __builtin_prefetch(k + offset, 0, 2);
-        __builtin_prefetch(v + offset, 0, 2);
-      }
-    }
+    if (next_keys != nullptr) prefetch_slot(next_keys, next_values, g, heads, i);
     for (int64_t h = 0; h < heads; ++h) {
       row_as_float<T, kD>(keys + i * g.k_slot + h * g.k_head, kbuf + (h * B + i) * D, D);
       row_as_float<T, kD>(values + i * g.v_slot + h * g.v_head, vbuf + (h * B + i) * D, D);
@@ -307,9 +322,9 @@ inline float online_softmax(float* pr, int64_t lo, int64_t hi, float softcap, fl
 
 // R rows of one GQA group (q, acc, row_max, row_sum and p at their first row; p's rows ld apart)
 // against keys lo..hi of a block: scores, online softmax, P @ V.
-template <int64_t kD, int R>
+template <int64_t kD, int R, typename KV>
 void attend_rows(const float* q, float* acc, float* row_max, float* row_sum, float* p, int64_t ld,
-                 const float* keys, int64_t k_stride, const float* values, int64_t v_stride,
+                 const KV* keys, int64_t k_stride, const KV* values, int64_t v_stride,
                  int64_t lo, int64_t hi, float softcap) {
   int64_t i = lo;
   for (; i + 3 <= hi; i += 4) dot4_rows<kD, R>(q, keys + i * k_stride, k_stride, p + i, ld);
@@ -636,24 +651,37 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
       item.key_lo, g.window > 0 ? std::max<int64_t>(0, first_pos - g.window + 1) : 0);
   const int64_t last_key = std::min<int64_t>(last_pos, item.key_hi);
   const int64_t last_block = last_key / B;
+  // One token whose group's rows fit one pass (a decode): its keys and values are read straight
+  // from the cache, converted to float32 as they are loaded, instead of through kbuf and vbuf
+  // (the same floats in the same order; the buffers pay a store and a reload per row, and serve
+  // to convert once for more rows or tokens).
+  constexpr bool kDirect = kVectorRows && kD > 0 && kD % 16 == 0 &&
+                           (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  bool direct = false;
+  if constexpr (kDirect) direct = tokens == 1 && G <= kGroupRows<kD>;
   for (int64_t block = first_key / B; block <= last_block; ++block) {
     const int64_t base = block * B;
     const int64_t start = std::max<int64_t>(first_key - base, 0);  // keys start..end-1 of this
     const int64_t end = std::min(B, last_key + 1 - base);             // block are seen by some row
     const int64_t physical = block_table[block];
-    // The block's keys and values of the item's KV heads as float32 rows, converted once and
-    // shared by each head's rows.
     const int64_t next = block < last_block ? block_table[block + 1] : -1;
     const auto at = [&](const T* cache, int64_t b, int64_t block_stride, int64_t head_stride) {
       return b < 0 ? nullptr : cache + b * block_stride + item.kv_head * head_stride;
     };
-    block_as_float<T, kD>(at(k_cache, physical, g.k_block, g.k_head),
-                          at(v_cache, physical, g.v_block, g.v_head), g, heads, start, end, kbuf,
-                          vbuf, at(k_cache, next, g.k_block, g.k_head),
-                          at(v_cache, next, g.v_block, g.v_head));
+    const T* block_keys = at(k_cache, physical, g.k_block, g.k_head);
+    const T* block_values = at(v_cache, physical, g.v_block, g.v_head);
+    if (direct) {
+      if (next >= 0)
+        prefetch_block<T>(at(k_cache, next, g.k_block, g.k_head),
+                          at(v_cache, next, g.v_block, g.v_head), g, heads, start, end);
+    } else {
+      // The block's keys and values of the item's KV heads as float32 rows, converted once and
+      // shared by each head's rows.
+      block_as_float<T, kD>(block_keys, block_values, g, heads, start, end, kbuf, vbuf,
+                            at(k_cache, next, g.k_block, g.k_head),
+                            at(v_cache, next, g.v_block, g.v_head));
+    }
     for (int64_t h = 0; h < heads; ++h) {
-      const float* keys = kbuf + h * B * D;
-      const float* values = vbuf + h * B * D;
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t pos = first_pos + t;
         const int64_t lo = g.window > 0 ? std::max(start, pos - g.window + 1 - base) : start;
@@ -661,12 +689,14 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
         if (lo > hi) continue;  // a window that ends before this block's keys, or starts after
         const int64_t r0 = h * per_head + t * G;  // the token's G rows of this head
         if constexpr (kVectorRows && kD > 0 && kD % 16 == 0) {
-          for (int64_t c = 0; c < G; c += kGroupRows<kD>) {
+          // Rows r0 + c.. against keys (and values) `stride` elements apart.
+          const auto pass = [&](int64_t c, const auto* keys, int64_t k_stride, const auto* values,
+                                int64_t v_stride) {
             const int64_t r = r0 + c;
             const auto run = [&](auto rows_now) {
               attend_rows<kD, decltype(rows_now)::value>(
-                  qf + r * D, acc + r * D, row_max + r, row_sum + r, p + r * B, B, keys, D,
-                  values, D, lo, hi, g.softcap);
+                  qf + r * D, acc + r * D, row_max + r, row_sum + r, p + r * B, B, keys,
+                  k_stride, values, v_stride, lo, hi, g.softcap);
             };
             switch (std::min<int64_t>(kGroupRows<kD>, G - c)) {
               case 4: run(std::integral_constant<int, 4>{}); break;
@@ -674,11 +704,19 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
               case 2: run(std::integral_constant<int, 2>{}); break;
               default: run(std::integral_constant<int, 1>{});
             }
+          };
+          if constexpr (kDirect) {
+            if (direct) {
+              pass(0, block_keys + h * g.k_head, g.k_slot, block_values + h * g.v_head, g.v_slot);
+              continue;
+            }
           }
+          for (int64_t c = 0; c < G; c += kGroupRows<kD>)
+            pass(c, kbuf + h * B * D, D, vbuf + h * B * D, D);
         } else {
           for (int64_t r = r0; r < r0 + G; ++r)
-            attend_row<kD>(qf + r * D, acc + r * D, row_max[r], row_sum[r], p + r * B, keys,
-                           D, values, D, lo, hi, g.softcap, D);
+            attend_row<kD>(qf + r * D, acc + r * D, row_max[r], row_sum[r], p + r * B,
+                           kbuf + h * B * D, D, vbuf + h * B * D, D, lo, hi, g.softcap, D);
         }
       }
     }

@@ -168,6 +168,29 @@ def test_one_decoding_stream_is_split_by_keys(sliding_window, softcap, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 2), 64), ((4, 4), 128)])
+def test_a_decode_reads_the_cache_in_place_as_an_extend_reads_it_converted(
+    dtype, heads, head_dim, kernel_only
+):
+    """A decode item whose GQA group fits one pass of rows reads its keys and values straight
+    from the cache, converting them as it loads them; an item of two tokens converts each block
+    into buffers first. The same floats in the same order: the last token's output is the same,
+    bit for bit, either way (window and soft-capping too)."""
+    batch = make_batch([(15, 2), (40, 2), (130, 2), (301, 2)], num_heads=heads[0],
+                       num_kv_heads=heads[1], head_dim=head_dim, block_size=16, dtype=dtype,
+                       seed=head_dim)  # fmt: skip
+    last = batch.query_start_loc[1:].long() - 1
+    decode = dict(q=batch.q[last].contiguous(), query_start_loc=torch.arange(5, dtype=torch.int32))
+    for options in ({}, {"sliding_window": 50, "softcap": 3.0}):
+        extend = run(batch, 0.2, **options)[last]
+        got = cpu_ops.paged_attention(
+            decode["q"], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+            decode["query_start_loc"], 0.2, **options,
+        )  # fmt: skip
+        assert torch.equal(got, extend)
+
+
 @pytest.mark.parametrize("sliding_window", [None, 7])
 def test_softcap(sliding_window, kernel_only):
     # Scale 0.3 gives scores of a few units, which a cap of 2 bends hard.
