@@ -15,8 +15,9 @@
 // Per item and key block: each key is converted to float32 once and dotted with every row; the
 // softmax is online (running max and sum per row, in float32); each value is converted once and
 // added to every row's accumulator. A decode item whose rows fit one pass converts its keys and
-// values as it loads them from the cache; other items convert a block into buffers first. The output is rounded to q's dtype once, at the end. head_dim
-// 64 and 128 are compile-time constants, so those loops unroll and vectorize fully.
+// values as it loads them from the cache; other items convert a block into buffers first. The
+// output is rounded to q's dtype once, at the end. head_dim 64 and 128 are compile-time
+// constants, so those loops unroll and vectorize fully.
 //
 // `take`, when given, names the sequences to attend to (bool [sequences]); the others are left to
 // the caller: for long prefills the reference's SDPA (oneDNN GEMMs) is faster than these dot
@@ -229,14 +230,6 @@ inline void row_as_float(const T* row, float* dst, int64_t D) {
   }
 }
 
-// Slots start..end-1 of a block's keys and values for `heads` KV heads (`keys` and `values` at
-// the first one) as float32 rows of `kbuf` and `vbuf` ([heads][B][D]), read slot by slot, keys
-// and values side by side: two streams in address order, which the hardware prefetcher follows
-// and keeps in flight together; the same slot of the sequence's next block (`next_keys`,
-// `next_values`, or null) is fetched meanwhile. Read a head at a time, keys then values, each
-// block was crossed once per head, every third 128-byte run: decode attention from memory (64
-// sequences x 160 keys) took 1.4x the time, in float32 too, where this is a copy (BENCHMARKS.md,
-// "Prefill attention on AMX tiles").
 // Fetch slot i's keys and values of `heads` KV heads of a block (at the first one) ahead.
 template <typename T>
 inline void prefetch_slot(const T* keys, const T* values, const Geometry& g, int64_t heads,
@@ -256,6 +249,14 @@ inline void prefetch_block(const T* keys, const T* values, const Geometry& g, in
   for (int64_t i = start; i < end; ++i) prefetch_slot(keys, values, g, heads, i);
 }
 
+// Slots start..end-1 of a block's keys and values for `heads` KV heads (`keys` and `values` at
+// the first one) as float32 rows of `kbuf` and `vbuf` ([heads][B][D]), read slot by slot, keys
+// and values side by side: two streams in address order, which the hardware prefetcher follows
+// and keeps in flight together; the same slot of the sequence's next block (`next_keys`,
+// `next_values`, or null) is fetched meanwhile. Read a head at a time, keys then values, each
+// block was crossed once per head, every third 128-byte run: decode attention from memory (64
+// sequences x 160 keys) took 1.4x the time, in float32 too, where this is a copy (BENCHMARKS.md,
+// "Prefill attention on AMX tiles").
 template <typename T, int64_t kD>
 inline void block_as_float(const T* keys, const T* values, const Geometry& g, int64_t heads,
                            int64_t start, int64_t end, float* kbuf, float* vbuf,
@@ -654,7 +655,9 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
   // One token whose group's rows fit one pass (a decode): its keys and values are read straight
   // from the cache, converted to float32 as they are loaded, instead of through kbuf and vbuf
   // (the same floats in the same order; the buffers pay a store and a reload per row, and serve
-  // to convert once for more rows or tokens).
+  // to convert once for more rows or tokens). That reads a head at a time, which block_as_float
+  // avoids; fetching the whole next block ahead kept decode from memory level (BENCHMARKS.md,
+  // "Decode attention reads the cache in place").
   constexpr bool kDirect = kVectorRows && kD > 0 && kD % 16 == 0 &&
                            (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   bool direct = false;

@@ -30,7 +30,8 @@ void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor& q);
 
 // cpu_gguf.cpp: out (rows may be strided) = x @ W^T for W a GGUF file's blocks of `qtype`, by
-// integer dot products of the blocks (block_linear) or by AMX bf16 tiles (amx_linear).
+// integer dot products of the blocks (block_linear; out of x's dtype or float32) or by AMX bf16
+// tiles (amx_linear; out of x's dtype).
 void gguf_block_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                        at::Tensor& out);
 void gguf_amx_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
