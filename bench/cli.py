@@ -1,5 +1,6 @@
-"""`pagedserve bench`: throughput (offline), serve (load-test a running server) and soak (many
-mixed, partly invalid or dropped requests against a running server, then leak checks).
+"""`pagedserve bench`: throughput (offline), serve (load-test a running server), soak (many
+mixed, partly invalid or dropped requests against a running server, then leak checks) and
+quality (a server's agreement with the model's own float32 values).
 
 `pagedserve bench ...` hands its arguments here, importing this module only then, so that
 nothing outside bench/ loads the benchmarks or their dependencies (the `bench` extra).
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.bench import serve, soak, throughput
+from pagedserve.bench import quality, serve, soak, throughput
 from pagedserve.engine.engine_config import EngineConfig
 
 
@@ -28,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     soak.add_arguments(sk)
     sk.set_defaults(func=soak.run)
+    qa = sub.add_parser(
+        "quality", help="a server's top-1 agreement with the model's own float32 values"
+    )
+    quality.add_arguments(qa)
+    qa.set_defaults(func=quality.run)
     return parser
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine on the H200 (issue 5), as one script for the device tool:
 #
-#     ../shared/device/wheels.sh click pyzmq msgspec xgrammar soundfile soxr python-multipart  # once, here: writes .whl/ (fastapi, gguf, uvicorn's click, pyzmq, msgspec, xgrammar, Whisper's audio and forms, ...)
+#     bash bench/wheels.sh pyzmq msgspec xgrammar soundfile soxr python-multipart  # once, here: writes .whl/ (fastapi, gguf, uvicorn's click, pyzmq, msgspec, xgrammar, Whisper's audio and forms, ...)
 #     run(command="bash bench/gpu_engine.sh", carry=[".whl"], timeout_s=590)
 #
 # Steps in order of importance, each under its own time limit so that one that hangs cannot take
@@ -120,7 +120,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 elif [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
 else
-    echo "no .whl/: run ../shared/device/wheels.sh and carry .whl (gguf, fastapi, ... are missing)"
+    echo "no .whl/: run bench/wheels.sh where pip reaches PyPI and carry .whl (gguf, fastapi, ... are missing)"
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 source bench/pythonpath.sh || exit

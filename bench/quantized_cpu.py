@@ -36,6 +36,7 @@ import time
 import torch
 
 from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
+from pagedserve.engine.frontend.outputs import greedy_top
 from pagedserve.engine.models import quantized_linear
 from pagedserve.engine.models.cpu_linear import linear, pack
 from pagedserve.engine.models.model_source import resolve_model
@@ -184,14 +185,6 @@ def step_part(args: argparse.Namespace) -> list[dict]:
             engine_model.linear, cpu_ops.paged_attention = linear_fn, attention_fn
             CompiledStep.__call__ = compiled_fn
     return results
-
-
-def greedy_top(entry: dict) -> int:
-    """The token greedy decoding takes from a position's prompt logprobs ({id: Logprob}: the
-    scored token and the top one). A token tied with the top shares its rank 1, and greedy takes
-    the lowest id of them; so does this. (bfloat16 logits tie often: counting the scored token
-    whenever it ties flattered logits rounded to bfloat16, by 1-1.5 points of agreement.)"""
-    return min(entry.items(), key=lambda kv: (kv[1].rank, kv[0]))[0]
 
 
 def _agreement(model, reference, prompts: list[list[int]], tokens: int) -> dict:

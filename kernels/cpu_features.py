@@ -37,6 +37,8 @@ import platform
 from dataclasses import dataclass
 
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
+# Opt-in to the CPU kernels' faster paths whose results depend on the batch (`batch_variant`).
+BATCH_VARIANT_ENV = "PAGEDSERVE_BATCH_VARIANT"
 # x86 levels, lowest first.
 X86_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 NATIVE = "native"
@@ -203,6 +205,23 @@ def block_dot_allowed(features: CPUFeatures | None = None) -> bool:
     `torch.ops.pagedserve_cpu.block_dot_isa()` (empty without)."""
     features = features or cpu_features()
     return features.at_least("avx2")
+
+
+@functools.cache
+def batch_variant() -> bool:
+    """Whether the CPU kernels may take their faster paths whose results depend on what else
+    shares a step: PAGEDSERVE_BATCH_VARIANT=1, off by default.
+
+    By default a row's arithmetic is a function of its own inputs and position alone: the kept
+    GGUF weights multiply every step by the blocks' integer dot products (no dense or AMX route
+    for long steps), the attention kernel takes every sequence (no SDPA for long prompts) with
+    one reduction order per query (no split of one stream's keys across threads, no AMX tiles),
+    so temperature 0 is a function of the prompt, whether it is batched, cached, chunked or
+    streamed (BENCHMARKS.md, "One request, one answer", says what the faster paths gain)."""
+    value = os.environ.get(BATCH_VARIANT_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"{BATCH_VARIANT_ENV} must be 1 or 0, got {value!r}")
+    return value in ("1", "true", "yes")
 
 
 def march_flags(level: str) -> tuple[str, ...]:

@@ -22,12 +22,12 @@ compiler, a source or header missing, a compile error, a damaged library) makes 
 False with one warning saying why: every op here then runs the torch reference, and the engine's
 "auto" backend on CPU is the reference.
 
-The kernel attends to decode sequences, short extends and short prompts (`kernel_attends`);
-longer prefills/extends in the same batch go to the reference's SDPA, one call per sequence,
-because SDPA's GEMMs beat the kernel's dot products there (the kernel computes them correctly too:
-the tests raise the limit), except in bfloat16 where the library has AMX: there the kernel's tile
-products take every length. fp8 caches go to the reference (the kernel reads float32, bfloat16 and
-float16 caches).
+The kernel attends to every sequence, so that a query's result never depends on how its prompt
+was chunked. With `cpu_features.batch_variant` it attends to decode sequences, short extends and
+short prompts (`kernel_attends`); longer prefills/extends in the same batch go to the reference's
+SDPA, one call per sequence, because SDPA's GEMMs beat the kernel's dot products there, except in
+bfloat16 where the library has AMX: there the kernel's tile products take every length. fp8
+caches go to the reference (the kernel reads float32, bfloat16 and float16 caches).
 """
 
 from __future__ import annotations
@@ -308,8 +308,10 @@ def amx_tiles() -> bool:
 
 def kernel_attends(q_len: int, seq_len: int, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel attends to a sequence of `q_len` new tokens, `seq_len` in all, rather
-    than the reference's SDPA (see KERNEL_MAX_PAIRS and AMX_HEAD_DIMS)."""
-    if q_len <= KERNEL_MAX_NEW_TOKENS:
+    than the reference's SDPA: every one by default (one arithmetic per query, however its
+    tokens are chunked), else as KERNEL_MAX_PAIRS and AMX_HEAD_DIMS say
+    (`cpu_features.batch_variant`)."""
+    if q_len <= KERNEL_MAX_NEW_TOKENS or not cpu_features.batch_variant():
         return True
     if dtype == torch.bfloat16 and head_dim in AMX_HEAD_DIMS and amx_tiles():
         return True
@@ -358,7 +360,8 @@ def paged_attention(
     if any(take):
         torch.ops.pagedserve_cpu.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale),
-            sliding_window or 0, softcap or 0.0, None if all(take) else torch.tensor(take), out,
+            sliding_window or 0, softcap or 0.0, None if all(take) else torch.tensor(take),
+            cpu_features.batch_variant(), out,
         )  # fmt: skip
     for i, n in enumerate(q_lens):
         if not take[i]:

@@ -121,6 +121,19 @@ def _save_tiny(path: Path, kind: str) -> Path:
     return path
 
 
+@pytest.fixture
+def batch_variant(monkeypatch):
+    """The CPU kernels' faster paths whose results depend on the batch
+    (PAGEDSERVE_BATCH_VARIANT=1, `cpu_features.batch_variant`), for the tests of those paths; the
+    default is invariant."""
+    from pagedserve.kernels import cpu_features
+
+    monkeypatch.setenv(cpu_features.BATCH_VARIANT_ENV, "1")
+    cpu_features.batch_variant.cache_clear()
+    yield
+    cpu_features.batch_variant.cache_clear()  # read again once monkeypatch has put it back
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")

@@ -24,7 +24,7 @@ import torch
 
 from pagedserve.engine.models.attention_metadata import AttentionMetadata
 from pagedserve.engine.models.quantized_linear import BlockWeight, quantized, route
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu_features, cpu_ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -126,4 +126,5 @@ class CompiledStep:
             x.contiguous(), positions.contiguous(), [k for k, _ in kv_caches],
             [v for _, v in kv_caches], meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, route(x.shape[0], x.dtype, self._interleaved) == "amx",
+            cpu_features.batch_variant(),
         )  # fmt: skip

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.engine.engine_config import QUANTIZATIONS
+from pagedserve.kernels import cpu_features
 
 _Q = gguf.GGMLQuantizationType
 # The block types the kernels multiply by (kernels/csrc/cpu_gguf.cpp): a row holds whole blocks of
@@ -229,7 +230,11 @@ def block_ops():
 def route(rows: int, dtype: torch.dtype, interleaved: bool = False) -> str:
     """How a step of `rows` activation rows in `dtype` multiplies by kept weights here: "amx"
     (AMX tiles), "blocks" (the blocks' integer dot products) or "dense" (dequantized).
-    `interleaved`: weights whose rows are all interleaved by 8."""
+    `interleaved`: weights whose rows are all interleaved by 8. By default every step takes the
+    blocks, so a row's result never depends on the step's rows; the AMX tiles and the dense
+    route only with `cpu_features.batch_variant`."""
+    if not cpu_features.batch_variant():
+        return "blocks" if block_dot_isa() else "dense"
     amx_min = INTERLEAVED_AMX_MIN_ROWS if interleaved else AMX_MIN_ROWS
     if dtype == torch.bfloat16 and amx_min < rows <= AMX_MAX_ROWS and amx_tiles():
         return "amx"

@@ -8,9 +8,15 @@
 // its tokens times the GQA group's query heads, so every K/V block is loaded (and converted to
 // float) once per item and shared by all the group's query heads. Items run on torch's OpenMP
 // threads, costliest first, each thread taking the next item from an atomic counter (prefill
-// tiles late in a long prompt cost more than early ones, and decodes cost little). When there are
-// too few items for the threads (one stream's decode), each decode item is split by keys and the
-// parts' softmax states merged after (split_decodes, merge_splits).
+// tiles late in a long prompt cost more than early ones, and decodes cost little).
+//
+// A query row's result depends only on its own query, position and keys, never on the batch: its
+// keys are taken block by block in order, with the same vector code whatever item it is in, so a
+// token attended in a prefill chunk, in a decode step, alone or among many gives the same bits
+// (tests/kernels/test_batch_invariance.py). Two faster paths break that and run only with
+// `batch_variant` (PAGEDSERVE_BATCH_VARIANT=1, `kernels.cpu_features.batch_variant`): one stream's
+// decode items split by keys across the threads, their softmax states merged after
+// (split_decodes, merge_splits), and bfloat16 prefill items on AMX tiles.
 //
 // Per item and key block: each key is converted to float32 once and dotted with every row; the
 // softmax is online (running max and sum per row, in float32); each value is converted once and
@@ -830,7 +836,7 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const std::vector<int32_t>& seq_lens,
          const std::vector<int32_t>& starts, const Geometry& g, const bool* take,
-         at::Tensor& out) {
+         bool batch_variant, at::Tensor& out) {
   const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
   const int64_t threads_wanted = at::get_num_threads();
   // With enough sequences to keep every thread busy, an item takes all KV heads of its tokens, so
@@ -854,7 +860,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
     }
   }
-  const int64_t splits = split_decodes(items, g, threads_wanted, seq_lens, starts);
+  const int64_t splits =
+      batch_variant ? split_decodes(items, g, threads_wanted, seq_lens, starts) : 0;
   std::vector<float> partials(splits * partial_floats(g.group, g.head_dim));
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -900,11 +907,13 @@ namespace pagedserve_cpu {
 void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                     double softcap, const c10::optional<at::Tensor>& take, at::Tensor out) {
+                     double softcap, const c10::optional<at::Tensor>& take, bool batch_variant,
+                     at::Tensor out) {
   TORCH_CHECK(q_in.device().is_cpu(), "pagedserve CPU attention takes CPU tensors");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim must be dense");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt &&
+                  (block_tables.size(1) <= 1 || block_tables.stride(1) == 1),
               "block_tables must be int32 with dense rows");
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const auto lens_t = seq_lens.to(at::kInt).contiguous();
@@ -935,16 +944,16 @@ void paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   g.window = sliding_window;
   g.scale = static_cast<float>(scale);
   g.softcap = static_cast<float>(softcap);
-  g.amx = kAmxAttention && q.scalar_type() == at::kBFloat16 && amx_available();
+  g.amx = batch_variant && kAmxAttention && q.scalar_type() == at::kBFloat16 && amx_available();
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);
+      run<float>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, batch_variant, out);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);
+      run<c10::BFloat16>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, batch_variant, out);
       break;
     case at::kHalf:
-      run<c10::Half>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, out);
+      run<c10::Half>(q, k_cache, v_cache, block_tables, lens, starts, g, taken, batch_variant, out);
       break;
     default:
       TORCH_CHECK(false, "pagedserve CPU attention takes float32, bfloat16 or float16, not ",
@@ -958,7 +967,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, float softcap, "
-      "Tensor? take, Tensor(a!) out) -> ()");
+      "Tensor? take, bool batch_variant, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", &pagedserve_cpu::paged_attention); }

@@ -111,12 +111,13 @@ class DecoderLayers : public torch::CustomClassHolder {
 
   // The final normed hidden states [tokens, hidden] of the step's tokens, `x` their embeddings
   // (used as the residual stream, so changed in place). `amx`: the matmuls take the AMX tiles
-  // (bfloat16 steps of their rows: `quantized_linear.route`), else the blocks' dot products.
+  // (bfloat16 steps of their rows: `quantized_linear.route`), else the blocks' dot products;
+  // `batch_variant`: the attention may take its paths whose results depend on the batch.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions,
                      const std::vector<at::Tensor>& k_caches,
                      const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, bool amx) {
+                     const at::Tensor& query_start_loc, bool amx, bool batch_variant) {
     TORCH_CHECK(!layers_.empty(), "the compiled decoder has no layers");
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer");
@@ -159,7 +160,7 @@ class DecoderLayers : public torch::CustomClassHolder {
                                        head_dim_, q);
       pagedserve_cpu::paged_attention(q, k_cache, v_cache, tables[layer.kv_group], seq_lens,
                                       query_start_loc, scale_, layer.window, 0.0, c10::nullopt,
-                                      attn);
+                                      batch_variant, attn);
       layer.o(attn_rows, branch, amx);
       pagedserve_cpu::fused_add_rms_norm(branch, residual, layer.post_attention_norm, eps_, false,
                                          normed);

@@ -4,9 +4,15 @@
 // of 32 with 6-bit scales and mins; Q6_K 16 of 16 with int8 scales), what llama.cpp's Q4_K_M and
 // Q5_K_M files hold (with Q5_0 / Q8_0 where a row is not a multiple of 256).
 //
-// As llama.cpp does, the activations are quantized too, each row in blocks of 32 to int8 with a
-// float scale (dx = max|x| / 127; sx = dx * the block's code sum), so that a block's product is
-// one integer dot product of 32 bytes by 32 bytes (c the activation's codes, q the weight's):
+// The activations are quantized too, each row in blocks of 32, so that a block's product is
+// integer dot products of 32 bytes by 32 bytes (c the activation's codes, q the weight's). Unlike
+// llama.cpp's int8 codes (dx = max|x| / 127), each value is a 15-bit code c = round(x / dx) with
+// dx = max|x| / 32512, held as two int8 codes c = 255 h + l (|h|, |l| <= 127), and a block's sum is
+// 255 * sum q h + sum q l: exact in int32, so a row's result is the same whatever rows share the
+// step and however they are tiled. int8 codes cost 1.5 points of top-1 agreement with the model's
+// float32 values on SmolLM2 (BENCHMARKS.md, "One request, one answer"); 15 bits are as close as
+// bfloat16 activations multiplied by the dequantized weights. sx = dx * sum(c) is what a Q4
+// block's offset multiplies:
 //
 //   Q8_0   w = d * q (q int8)              sum_i w_i x_i = d * dx * sum_i q_i c_i
 //   Q4_1   w = d * q + m (q 0..15)         sum_i w_i x_i = d * dx * sum_i q_i c_i + m * sx
@@ -117,11 +123,25 @@ inline void load32(const c10::BFloat16* x, __m256 v[4]) {
   }
 }
 
-// One row of K activations into int8 blocks: codes round(x / dx) with dx = max|x| / 127, and
-// sx = dx * sum(codes) (what a Q4 block's offset multiplies).
+// The largest 15-bit code: 127 * 255 + 127, so that both halves of c = 255 h + l fit in int8
+// within -127..127 (Q8_0's sign trick on AVX2 negates them).
+constexpr float kCodeMax = 32512.0f;
+
+// One row of K activations into blocks of 15-bit codes c = round(x / dx), dx = max|x| / kCodeMax,
+// stored as two int8 codes per value: h = round(c / 255) in `high`, l = c - 255 h in `low`; and
+// sx = dx * sum(c) (what a Q4 block's offset multiplies).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* codes, float* d, float* s) {
+void quantize_row(const T* x, int64_t k, int8_t* high, int8_t* low, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 base = _mm256_set1_ps(255.0f), inverse_base = _mm256_set1_ps(1.0f / 255.0f);
+  constexpr int kRound = _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC;
+  // 8 int32 -> 8 int8 per vector, 32 in value order (packs interleave the 128-bit lanes).
+  const auto pack = [](const __m256i* q, int8_t* out) {
+    const __m256i w8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                          _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  };
   for (int64_t b = 0; b < k / kBlock; ++b) {
     __m256 v[4];
     load32(x + b * kBlock, v);
@@ -131,23 +151,23 @@ void quantize_row(const T* x, int64_t k, int8_t* codes, float* d, float* s) {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float max_abs = _mm_cvtss_f32(m);
-    const float dx = max_abs / 127.0f;
-    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j)
-      q[j] = _mm256_cvtps_epi32(  // rounds to nearest (even), MXCSR's default
-          _mm256_round_ps(_mm256_mul_ps(v[j], inverse), _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC));
-    // The code sum, then 32 int32 -> 32 int8 in order (packs interleave the 128-bit lanes).
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
-                                           _mm256_add_epi32(q[2], q[3]));
+    const float dx = max_abs / kCodeMax;
+    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kCodeMax / max_abs : 0.0f);
+    __m256i h[4], l[4], sum32 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      // Whole numbers in float32, exactly: c, then h (c / 255 is at least 1/510 from a tie, far
+      // beyond the product's rounding) and l = c - 255 h.
+      const __m256 c = _mm256_round_ps(_mm256_mul_ps(v[j], inverse), kRound);
+      const __m256 hf = _mm256_round_ps(_mm256_mul_ps(c, inverse_base), kRound);
+      h[j] = _mm256_cvtps_epi32(hf);
+      l[j] = _mm256_cvtps_epi32(_mm256_fnmadd_ps(hf, base, c));
+      sum32 = _mm256_add_epi32(sum32, _mm256_cvtps_epi32(c));
+    }
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
     t = _mm_hadd_epi32(t, t);
     t = _mm_hadd_epi32(t, t);
-    const __m256i w16a = _mm256_packs_epi32(q[0], q[1]);
-    const __m256i w16b = _mm256_packs_epi32(q[2], q[3]);
-    __m256i w8 = _mm256_packs_epi16(w16a, w16b);
-    w8 = _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kBlock), w8);
+    pack(h, high + b * kBlock);
+    pack(l, low + b * kBlock);
     d[b] = dx;
     s[b] = dx * static_cast<float>(_mm_cvtsi128_si32(t));
   }
@@ -173,6 +193,16 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
 #else
   return _mm256_add_epi32(acc, dot_u8s8(u, s));
 #endif
+}
+
+// A block's integer sum from the dot products of its two code halves: 255 h + l.
+inline __m256i combine(__m256i high, __m256i low) {
+  return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(high, 8), high), low);
+}
+
+// dot_u8s8 of u by the activation codes c = 255 h + l.
+inline __m256i dot2(__m256i u, __m256i h, __m256i l) {
+  return combine(dot_u8s8(u, h), dot_u8s8(u, l));
 }
 
 // A Q4 block's 32 codes in value order (low nibbles, then high ones), one byte each.
@@ -271,21 +301,22 @@ inline void super_block_scales(const uint8_t* block, float* pairs) {
   }
 }
 
-// The activations after quantization: codes [M, K], and per block each row's (dx, sx) pair,
-// block by block ([K / 32, M, 2]): a tile's rows have theirs side by side.
+// The activations after quantization: codes [M, K] as their high and low halves (`codes`, `low`),
+// and per block each row's (dx, sx) pair, block by block ([K / 32, M, 2]): a tile's rows have
+// theirs side by side. Each row is quantized alone: its codes are the same in a step of any rows.
 struct QuantizedActivations {
-  std::vector<int8_t> codes;
+  std::vector<int8_t> codes, low;
   std::vector<float> scales;
   int64_t m, k;
 
   template <typename T>
   QuantizedActivations(const T* x, int64_t rows, int64_t cols)
-      : codes(rows * cols), scales(cols / kBlock * rows * 2), m(rows), k(cols) {
+      : codes(rows * cols), low(rows * cols), scales(cols / kBlock * rows * 2), m(rows), k(cols) {
     const int64_t nblocks = k / kBlock;
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> d(nblocks), s(nblocks);
       for (int64_t i = begin; i < end; ++i) {
-        quantize_row(x + i * k, k, codes.data() + i * k, d.data(), s.data());
+        quantize_row(x + i * k, k, codes.data() + i * k, low.data() + i * k, d.data(), s.data());
         for (int64_t b = 0; b < nblocks; ++b) {
           scales[(b * m + i) * 2] = d[b];
           scales[(b * m + i) * 2 + 1] = s[b];
@@ -353,10 +384,12 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
         }
       }
     }
-    __m256i c[RX];
-    for (int j = 0; j < RX; ++j)
-      c[j] = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(x.codes.data() + (first + j) * x.k + b * kBlock));
+    __m256i c[RX], l[RX];  // each activation row's high and low codes
+    for (int j = 0; j < RX; ++j) {
+      const int64_t at = (first + j) * x.k + b * kBlock;
+      c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.data() + at));
+      l[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low.data() + at));
+    }
     const float* xs = x.scales.data() + (b * x.m + first) * 2;
     [[maybe_unused]] __m128 q4_scales[RX];  // kNibbleDot: (dx, sx), Q4_0's (dx, -8 sx)
     if constexpr (kNibbleDot<QType>)
@@ -366,7 +399,7 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
             _mm_setr_ps(1.0f, QType == kQ4_0 ? -8.0f : 1.0f, 0.0f, 0.0f));
     [[maybe_unused]] __m256i bias[RX];  // Q6_K: 32 * sum c per half block, lanes 0-3 and 4-7
     if constexpr (QType == kQ6_K)
-      for (int j = 0; j < RX; ++j) bias[j] = dot_u8s8(_mm256_set1_epi8(32), c[j]);
+      for (int j = 0; j < RX; ++j) bias[j] = dot2(_mm256_set1_epi8(32), c[j], l[j]);
     for (int r = 0; r < RW; ++r) {
       if constexpr (!is_k_quant(QType))
         _mm_prefetch(reinterpret_cast<const char*>(rows[r] + b * block_bytes(QType) +
@@ -384,7 +417,7 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
         __m128 pair = _mm_cvtph_ps(_mm_loadu_si64(block));
         if constexpr (QType == kQ4_0) pair = _mm_moveldup_ps(pair);  // (d, d): m = -8 d
         for (int j = 0; j < RX; ++j) {
-          const __m256i sums = dot_u8s8(codes, c[j]);
+          const __m256i sums = dot2(codes, c[j], l[j]);
           const __m128 factors = _mm_mul_ps(pair, q4_scales[j]);
           acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcastss_ps(factors),
                                       acc[r][j]);
@@ -397,7 +430,8 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
         const float d = half_to_float(rows[r] + b * 34);
         const __m256i magnitude = _mm256_sign_epi8(codes, codes);
         for (int j = 0; j < RX; ++j) {
-          const __m256i sums = dot_u8s8(magnitude, _mm256_sign_epi8(c[j], codes));
+          const __m256i sums = dot2(magnitude, _mm256_sign_epi8(c[j], codes),
+                                    _mm256_sign_epi8(l[j], codes));
           acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * xs[2 * j]),
                                       acc[r][j]);
         }
@@ -405,7 +439,7 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
         const __m256 halves = _mm256_set_m128(_mm_set1_ps(scales[r][2 * s + 1]),
                                               _mm_set1_ps(scales[r][2 * s]));
         for (int j = 0; j < RX; ++j) {
-          const __m256i sums = _mm256_sub_epi32(dot_u8s8(codes, c[j]), bias[j]);
+          const __m256i sums = _mm256_sub_epi32(dot2(codes, c[j], l[j]), bias[j]);
           acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                       _mm256_mul_ps(halves, _mm256_set1_ps(xs[2 * j])), acc[r][j]);
         }
@@ -416,7 +450,7 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
         else
           pair = block_pair<QType>(rows[r] + b * block_bytes(QType));
         for (int j = 0; j < RX; ++j) {
-          const __m256i sums = dot_u8s8(codes, c[j]);
+          const __m256i sums = dot2(codes, c[j], l[j]);
           const __m128 factors = _mm_mul_ps(
               pair, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs + 2 * j))));
           acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcastss_ps(factors),
@@ -516,23 +550,34 @@ void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActiv
         }
       }
       for (int j = 0; j < RX; ++j) {
-        const int8_t* c = x.codes.data() + (first + j) * x.k + b * kBlock;
-        int32_t quads[8];
-        std::memcpy(quads, c, 32);
+        const int64_t at = (first + j) * x.k + b * kBlock;
+        int32_t quads[8], low_quads[8];
+        std::memcpy(quads, x.codes.data() + at, 32);
+        std::memcpy(low_quads, x.low.data() + at, 32);
+        // Two chains of dot products per half of the codes.
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g += 2) {  // two chains of dot products
+        __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g += 2) {
           const __m256i c0 = _mm256_set1_epi32(quads[g]), c1 = _mm256_set1_epi32(quads[g + 1]);
+          const __m256i l0 = _mm256_set1_epi32(low_quads[g]);
+          const __m256i l1 = _mm256_set1_epi32(low_quads[g + 1]);
           if (kQ8 && !kUnsignedQ8) {
-            s0 = dot_add(s0, _mm256_sign_epi8(codes[g], codes[g]), _mm256_sign_epi8(c0, codes[g]));
-            s1 = dot_add(s1, _mm256_sign_epi8(codes[g + 1], codes[g + 1]),
-                         _mm256_sign_epi8(c1, codes[g + 1]));
+            const __m256i u0 = _mm256_sign_epi8(codes[g], codes[g]);
+            const __m256i u1 = _mm256_sign_epi8(codes[g + 1], codes[g + 1]);
+            s0 = dot_add(s0, u0, _mm256_sign_epi8(c0, codes[g]));
+            s1 = dot_add(s1, u1, _mm256_sign_epi8(c1, codes[g + 1]));
+            t0 = dot_add(t0, u0, _mm256_sign_epi8(l0, codes[g]));
+            t1 = dot_add(t1, u1, _mm256_sign_epi8(l1, codes[g + 1]));
           } else {
             s0 = dot_add(s0, codes[g], c0);
             s1 = dot_add(s1, codes[g + 1], c1);
+            t0 = dot_add(t0, codes[g], l0);
+            t1 = dot_add(t1, codes[g + 1], l1);
           }
         }
+        const __m256i sums = combine(_mm256_add_epi32(s0, s1), _mm256_add_epi32(t0, t1));
         const float* xs = x.scales.data() + (b * x.m + first + j) * 2;
-        acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+        acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                     _mm256_mul_ps(d, _mm256_set1_ps(xs[0])), acc[q][j]);
         offset[q][j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[1]), offset[q][j]);
       }

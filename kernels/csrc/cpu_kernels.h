@@ -11,11 +11,13 @@
 namespace pagedserve_cpu {
 
 // cpu_attention.cpp: `kernels.reference.paged_attention` for the sequences `take` flags (all when
-// it is not given); sliding_window 0 and softcap 0 mean none.
+// it is not given); sliding_window 0 and softcap 0 mean none; `batch_variant` allows the faster
+// paths whose results depend on the batch.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                     double softcap, const c10::optional<at::Tensor>& take, at::Tensor out);
+                     double softcap, const c10::optional<at::Tensor>& take, bool batch_variant,
+                     at::Tensor out);
 
 // cpu_layer_ops.cpp: the reference's rms_norm, fused_add_rms_norm, silu_and_mul and
 // rotary_and_cache, writing into the given outputs.

@@ -1,12 +1,13 @@
-"""Every command README.md and BENCHMARKS.md show runs as written: its arguments parse with the
-real parser (`pagedserve`, `python -m pagedserve.bench.*`), its script exists and is valid shell,
-its make target exists; `python -m pagedserve.bench.attention_cpu` runs whole, and each
-`python -m` module answers `--help` in a fresh interpreter.
+"""Every command README.md, BENCHMARKS.md and the peers' README show runs as written: its
+arguments parse with the real parser (`pagedserve`, `python -m pagedserve.bench.*`), its script
+exists in the repository and is valid shell, its make target exists;
+`python -m pagedserve.bench.attention_cpu` runs whole, and each `python -m` module answers
+`--help` in a fresh interpreter. And the repository is self-contained: no file of a clean
+checkout names a path above its root, where a fresh clone has nothing.
 
 Commands are found in code blocks (one per line, `\\` continuations joined) and in inline code
-spans; a bare program name ("the `pagedserve` command") is a mention, not a command. Not checked:
-`../shared/...` (the workplace's tools, outside this repository). Most of these commands are
-bench's, hence this file's place under tests/bench/."""
+spans; a bare program name ("the `pagedserve` command") is a mention, not a command. Most of
+these commands are bench's, hence this file's place under tests/bench/."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ import pytest
 
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.server.cli import build_parser as pagedserve_parser
+from tests.dists import _checkout_files
 from tests.server.util import PAGEDSERVE
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "BENCHMARKS.md")
+DOCS = ("README.md", "BENCHMARKS.md", "bench/peers/vllm_cpu/README.md")
 _ENV = r"(?:[A-Z_]+=(?:<[^>]*>|\S+)\s+)*"
 COMMAND = re.compile(rf"^{_ENV}(pagedserve|python3? -m|\.venv/bin/python -m|python|bash|make)\b")
 # Placeholders the docs use for "a value of your choice".
@@ -117,6 +119,7 @@ def test_documented_command_parses(doc, command):
         module.build_parser().parse_args(argv[3:])
     elif program == "bash":
         script = ROOT / argv[1]
+        assert script.resolve().is_relative_to(ROOT), f"{doc}: {argv[1]} is outside the repository"
         assert script.is_file(), f"{doc}: no {argv[1]}"
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
@@ -195,3 +198,45 @@ def test_pagedserve_help_lists_its_commands():
     done = subprocess.run([PAGEDSERVE, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "{serve,generate,kv-plan,bench}" in done.stdout
+
+
+# A relative path that climbs: "../" at the start of a path, not inside one ("bench/../x" stays
+# within) nor the end of an ellipsis (".../v1").
+_CLIMB = re.compile(r"(?<![\w./$})\]])\.\./[^\s`'\"()<>\[\]{},;]*")
+
+
+def _paths_outside(text: str, folder: Path) -> list[str]:
+    """The climbing paths in `text` that leave the checkout. Each leaves it from the root, where
+    the docs' commands run; one is kept only as a link from the file's own `folder` to a file or
+    folder the checkout has (docs/ naming the README one level up)."""
+    return [
+        path
+        for path in _CLIMB.findall(text)
+        if not ((folder / path).resolve().is_relative_to(ROOT) and (folder / path).exists())
+    ]
+
+
+def test_the_outside_path_check_finds_what_it_should():
+    up = ".."  # spelled apart, so that this file names no such path itself
+    peer = f"{up}/shared/peers/vllm_cpu/side_by_side.sh"
+    assert _paths_outside(f"PEER=$PEER bash {peer} (offline)", ROOT) == [peer]
+    # From a subfolder too, where it names nothing the checkout has.
+    assert _paths_outside(f"Not checked: `{up}/shared/...`", ROOT / "tests" / "bench") == [
+        f"{up}/shared/..."
+    ]
+    assert _paths_outside(f"see [the README]({up}/README.md)", ROOT / "bench") == []
+    assert _paths_outside('cd "$HERE/../../.."; base URL ".../v1"', ROOT) == []
+
+
+def test_no_file_names_a_path_outside_the_repository():
+    """A fresh clone has nothing beside it: scripts, docs and code name only what is inside
+    (a peer engine's own install, say, comes in through an environment variable)."""
+    files = _checkout_files()
+    assert "BENCHMARKS.md" in files and len(files) > 100
+    outside = []
+    for name in files:
+        data = (ROOT / name).read_bytes()
+        if b"../" in data and b"\0" not in data[:8192]:  # text files only
+            text = data.decode("utf-8", "replace")
+            outside += [f"{name}: {p}" for p in _paths_outside(text, (ROOT / name).parent)]
+    assert outside == []

@@ -10,8 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedserve.bench.quantized_cpu import greedy_top
-from pagedserve.engine.frontend.outputs import Logprob
+from pagedserve.engine.frontend.outputs import Logprob, greedy_top
 from pagedserve.engine.models.quantized_linear import block_dot_isa
 
 ROOT = Path(__file__).resolve().parents[2]

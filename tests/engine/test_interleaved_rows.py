@@ -95,7 +95,9 @@ def test_block_dots_of_interleaved_rows_equal_a_float64_product(qtype, dtype):
 
 @needs_block_dot
 @pytest.mark.parametrize("qtype", INTERLEAVED)
-def test_dequantizing_and_lookups_of_interleaved_rows_are_the_files_values(qtype, monkeypatch):
+def test_dequantizing_and_lookups_of_interleaved_rows_are_the_files_values(
+    qtype, monkeypatch, batch_variant
+):
     rows = _rows(qtype)
     weight = BlockWeight(rows)
     assert weight.interleaved
@@ -130,7 +132,7 @@ def test_amx_tiles_of_interleaved_rows_equal_the_files_layout(qtype):
 
 
 @needs_block_dot
-def test_interleaved_weights_route_by_their_own_crossover(monkeypatch):
+def test_interleaved_weights_route_by_their_own_crossover(monkeypatch, batch_variant):
     """With AMX, bf16 steps of up to INTERLEAVED_AMX_MIN_ROWS rows take the (faster) block dot
     products of interleaved rows, where the file's layout takes the tiles past AMX_MIN_ROWS."""
     bf16 = torch.bfloat16

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from pagedserve.engine.frontend.outputs import greedy_top
 from pagedserve.scheduler.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 
 PROMPT_LENGTHS = [1, 3, 7, 12, 17, 25, 31, 40]
@@ -189,13 +190,14 @@ SMOLLM2_PROMPTS = [
 ]
 
 
-def test_fp8_cache_greedy_agreement_on_smollm2():
-    """The real model: greedy tokens with an fp8 cache (scales 1.0, and calibrated on the
-    first step) against the fp32 cache's, computed on this machine, two ways: the fraction of
-    positions that agree before a row's first difference (after one, the contexts differ), and
-    teacher-forced (the fp8 model's top-1 at each position of the fp32 cache's continuations).
-    Reported; the floors are regression guards well under what was measured (BENCHMARKS.md,
-    "fp8 KV cache")."""
+def test_fp8_cache_teacher_forced_agreement_on_smollm2():
+    """The real model with an fp8 cache (scales 1.0, and calibrated on the first step) against
+    the fp32 cache, on this machine, teacher-forced: the fp32 cache's greedy continuations go in
+    as prompts, and at each of their positions the fp8 cache's top-1 is compared with the token
+    that came. Each position is scored on its own context, so one flip costs one position. (The
+    fraction of positions before a row's first difference, measured here until it failed on one
+    CPU, is chaotic: a few ulps anywhere move a row's first flip, and the rest of the row counts
+    as disagreement after it.)"""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     # The torch backend throughout: fp8 caches always take it (kernels/cpu_ops.py), so the fp32
@@ -203,44 +205,35 @@ def test_fp8_cache_greedy_agreement_on_smollm2():
     kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, attention_backend="torch")
     exact = LLM("smollm2-135m-instruct", **kwargs)
     prompts = [exact.get_tokenizer().encode(p) for p in SMOLLM2_PROMPTS]
-    want = [o.outputs[0].token_ids for o in exact.generate(prompts, params)]
-    sequences = [p + w for p, w in zip(prompts, want, strict=True)]
+    sequences = [
+        p + o.outputs[0].token_ids
+        for p, o in zip(prompts, exact.generate(prompts, params), strict=True)
+    ]
 
-    def agreement(**changes) -> tuple[float, float]:
+    def agreement(**changes) -> float:
         llm = LLM("smollm2-135m-instruct", **kwargs, **changes)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        prefix = 0
-        for g, w in zip(got, want, strict=True):
-            prefix += next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
-        same = 0
         scored = llm.generate(sequences, forced)
-        for prompt, seq, out in zip(prompts, sequences, scored, strict=True):
-            for i in range(len(prompt), len(seq)):
-                top = min(out.prompt_logprobs[i].items(), key=lambda kv: kv[1].rank)[0]
-                same += top == seq[i]
-        total = sum(map(len, want))
-        return prefix / total, same / total
+        same = [
+            greedy_top(out.prompt_logprobs[i]) == seq[i]
+            for prompt, seq, out in zip(prompts, sequences, scored, strict=True)
+            for i in range(len(prompt), len(seq))
+        ]
+        assert len(same) == len(prompts) * params.max_tokens
+        return sum(same) / len(same)
 
-    unit, calibrated = (
-        agreement(kv_cache_dtype="fp8"),
-        agreement(kv_cache_dtype="fp8", calculate_kv_scales=True),
-    )
-    print(
-        "SmolLM2 agreement with the fp32 cache (greedy prefix, teacher-forced): "
-        f"fp8 {unit[0]:.3f} {unit[1]:.3f}, calibrated {calibrated[0]:.3f} {calibrated[1]:.3f}"
-    )
-    # Measured on one AMD EPYC VM at its own level (avx512_bf16) and emulating an AVX2 CPU
-    # (PAGEDSERVE_CPU_ISA=avx2, tests/engine/test_lesser_cpu.py): greedy prefix 0.637 and 0.602
-    # (scales 1.0, calibrated) there, 0.523 and 0.477 under avx2; teacher-forced 0.961 and 0.957,
-    # 0.941 and 0.965. (An Intel VM with AMX: prefix 0.625 and 0.785; once the Q4_1 rows were
-    # interleaved by 8, whose block dots sum in another order, 0.324 and 0.500, teacher-forced
-    # 0.941 and 0.969.) The same on every run of one machine, but a few ulps anywhere (other CPUs'
-    # float32 kernels sum in other orders) move a row's first differing token, after which the
-    # rest of the row counts as disagreement: the prefix floor only guards against a broken fp8
-    # path (near 0). Teacher-forced, each position is scored on its own: a flip costs one
-    # position, so its floor can sit much closer.
-    assert unit[0] >= 0.25 and calibrated[0] >= 0.25
-    assert unit[1] >= 0.9 and calibrated[1] >= 0.9
+    unit = agreement(kv_cache_dtype="fp8")
+    calibrated = agreement(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    print(f"SmolLM2 teacher-forced top-1 agreement with the fp32 cache: fp8 {unit:.3f}, "
+          f"calibrated {calibrated:.3f}")  # fmt: skip
+    # Measured (256 positions, scales 1.0 and calibrated): on an AMD EPYC VM at its own level
+    # (avx512_bf16) 0.949-0.953 and 0.949-0.957 over two sittings, emulating an AVX2 CPU
+    # (PAGEDSERVE_CPU_ISA=avx2, tests/engine/test_lesser_cpu.py) 0.957 and 0.961; earlier, before
+    # this measure replaced the greedy prefix, 0.961 and 0.957 on an EPYC VM (0.941 and 0.965
+    # under avx2), and 0.941 and 0.969 on an Intel VM with AMX. For scale: a bfloat16 model
+    # against the float32 one agrees 0.977 (0.992 under avx2), and a broken fp8 path near 0
+    # (scales 1e-4 or 1e4, every K and V saturated or flushed: 0.004; chance is 1 in 49,152).
+    # The floor leaves about ten points for other CPUs' rounding, and is far above a broken path.
+    assert unit >= 0.85 and calibrated >= 0.85
 
 
 def test_fp8_scales_from_the_first_step_or_the_checkpoint(tiny_llama_dir, tmp_path):

@@ -76,14 +76,18 @@ def _weight(qtype: Q, n: int = 128, k: int = 96, seed: int = 0) -> BlockWeight:
     return BlockWeight(gguf_rows(_file_weight(qtype, n, k, seed)[0], qtype, (n, k)))
 
 
+# The activations' largest code (kCodeMax in cpu_gguf.cpp): 127 * 255 + 127, two int8 halves.
+CODE_MAX = 32512.0
+
+
 def _activations_as_quantized(x: torch.Tensor) -> torch.Tensor:
     """x in float64 as the kernel multiplies it: each block of 32 rounded to dx * code, dx =
-    max|x| / 127 (in float32, as the kernel computes it)."""
+    max|x| / 32512, a 15-bit code (in float32, as the kernel computes it: cpu_gguf.cpp)."""
     blocks = x.float().view(x.shape[0], -1, 32)
     top = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    inverse = torch.where(top > 0, CODE_MAX / top, torch.zeros_like(top))
     codes = torch.round(blocks * inverse)
-    return (codes.double() * (top / 127.0).double()).view(x.shape)
+    return (codes.double() * (top / CODE_MAX).double()).view(x.shape)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
@@ -159,9 +163,9 @@ def test_block_dot_products_equal_a_float64_product_on_the_quantized_activations
 @needs_block_dot
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_more(
-    dtype, monkeypatch
+    dtype, monkeypatch, batch_variant
 ):
-    """Without AMX (the AMX route's own test is below)."""
+    """With --batch-variant, without AMX (the AMX route's own test is below)."""
     monkeypatch.setattr(ql, "amx_tiles", lambda: False)
     weight = _weight(Q.Q4_1, n=192, k=128)
     assert weight.interleaved  # rows interleaved by 8 (tests/engine/test_interleaved_rows.py)
@@ -189,7 +193,9 @@ def test_linear_takes_the_block_dot_for_few_rows_and_the_dequantized_weight_for_
 
 @needs_block_dot
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K])  # interleaved rows and the file's
-def test_float_out_gives_the_block_dots_sums_before_bfloat16_rounds_them(qtype, monkeypatch):
+def test_float_out_gives_the_block_dots_sums_before_bfloat16_rounds_them(
+    qtype, monkeypatch, batch_variant
+):
     """The lm_head's logits (`Model.compute_logits`): bfloat16 activations, float32 out."""
     monkeypatch.setattr(ql, "amx_tiles", lambda: False)
     k = _cols(qtype)
@@ -215,7 +221,9 @@ def test_float_out_gives_the_block_dots_sums_before_bfloat16_rounds_them(qtype, 
 
 @needs_block_dot
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_weight_of_parts_of_different_types_multiplies_each_into_its_columns(dtype, monkeypatch):
+def test_a_weight_of_parts_of_different_types_multiplies_each_into_its_columns(
+    dtype, monkeypatch, batch_variant
+):
     """A fused q/k/v as llama.cpp's Q4_K_M files store some layers': q and k in Q5_0 (rows of
     576 values fall back from Q4_K), v in Q8_0. The block dot products and the dense route (the
     AMX route's test below covers parts too)."""
@@ -265,7 +273,7 @@ def test_amx_tiles_multiply_by_the_weights_dequantized_to_bf16(qtype):
 
 
 @needs_amx
-def test_bf16_linear_takes_the_amx_tiles_between_few_rows_and_long_steps():
+def test_bf16_linear_takes_the_amx_tiles_between_few_rows_and_long_steps(batch_variant):
     q4, q8 = _file_weight(Q.Q4_1, n=96, k=128)[0], _file_weight(Q.Q8_0, n=40, k=128)[0]
     weight = BlockWeight([gguf_rows(q4, Q.Q4_1, (96, 128)), gguf_rows(q8, Q.Q8_0, (40, 128))])
     dense = weight.dequantize(torch.bfloat16)

@@ -91,8 +91,8 @@ def test_mixed_batch_matches_dense_and_reference(
     check(run(batch, scale), batch, scale)
 
 
-def test_which_sequences_the_kernel_takes():
-    # Decodes and extends of up to 4 tokens always; longer ones while their (new token, key)
+def test_which_sequences_the_kernel_takes(batch_variant):
+    # With --batch-variant (by default the kernel takes every sequence): decodes and extends of up to 4 tokens always; longer ones while their (new token, key)
     # pairs stay within the dtype's limit: a 128-token prompt in any dtype, 200 tokens in float32
     # but not bf16, no 512-token prompt, no 64-token extend over 2000 cached tokens. With AMX,
     # bf16 sequences of head_dim 64 and 128 at any length (the tile products).
@@ -111,7 +111,7 @@ def test_which_sequences_the_kernel_takes():
     assert cpu_ops.KERNEL_MAX_PAIRS[torch.bfloat16] == 16384
 
 
-def test_default_dispatch_sends_long_prefills_to_the_reference(monkeypatch):
+def test_default_dispatch_sends_long_prefills_to_the_reference(monkeypatch, batch_variant):
     # The sequences kernel_attends refuses go to SDPA, one call per sequence, the rest to the
     # kernel in one call; the result is the same either way.
     seqs = [(3000, 1), (0, 128), (0, 512), (2000, 64), (0, 200), (7, 3)]
@@ -151,7 +151,7 @@ def test_sliding_window(sliding_window, kernel_only):
 @pytest.mark.parametrize("sliding_window", [None, 100])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_one_decoding_stream_is_split_by_keys(sliding_window, softcap, threads):
+def test_one_decoding_stream_is_split_by_keys(sliding_window, softcap, threads, batch_variant):
     """One stream's decode is an item per KV head, too few for the threads: each is split by keys
     into parts of 64 keys or more (kernels/csrc/cpu_attention.cpp `split_decodes`), merged after.
     127 keys: one part; 128: two; 200 and 999: as many as the threads want, block ends and not;
@@ -257,7 +257,7 @@ BF16_TOL = dict(atol=2e-2, rtol=2e-2)
     block_size=st.sampled_from([1, 8, 16, 32]),
     sliding_window=st.one_of(st.none(), st.integers(1, 90)),
 )
-def test_amx_tiles_match_dense(seqs, heads, head_dim, block_size, sliding_window):
+def test_amx_tiles_match_dense(seqs, heads, head_dim, block_size, sliding_window, batch_variant):
     # Prefills and extends in bf16 of 16 rows or more (new tokens x GQA group) take the tiles
     # (`kernel_attends` gives them all to the kernel where AMX is):
     # every split of a sequence's keys into chunks of 32 and of its rows into tiles of 16 (the
@@ -273,7 +273,7 @@ def test_amx_tiles_match_dense(seqs, heads, head_dim, block_size, sliding_window
 
 
 @_AMX
-def test_amx_tiles_with_every_kv_head_in_one_item():
+def test_amx_tiles_with_every_kv_head_in_one_item(batch_variant):
     # With at least 4 sequences per thread an item takes all of a sequence's KV heads (its
     # tokens' rows of each head in turn), as in the engine's prefill steps of many prompts.
     shapes = [(0, 40), (7, 33), (0, 128), (60, 16), (0, 17), (5, 50), (0, 64), (90, 20)]
@@ -286,7 +286,7 @@ def test_amx_tiles_with_every_kv_head_in_one_item():
 
 @_AMX
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_amx_tiles_softcap_and_long_prompts(sliding_window, kernel_only):
+def test_amx_tiles_softcap_and_long_prompts(sliding_window, kernel_only, batch_variant):
     # A 300-token prompt (10 chunks of keys, 57 row tiles per KV head) and a capped one.
     batch = make_batch([(0, 300), (40, 33)], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=16, dtype=torch.bfloat16, seed=3)  # fmt: skip
@@ -332,6 +332,21 @@ def test_out_non_contiguous_q_and_a_combined_cache(kernel_only):
     )
     assert got is out
     check(out, batch, 0.125)
+
+
+@pytest.mark.parametrize("seqs", [[(0, 3)], [(1, 1)], [(0, 4), (2, 1), (1, 2)]])
+def test_tables_one_block_wide_whatever_their_entry_stride(seqs):
+    """A table one block wide has no second entry to step to, so any entry stride will do (as
+    kernels/validation.py says; torch calls one such row contiguous). A lone request's table of a
+    model with two KV groups came so (engine/worker/model_runner.py `_send`)."""
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=1, head_dim=64, block_size=4, seed=11)
+    width = batch.block_tables.shape[1]  # one block and make_batch's padding
+    tables = batch.block_tables[:, ::width]
+    assert tables.shape[1] == 1 and tables.stride(1) == width
+    got = cpu_ops.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens, batch.query_start_loc, 0.125
+    )
+    check(got, batch, 0.125)
 
 
 def test_fp8_caches_use_the_reference():

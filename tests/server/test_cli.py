@@ -132,8 +132,12 @@ def test_generate_chat_answers_with_the_real_model():
         "24",
         "--device",
         "cpu",
+        # A small cache (this test's process memory) that holds one sequence of the context
+        # given at either CPU level: float32 (avx2's default dtype) fits 5,800 tokens in it.
         "--kv-cache-memory",
         "0.25",
+        "--max-model-len",
+        "2048",
     )
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
