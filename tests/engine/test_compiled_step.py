@@ -17,6 +17,7 @@ from pagedserve.engine.models.compiled_step import CompiledStep
 from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.quantized_linear import route
+from pagedserve.kernels import cpu_features
 from tests.engine.test_quantized_linear import _q4_k_m, _tiny_llama, needs_block_dot
 from tests.families import COMMON, build_family
 from tests.gguf_writer import write_gguf_like_llama_cpp
@@ -170,9 +171,15 @@ def test_steps_it_does_not_take_run_layer_by_layer(tmp_path):
 
     assert takes([1, 1, 1]) and takes([4, 1, 2])
     assert takes([30, 1])  # a short prompt: the kernel attends to it
-    assert not takes([200, 1])  # a prompt the kernel leaves to SDPA (cpu_ops.kernel_attends)
-    assert not takes([1] * 33)  # float32 steps of more than 32 rows multiply dequantized weights
+    # By default every step: the kernel attends to every prompt, the blocks take every step.
+    assert takes([200, 1]) and takes([1] * 33)
     assert not takes([1, 1], torch.bfloat16)  # the cache holds float32
+    with pytest.MonkeyPatch.context() as patch:  # --batch-variant's faster paths
+        patch.setenv(cpu_features.BATCH_VARIANT_ENV, "1")
+        cpu_features.batch_variant.cache_clear()
+        assert not takes([200, 1])  # a prompt the kernel leaves to SDPA (cpu_ops.kernel_attends)
+        assert not takes([1] * 33)  # float32 steps of more than 32 rows: dequantized weights
+    cpu_features.batch_variant.cache_clear()
     step._first.qkv_lora = object()  # a LoRA adapter's delta on the layers
     assert not takes([1, 1])
 
