@@ -53,7 +53,9 @@ def prose_windows(tokenizer, positions: int, window: int) -> list[list[int]]:
     ids = tokenizer.encode(text, add_special_tokens=False)
     count = -(-positions // (window - 1))
     if count * window > len(ids):
-        raise ValueError(f"the text holds {len(ids)} tokens, fewer than {count} windows of {window}")
+        raise ValueError(
+            f"the text holds {len(ids)} tokens, fewer than {count} windows of {window}"
+        )
     return [ids[i * window : (i + 1) * window] for i in range(count)]
 
 

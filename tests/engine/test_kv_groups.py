@@ -8,9 +8,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import torch
 
 from pagedserve.engine import LLM, LLMEngine, SamplingParams
 from pagedserve.engine.worker.input_batch import InputBatch
+from pagedserve.engine.worker.model_runner import to_model_inputs
 from pagedserve.scheduler.kv_groups import blocks_per_request
 from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.families import build_family
@@ -76,25 +78,46 @@ def test_prefix_caching_over_windowed_groups_gives_the_cold_tokens(tmp_path):
     assert hits == 28
 
 
+def _prepare(batch: InputBatch, new: NewRequestData, tokens: int):
+    """The step of `batch` that schedules `tokens` of the new request `new` alone."""
+    out = SchedulerOutput(
+        step_id=1, new_requests=(new,), cached_requests=CachedRequestData(),
+        num_scheduled_tokens={new.request_id: tokens}, total_num_scheduled_tokens=tokens,
+        preempted_request_ids=(), finished_request_ids=(),
+    )  # fmt: skip
+    batch.apply(out)
+    return batch.prepare(out, batch.rows_of(out), BLOCK)
+
+
 def test_the_runner_reads_each_groups_table_and_points_dropped_entries_at_a_live_block():
     batch = InputBatch(2, 64, 16, windows=(None, WINDOW))
     # 22 known tokens, 20 computed: logical blocks 0..5, interleaved (full, sliding); the
     # sliding group has given back its blocks 0..2 (ids shown as 0).
     table = [10, 0, 11, 0, 12, 0, 13, 23, 14, 24, 15, 25]
-    new = NewRequestData("a", tuple(range(22)), 22, tuple(table), 20, SamplingParams())
-    out = SchedulerOutput(
-        step_id=1, new_requests=(new,), cached_requests=CachedRequestData(),
-        num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2,
-        preempted_request_ids=(), finished_request_ids=(),
-    )  # fmt: skip
-    batch.apply(out)
-    step = batch.prepare(out, batch.rows_of(out), BLOCK)
+    step = _prepare(batch, NewRequestData("a", tuple(range(22)), 22, tuple(table), 20,
+                                          SamplingParams()), 2)  # fmt: skip
     assert step.block_tables.shape == (2, 1, 6)
     assert step.block_tables[0].tolist() == [[10, 11, 12, 13, 14, 15]]
     # Positions 20, 21 see 13..21: sliding blocks 3..5; the ones before point at block 25.
     assert step.block_tables[1].tolist() == [[25, 25, 25, 23, 24, 25]]
     assert step.slot_mapping.tolist() == [[15 * 4, 15 * 4 + 1], [25 * 4, 25 * 4 + 1]]
     assert np.array_equal(step.positions, [20, 21])
+
+
+def test_a_lone_one_block_request_gets_row_major_tables_of_each_group():
+    """One request whose prompt fits one block, in a model with two groups: the step's tables
+    [2, 1, 1] are a transposed view that numpy calls contiguous (its size-1 dims' strides do not
+    count) and left uncopied; on the device they have row-major strides all the same, so that each
+    group's table [1, 1] has dense rows, as the compiled attention kernel checks (it once refused
+    them: a lone short request of Gemma 2 or 3 killed the engine)."""
+    batch = InputBatch(2, 64, 16, windows=(None, WINDOW))
+    step = _prepare(batch, NewRequestData("a", (5, 6, 7), 3, (10, 20), 0, SamplingParams()), 3)
+    meta = to_model_inputs(step, torch.device("cpu")).meta
+    assert meta.block_tables.tolist() == [[[10]], [[20]]]
+    assert meta.block_tables.stride() == (1, 1, 1)
+    assert [meta.block_tables[g].stride() for g in range(2)] == [(1, 1), (1, 1)]
+    assert meta.slot_mapping.tolist() == [[40, 41, 42], [80, 81, 82]]
+    assert meta.slot_mapping.stride() == (3, 1)
 
 
 def test_a_rewind_past_the_window_computes_the_request_again_and_matches_transformers(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.models.model_config import FULL_ATTENTION, SLIDING_ATTENTION
-from pagedserve.kernels import triton_attention
+from pagedserve.kernels import cpu_ops, triton_attention
 from tests.families import COMMON, FAMILIES, build_family
 from tests.helpers import hf_greedy
 
@@ -61,6 +61,25 @@ def test_greedy_equals_transformers_on_the_torch_backend(name, built):
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = _llm(path)
     assert _greedy(llm, prompts) == expected
+    assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(
+    not cpu_ops.available(), reason="no compiled CPU kernels here: the cpu backend is the reference"
+)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_request_alone_gives_its_batched_tokens_on_the_compiled_kernel(name, built):
+    """Each prompt alone, then all together, through CPU's default backend (the compiled
+    attention kernel). A lone prompt of one block: the families with sliding and full layers
+    (Qwen3, Gemma 2 and 3) have two KV groups, and such a request's tables once reached the
+    kernel with entries 2 apart, which it refused (engine/worker/model_runner.py `_send`)."""
+    path, hf = built(name)
+    prompts = _prompts(9, [2, 13])
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = _llm(path, "cpu")
+    assert llm.engine.core.worker.attention_backend == "cpu"
+    assert [_greedy(llm, [p], 8)[0] for p in prompts] == expected
+    assert _greedy(llm, prompts, 8) == expected
     assert llm.engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
 
 

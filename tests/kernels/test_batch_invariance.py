@@ -129,7 +129,10 @@ class _Sequences:
         self.q, self.tables = [], []
         blocks = [-(-n // block_size) for n in lengths]
         shape = (sum(blocks), block_size, kv_heads, head_dim)
-        self.k_cache, self.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        self.k_cache, self.v_cache = (
+            torch.zeros(shape, dtype=dtype),
+            torch.zeros(shape, dtype=dtype),
+        )
         first = 0
         for i, n in enumerate(lengths):
             gen = torch.Generator().manual_seed(i)

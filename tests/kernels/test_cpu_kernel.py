@@ -92,7 +92,8 @@ def test_mixed_batch_matches_dense_and_reference(
 
 
 def test_which_sequences_the_kernel_takes(batch_variant):
-    # With --batch-variant (by default the kernel takes every sequence): decodes and extends of up to 4 tokens always; longer ones while their (new token, key)
+    # With PAGEDSERVE_BATCH_VARIANT=1 (by default the kernel takes every sequence): decodes and
+    # extends of up to 4 tokens always; longer ones while their (new token, key)
     # pairs stay within the dtype's limit: a 128-token prompt in any dtype, 200 tokens in float32
     # but not bf16, no 512-token prompt, no 64-token extend over 2000 cached tokens. With AMX,
     # bf16 sequences of head_dim 64 and 128 at any length (the tile products).

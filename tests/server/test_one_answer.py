@@ -60,8 +60,10 @@ def _chat(server: RunningServer, n: int = 1, stream: bool = False) -> list[tuple
         reply = c.chat.completions.create(**args)
         contents = [choice.logprobs.content for choice in reply.choices]
     return [
-        tuple((t.token, t.logprob, tuple((a.token, a.logprob) for a in t.top_logprobs))
-              for t in content)  # fmt: skip
+        tuple(
+            (t.token, t.logprob, tuple((a.token, a.logprob) for a in t.top_logprobs))
+            for t in content
+        )  # fmt: skip
         for content in contents
     ]
 
@@ -73,14 +75,18 @@ def _completions(server: RunningServer, prompts: list[str]) -> list[tuple]:
     )
     choices = sorted(reply.choices, key=lambda c: c.index)
     return [
-        (tuple(c.logprobs.tokens), tuple(c.logprobs.token_logprobs),
-         tuple(tuple(sorted(top.items())) for top in c.logprobs.top_logprobs))  # fmt: skip
+        (
+            tuple(c.logprobs.tokens),
+            tuple(c.logprobs.token_logprobs),
+            tuple(tuple(sorted(top.items())) for top in c.logprobs.top_logprobs),
+        )  # fmt: skip
         for c in choices
     ]
 
 
 def _among_others(server: RunningServer, task, others: int = 15):
     """task() sent with `others` other requests at once (the other prompts, 16 tokens each)."""
+
     def other(i: int) -> None:
         client(server, timeout=300).completions.create(
             model=MODEL, prompt=PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)),
