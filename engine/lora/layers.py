@@ -19,12 +19,15 @@ import torch
 from pagedserve import kernels
 from pagedserve.engine.lora.adapter import LoRAWeights
 from pagedserve.engine.models.cpu_linear import linear, pack, unpack
+from pagedserve.kernels import cpu_features
 from pagedserve.kernels.lora import dense_weights, group_tokens, lora_add_cpu_dense, slot_mask
 
 NO_SLOT = -1
-# CPU steps of (fewest, most) tokens that multiply every token by every slot, masked (1 + J
-# matmuls per projection on packed weights); the others group the tokens by slot (1 + J per
-# adapter, at its own rank). Where the two cross, by dtype: BENCHMARKS.md, "Multi-LoRA on CPU".
+# CPU steps multiply every token by every slot, masked (1 + J matmuls per projection on packed
+# weights, whose rows are each token's alone): a token's delta is the same whatever else shares
+# the step. With PAGEDSERVE_BATCH_VARIANT=1 only steps of (fewest, most) tokens do; the others
+# group the tokens by slot (1 + J per adapter, at its own rank). Where the two cross, by dtype:
+# BENCHMARKS.md, "Multi-LoRA on CPU".
 DENSE_TOKENS = {torch.bfloat16: (2, 128), torch.float32: (8, 32)}
 
 
@@ -53,6 +56,8 @@ class LoRAStep:
         self.active = bool(self.used)
         if self.device.type == "cpu":
             fewest, most = DENSE_TOKENS.get(self.dtype, (0, -1))
+            if not cpu_features.batch_variant():
+                fewest, most = 0, len(token_slots)
             dense = self.active and fewest <= len(token_slots) <= most
             self.mask = slot_mask(token_slots, self.num_slots, self.dtype) if dense else None
             grouped = self.active and not dense

@@ -79,8 +79,8 @@ def test_mixed_adapters_and_base_equal_peft_applied_and_merged(family, tmp_path)
     # The adapters change the answers, or the comparison would prove nothing.
     assert expected[1] != expected[None] and expected[2] != expected[None]
 
-    # Prefill steps of 64 tokens group the tokens by adapter, decode steps (9 tokens) multiply
-    # them by every slot, masked: both CPU paths (engine/lora/layers.py DENSE_TOKENS).
+    # Prefill steps of 64 tokens and decode steps (9 tokens) multiply every token by every slot,
+    # masked (engine/lora/layers.py; the grouped path is the batch-variant one).
     llm = _llm(path, max_num_batched_tokens=64)
     # Every prompt three times, interleaved: base, adapter 1, adapter 2 in the same steps.
     mixed = [(p, lora) for p in prompts for lora in (None, *loras)]

@@ -34,7 +34,9 @@ def _projection(dtype: torch.dtype) -> tuple[LoRAStep, LoRAProjection]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [16, 200])
-def test_a_step_adds_the_references_deltas_on_either_path(dtype, num_tokens):
+def test_a_step_adds_the_references_deltas_on_either_path(dtype, num_tokens, batch_variant):
+    """With PAGEDSERVE_BATCH_VARIANT=1 the step's size picks the path (by default every step
+    takes the masked one: tests/engine/test_one_answer_engine.py)."""
     step, projection = _projection(dtype)
     # The masked path's weights are packed exactly where this CPU packs the dtype.
     assert is_packed(projection.a_flat) == can_pack(torch.device("cpu"), dtype)

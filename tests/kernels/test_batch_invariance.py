@@ -12,6 +12,7 @@ import gguf
 import pytest
 import torch
 
+from pagedserve.engine.models import cpu_linear
 from pagedserve.engine.models import quantized_linear as ql
 from pagedserve.engine.models.quantized_linear import BlockWeight, gguf_rows
 from pagedserve.kernels import cpu_features, cpu_ops
@@ -81,6 +82,22 @@ def test_a_kept_weights_rows_are_the_same_in_a_step_of_any_rows(qtype, dtype):
     got = weight.linear(x, float_out=True).double()
     error = ((got - exact).abs().amax(1) / exact.abs().amax(1)).max().item()
     assert error < 2e-4, error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 1536), (576, 1536), (1536, 576), (49152, 576)])
+def test_a_dense_weights_rows_are_the_same_in_a_step_of_any_rows(dtype, shape):
+    """Dense weights (`--quantization none`, LoRA's matrices) through `cpu_linear.linear`: packed
+    for oneDNN where the CPU allows, whose kernel for one row sums in another order than its
+    kernel for more (float32 at K = 1536 on every row here, bfloat16 on some): a lone row goes
+    through as two. Every row of the step of 300 alone, and the steps of STEPS."""
+    weight = torch.nn.Parameter(_rows(shape[0], shape[1], dtype, seed=7), requires_grad=False)
+    cpu_linear.pack(weight)
+    x = _rows(STEPS[-1], shape[1], dtype, seed=8)
+    _same_rows_in_every_step(lambda rows: cpu_linear.linear(rows, weight), x)
+    whole = cpu_linear.linear(x, weight)
+    alone = torch.cat([cpu_linear.linear(x[i : i + 1].clone(), weight) for i in range(len(x))])
+    assert torch.equal(alone, whole)
 
 
 @needs_kernels
