@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -305,18 +306,20 @@ inline void super_block_scales(const uint8_t* block, float* pairs) {
 // and per block each row's (dx, sx) pair, block by block ([K / 32, M, 2]): a tile's rows have
 // theirs side by side. Each row is quantized alone: its codes are the same in a step of any rows.
 struct QuantizedActivations {
-  std::vector<int8_t> codes, low;
+  // Left uninitialized: every byte is written, and zeroing them is a pass over memory per call.
+  std::unique_ptr<int8_t[]> codes, low;
   std::vector<float> scales;
   int64_t m, k;
 
   template <typename T>
   QuantizedActivations(const T* x, int64_t rows, int64_t cols)
-      : codes(rows * cols), low(rows * cols), scales(cols / kBlock * rows * 2), m(rows), k(cols) {
+      : codes(new int8_t[rows * cols]), low(new int8_t[rows * cols]),
+        scales(cols / kBlock * rows * 2), m(rows), k(cols) {
     const int64_t nblocks = k / kBlock;
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> d(nblocks), s(nblocks);
       for (int64_t i = begin; i < end; ++i) {
-        quantize_row(x + i * k, k, codes.data() + i * k, low.data() + i * k, d.data(), s.data());
+        quantize_row(x + i * k, k, codes.get() + i * k, low.get() + i * k, d.data(), s.data());
         for (int64_t b = 0; b < nblocks; ++b) {
           scales[(b * m + i) * 2] = d[b];
           scales[(b * m + i) * 2 + 1] = s[b];
@@ -327,8 +330,8 @@ struct QuantizedActivations {
 
   // Row i's codes of block b as 8 runs of 4 (what a broadcast takes), high and low halves.
   void quads(int64_t i, int64_t b, int32_t* high, int32_t* low_half) const {
-    std::memcpy(high, codes.data() + i * k + b * kBlock, 32);
-    std::memcpy(low_half, low.data() + i * k + b * kBlock, 32);
+    std::memcpy(high, codes.get() + i * k + b * kBlock, 32);
+    std::memcpy(low_half, low.get() + i * k + b * kBlock, 32);
   }
 };
 
@@ -393,8 +396,8 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
     __m256i c[RX], l[RX];  // each activation row's high and low codes
     for (int j = 0; j < RX; ++j) {
       const int64_t at = (first + j) * x.k + b * kBlock;
-      c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.data() + at));
-      l[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low.data() + at));
+      c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.get() + at));
+      l[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low.get() + at));
     }
     const float* xs = x.scales.data() + (b * x.m + first) * 2;
     [[maybe_unused]] __m128 q4_scales[RX];  // kNibbleDot: (dx, sx), Q4_0's (dx, -8 sx)
@@ -645,8 +648,8 @@ void rows16_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActi
     for (int j = 0; j < RX; ++j) {
       // Each 4 codes broadcast straight from memory (a load, not a move from a general register,
       // which took one port and held the tile at a third of its speed).
-      const int8_t* h_codes = x.codes.data() + (first + j) * x.k + b * kBlock;
-      const int8_t* l_codes = x.low.data() + (first + j) * x.k + b * kBlock;
+      const int8_t* h_codes = x.codes.get() + (first + j) * x.k + b * kBlock;
+      const int8_t* l_codes = x.low.get() + (first + j) * x.k + b * kBlock;
       const auto splat = [](const int8_t* p) {
         return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
       };
