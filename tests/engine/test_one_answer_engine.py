@@ -17,7 +17,7 @@ PROMPTS = [
     "The best way to learn a language is", "Water boils at", "My favourite food is",
     "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
 ]  # fmt: skip
-TOKENS = 40
+TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=3)
 
 
@@ -34,7 +34,7 @@ def alone() -> list[tuple]:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_requests_answer_as_they_do_alone(alone, mode):
-    """A KV pool of 12 blocks of 16 tokens for 8 requests that grow to 48-58 tokens each:
+    """A KV pool of 12 blocks of 16 tokens for 8 requests that grow to 28-42 tokens each:
     requests are preempted and resumed again and again."""
     llm = LLM(
         "smollm2-135m-instruct", max_model_len=64, num_kv_blocks=12, preemption_mode=mode,
