@@ -18,6 +18,9 @@ PROMPTS = [
     "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
 ]  # fmt: skip
 TOKENS = 24
+# Room for the 8 requests at once (the default pool, 4 GiB, would hold each engine's memory until
+# the garbage collector frees it).
+SMALL_POOL = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=3)
 
 
@@ -28,7 +31,7 @@ def _answers(outputs) -> list[tuple]:
 @pytest.fixture(scope="module")
 def alone() -> list[tuple]:
     """Each prompt served alone by an engine with the defaults."""
-    llm = LLM("smollm2-135m-instruct", max_model_len=64)
+    llm = LLM("smollm2-135m-instruct", max_model_len=64, num_kv_blocks=SMALL_POOL)
     return [_answers(llm.generate([p], GREEDY))[0] for p in PROMPTS]
 
 
@@ -48,7 +51,9 @@ def test_preempted_requests_answer_as_they_do_alone(alone, mode):
 
 def test_speculative_drafts_change_nothing(alone):
     """Greedy requests without logprobs are the ones n-gram speculation drafts for."""
-    llm = LLM("smollm2-135m-instruct", max_model_len=64, speculative_ngram=4)
+    llm = LLM(
+        "smollm2-135m-instruct", max_model_len=64, num_kv_blocks=SMALL_POOL, speculative_ngram=4
+    )
     plain = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain)]
     assert got == [tokens for tokens, _ in alone]
@@ -64,7 +69,10 @@ def test_an_adapters_request_answers_the_same_alone_and_mixed(hf_smollm2, tmp_pa
         for i in (1, 2)
     ]
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-    llm = LLM("smollm2-135m-instruct", max_model_len=64, enable_lora=True, max_loras=2)
+    llm = LLM(
+        "smollm2-135m-instruct", max_model_len=64, num_kv_blocks=SMALL_POOL, enable_lora=True,
+        max_loras=2,
+    )  # fmt: skip
     (with_adapter,) = _answers(llm.generate([PROMPTS[0]], GREEDY, lora_request=loras[0]))
     (base,) = _answers(llm.generate([PROMPTS[0]], GREEDY))
     assert with_adapter[0] != base[0]  # or the comparison would prove nothing

@@ -40,7 +40,9 @@ def default_server(tmp_path_factory) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def short_chunk_server(tmp_path_factory) -> Iterator[RunningServer]:
     log = tmp_path_factory.mktemp("short-chunks") / "server.log"
-    with run_server(log, "--max-num-batched-tokens", "16") as s:
+    # A small KV pool: the default (4 GiB) beside the default server's would crowd a 24 GiB CI
+    # machine; the pool's size changes no arithmetic.
+    with run_server(log, "--max-num-batched-tokens", "16", "--kv-cache-memory", "0.5") as s:
         yield s
 
 
