@@ -98,30 +98,12 @@ def to_model_inputs(batch: Batch, device: torch.device) -> ModelInputs:
 
 
 def _send(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """`array` as a tensor on `device`, with row-major strides on every dim, size-1 dims too.
-
-    numpy calls an array C-contiguous whatever the strides of its size-1 dims (so
-    np.ascontiguousarray leaves it as it is), torch.from_numpy keeps those strides and torch's
-    .contiguous() leaves them too; a compiled kernel taking a raw row pointer checks them. A lone
-    request whose prompt fits one block, in a model with two KV groups (sliding and full layers):
-    InputBatch.prepare's block tables [2, 1, 1], a transposed view that numpy left uncopied, had
-    strides (1, 2, 2): each group's table [1, 1] had entries 2 apart, which the attention kernel
-    refused as rows that are not dense."""
-    if not _row_major(array):
-        array = array.copy(order="C")  # fresh, so row-major strides
-    tensor = torch.from_numpy(array)
+    # Always a fresh copy, whose strides are row-major on every dim: numpy calls an array
+    # contiguous whatever its size-1 dims' strides (np.ascontiguousarray left a lone one-block
+    # request's transposed [G, 1, 1] block tables as they were, entries G apart), and the
+    # compiled attention kernel takes dense rows. A step's arrays are small.
+    tensor = torch.from_numpy(np.array(array, order="C"))
     return to_device(tensor, tensor.dtype, device)
-
-
-def _row_major(array: np.ndarray) -> bool:
-    if array.size == 0:
-        return True  # nothing to read (numpy gives an empty array strides of 0)
-    stride = array.itemsize
-    for size, actual in zip(reversed(array.shape), reversed(array.strides), strict=True):
-        if actual != stride:
-            return False
-        stride *= size
-    return True
 
 
 @dataclass
