@@ -369,7 +369,9 @@ def describe(weights: list[BlockWeight], dtype: torch.dtype) -> str:
     by_blocks = f"multiply by the blocks ({block_dot_isa()}" + (
         ", rows interleaved by 8)" if interleaved else ")"
     )
-    if dtype == torch.bfloat16 and amx_tiles():
+    if not cpu_features.batch_variant():
+        routes = f"steps of any rows {by_blocks}, each row's result its own"
+    elif dtype == torch.bfloat16 and amx_tiles():
         amx_min = INTERLEAVED_AMX_MIN_ROWS if interleaved else AMX_MIN_ROWS
         routes = (
             f"steps of up to {amx_min} rows {by_blocks}, up to {AMX_MAX_ROWS} by AMX bf16 tiles "

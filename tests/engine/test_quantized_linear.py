@@ -454,16 +454,28 @@ def test_a_gguf_model_runs_with_its_matmul_weights_kept_quantized(tiny_llama, qt
     # Every matmul weight has whole groups of 8 rows: all interleaved, and routed so.
     assert all(quantized(p).interleaved for p in model.parameters() if quantized(p) is not None)
     by_blocks = f"multiply by the blocks ({block_dot_isa()}, rows interleaved by 8)"
-    if dtype == "bfloat16" and ql.amx_tiles():
-        routes = (
-            f"steps of up to {ql.INTERLEAVED_AMX_MIN_ROWS} rows {by_blocks}, up to "
-            f"{ql.AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer ones by "
-            "the weights dequantized"
-        )
-    else:
-        rows = ql.BLOCK_DOT_MAX_ROWS[getattr(torch, dtype)]
-        routes = f"steps of up to {rows} rows {by_blocks}, longer ones by the weights dequantized"
+    # By default one route whatever the step (the batch-variant routes: the next test).
+    routes = f"steps of any rows {by_blocks}, each row's result its own"
     assert routes in caplog.text
+
+
+@needs_block_dot
+def test_the_log_line_names_the_batch_variant_routes(batch_variant):
+    weight = _weight(Q.Q4_1, n=192, k=128)
+    by_blocks = f"multiply by the blocks ({block_dot_isa()}, rows interleaved by 8)"
+    for dtype in ql.ACTIVATION_DTYPES:
+        if dtype == torch.bfloat16 and ql.amx_tiles():
+            routes = (
+                f"steps of up to {ql.INTERLEAVED_AMX_MIN_ROWS} rows {by_blocks}, up to "
+                f"{ql.AMX_MAX_ROWS} by AMX bf16 tiles of weights dequantized in cache, longer ones"
+                " by the weights dequantized"
+            )
+        else:
+            rows = ql.BLOCK_DOT_MAX_ROWS[dtype]
+            routes = (
+                f"steps of up to {rows} rows {by_blocks}, longer ones by the weights dequantized"
+            )
+        assert ql.describe([weight], dtype).endswith(routes)
 
 
 def _q4_k_m(name: str) -> Q:
