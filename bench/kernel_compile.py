@@ -42,7 +42,8 @@ class Variant:
     """One launch configuration: which wrapper, and the shapes and dtype that pick constexprs."""
 
     name: str
-    # attention: "decode" | "extend" | "cache" | "copy_blocks"; fused: "rms_norm" |
+    # attention: "decode" | "extend" | "invariant" (the default paged_attention: the extend
+    # kernel in `invariant_config`) | "cache" | "copy_blocks"; fused: "rms_norm" |
     # "add_rms_norm" | "silu_and_mul" | "gelu_tanh_and_mul" | "rotary_cache"; "moe"
     kind: str
     dtype: torch.dtype
@@ -114,9 +115,20 @@ VARIANTS = [
     Variant("extend-mha-fp16-one-seq", "extend", torch.float16, 16, 16, 128, num_seqs=1),
     Variant("extend-gqa8-fp32", "extend", torch.float32, 16, 2, 64),
     Variant("extend-8b-fp8", "extend", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
+    # The default (batch-invariant) configuration, which every step runs unless
+    # PAGEDSERVE_BATCH_VARIANT=1: 16-row query tiles (32 for GQA 32), every key tile masked.
+    Variant("invariant-8b", "invariant", torch.bfloat16, 32, 8, 128),
+    Variant("invariant-1b-fp16", "invariant", torch.float16, 32, 8, 64),
+    Variant("invariant-smollm2-window", "invariant", torch.bfloat16, 9, 3, 64, sliding_window=64),
+    Variant("invariant-mha-fp32", "invariant", torch.float32, 8, 8, 128),
+    Variant("invariant-gqa32-one-seq", "invariant", torch.bfloat16, 32, 1, 128, num_seqs=1),
+    Variant("invariant-8b-fp8", "invariant", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
     # Gemma-2-9B: head_dim 256, GQA 2, a 4096-key window on every other layer, logits capped at 50.
     Variant("decode-gemma2-9b-softcap", "decode", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION),
     Variant("extend-gemma2-9b-softcap", "extend", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION),
+    Variant(
+        "invariant-gemma2-9b-softcap", "invariant", torch.bfloat16, 16, 8, 256, **GEMMA2_ATTENTION
+    ),
     Variant("cache-8b", "cache", torch.bfloat16, 32, 8, 128),
     Variant("cache-smollm2-fp32", "cache", torch.float32, 9, 3, 64),
     Variant("cache-8b-fp8", "cache", torch.bfloat16, 32, 8, 128, kv_dtype=FP8_E4M3),
@@ -162,7 +174,7 @@ VARIANTS = [
 
 FUSED_KINDS = ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_cache")
 # The kinds that read or write a KV cache, whose dtype `kv_dtype` sets.
-KV_CACHE_KINDS = ("decode", "extend", "cache", "copy_blocks", "rotary_cache")
+KV_CACHE_KINDS = ("decode", "extend", "invariant", "cache", "copy_blocks", "rotary_cache")
 
 
 def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
@@ -195,7 +207,8 @@ def _install_compile_only_driver(arch: int) -> list[tuple[str, Any]]:
 
 
 def _launch(variant: Variant) -> None:
-    """Call the public wrapper (or the decode entry with a forced split) on CPU tensors."""
+    """Call the public wrapper (or the decode entry with a forced split, the extend entry in its
+    batch-variant configuration) on CPU tensors."""
     from pagedserve.kernels import triton_attention
 
     if variant.kind in FUSED_KINDS:
@@ -231,6 +244,10 @@ def _launch(variant: Variant) -> None:
             *args, variant.sliding_window, out, variant.num_splits, softcap=variant.softcap,
             **scales,
         )  # fmt: skip
+    elif variant.kind == "extend":
+        triton_attention.extend(
+            *args, variant.sliding_window, torch.empty_like(q), softcap=variant.softcap, **scales
+        )
     else:
         triton_attention.paged_attention(
             *args, sliding_window=variant.sliding_window, softcap=variant.softcap, **scales

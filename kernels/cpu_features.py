@@ -37,7 +37,8 @@ import platform
 from dataclasses import dataclass
 
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
-# Opt-in to the CPU kernels' faster paths whose results depend on the batch (`batch_variant`).
+# Opt-in to the kernels' faster paths whose results depend on the batch (`batch_variant`): the
+# CPU kernels' and the Triton attention's.
 BATCH_VARIANT_ENV = "PAGEDSERVE_BATCH_VARIANT"
 # x86 levels, lowest first.
 X86_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
@@ -217,7 +218,10 @@ def batch_variant() -> bool:
     for long steps), the attention kernel takes every sequence (no SDPA for long prompts) with
     one reduction order per query (no split of one stream's keys across threads, no AMX tiles),
     so temperature 0 is a function of the prompt, whether it is batched, cached, chunked or
-    streamed (BENCHMARKS.md, "One request, one answer", says what the faster paths gain)."""
+    streamed (BENCHMARKS.md, "One request, one answer", says what the faster paths gain). The
+    Triton attention reads it too (`triton_attention.paged_attention`): by default one kernel in
+    one configuration for every step; with it, the split-context decode kernel for decode steps,
+    its splits from the batch and the SM count."""
     value = os.environ.get(BATCH_VARIANT_ENV, "").strip().lower()
     if value not in ("", "0", "1", "false", "true", "no", "yes"):
         raise ValueError(f"{BATCH_VARIANT_ENV} must be 1 or 0, got {value!r}")

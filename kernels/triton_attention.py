@@ -5,24 +5,44 @@ Same signatures and semantics as the reference; the differences are all about sp
 * No host synchronisation. Which kernel runs, the grid and the number of context splits are
   chosen from tensor shapes only, so the functions can be captured in CUDA graphs. Each program
   finds its sequence by a binary search over `query_start_loc` on the device.
-* Decode (`num_tokens == num_seqs`, the steady state of serving): flash-decoding. A program owns
-  one token, one KV head and one slice of the context; the G = num_heads / num_kv_heads query
-  heads that share the KV head are processed together as the rows of one `tl.dot`, so each K/V
-  tile is read once per group. When there are too few (token, KV head) pairs to fill the GPU, the
-  context is split and the partial results are merged by their log-sum-exp in a second kernel.
+* Decode (`num_tokens == num_seqs`, the steady state of serving) with PAGEDSERVE_BATCH_VARIANT=1
+  (below): flash-decoding. A program owns one token, one KV head and one slice of the context;
+  the G = num_heads / num_kv_heads query heads that share the KV head are processed together as
+  the rows of one `tl.dot`, so each K/V tile is read once per group. When there are too few
+  (token, KV head) pairs to fill the GPU, the context is split and the partial results are
+  merged by their log-sum-exp in a second kernel.
   (Each program finds its token's sequence and position itself, so the kernel is correct for any
   layout; num_tokens == num_seqs with some sequence at 0 new tokens and another at 2 is fine.)
-* Prefill / extend / mixed batches (anything else): one launch over "query tiles". A tile holds
-  BLOCK_Q consecutive new tokens of one sequence times the G heads of one KV head, folded into
-  BLOCK_M = BLOCK_Q * G rows (plus padding), and walks the sequence's cached prefix and its own
-  new tokens through the block table. Keys that every row of the tile may see are read without a
-  mask; only the tiles on the causal diagonal (and, with a sliding window, all of them) are masked.
+* Prefill / extend / mixed batches (anything else; by default every step, decodes too): one
+  launch over "query tiles". A tile holds BLOCK_Q consecutive new tokens of one sequence times the
+  G heads of one KV head, folded into BLOCK_M = BLOCK_Q * G rows (plus padding), and walks the
+  sequence's cached prefix and its own new tokens through the block table. In `extend_config`,
+  keys that every row of the tile may see are read without a mask; only the tiles on the causal
+  diagonal (and, with a sliding window, all of them) are masked.
 * Soft-capping (Gemma 2): with `softcap`, each score s = scale * q.k becomes softcap *
   tanh(s / softcap) before the mask and the softmax, as in the reference. The kernels work in the
   log2 domain (exp2 instead of exp), so the natural-log score is capped first and then scaled by
   log2(e). tanh is computed from exp2 (`_tanh`, within a few ulps in float32): Triton's own tanh
   differs between versions and between the interpreter and the compiler. A constexpr
   (HAS_SOFTCAP) switches it on, so the uncapped kernels compile to the same code as without it.
+
+One request, one answer (the default): a query's result is a function of its own inputs, position
+and keys, bit for bit, whatever else shares the step (`cpu_features.batch_variant` off, as on
+CPU). Every step, decode, prefill or mixed, runs the prefill/extend kernel with one launch
+configuration per head layout (`invariant_config`: query tiles of 16 rows, 64-key tiles; never
+the batch, the SM count or the context): a decode token goes through the very kernel it would
+meet inside a prefill chunk. Each query row is reduced over the TILE-aligned key tiles from 0 (or
+its window's first tile) to its own position in order, one online-softmax update per tile, then
+one division (and the kernel is not specialized on the batch's sizes: one binary for every
+step of a model); every tile takes the masked path (`KernelConfig.mask_every_tile`), because the
+unmasked prefix ends where the query tile's first row sees, and the two paths may be compiled
+with their multiply-adds fused differently. A tile past a row's position or before its window is
+an exact no-op for that row (max unchanged, exp2(0) = 1, exp2(-inf) = 0), so the rows that share
+its query tile, and how many key tiles they walk, leave its bits alone. No context split, no
+atomics. PAGEDSERVE_BATCH_VARIANT=1 restores the faster batch-dependent dispatch above: decode
+steps through the split-context decode kernel, whose number of splits comes from the batch size,
+the SM count and the context, and other steps through the extend kernel in 128-row tiles with an
+unmasked prefix.
 
 Every program reads keys through the block table one token at a time (`block_tables[s, n //
 block_size] * block_size + n % block_size`), so tiles need not align with blocks and any block
@@ -50,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels import validation
+from pagedserve.kernels import cpu_features, validation
 from pagedserve.kernels.fp8 import is_fp8
 from pagedserve.kernels.validation import (
     check_copy_blocks_args,
@@ -67,6 +87,7 @@ __all__ = [
     "decode_config",
     "extend",
     "extend_config",
+    "invariant_config",
     "num_decode_splits",
     "paged_attention",
     "reshape_and_cache",
@@ -611,7 +632,9 @@ def _merge_splits_kernel(
 # ------------------------------------------------------------------------------ prefill/extend
 
 
-@triton.jit
+# The batch's own sizes are not specialized on (Triton compiles a variant for an int argument
+# equal to 1 or divisible by 16): a decode alone and in a batch of 64 run the same binary.
+@triton.jit(do_not_specialize=["num_seqs", "bt_stride"])
 def _extend_kernel(
     q_ptr,
     k_cache_ptr,
@@ -647,6 +670,7 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     FP8_KV: tl.constexpr,
     HAS_KV_SCALES: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr,
 ):
     """Row r of a tile is new token first + r // GROUP, query head kv_head * GROUP + r % GROUP.
 
@@ -687,10 +711,11 @@ def _extend_kernel(
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(first_pos - sliding_window + 1, 0)
-        unmasked_end = kv_lo // TILE * TILE  # with a window every tile is masked
+    tile_lo = kv_lo // TILE * TILE
+    if HAS_WINDOW or MASK_EVERY_TILE:
+        unmasked_end = tile_lo  # every tile masked
     else:
         unmasked_end = (first_pos + 1) // TILE * TILE  # keys <= first_pos: seen by every row
-    tile_lo = kv_lo // TILE * TILE
 
     k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
     m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
@@ -752,11 +777,14 @@ def paged_attention(
     """Causal attention of each sequence's new tokens over its paged K/V (fp8 or in q's dtype);
     see `kernels.reference`.
 
-    A step with one new token per sequence (num_tokens == num_seqs) runs the split-context decode
-    kernel, anything else the tiled prefill/extend kernel. Both are correct for any layout (the
-    decode kernel handles each token on its own), so the choice needs only shapes. Value checks
-    that need the host (query_start_loc monotone, seq_len >= q_len, block-table capacity) are the
-    reference's; here, as in the model runner, the caller guarantees them.
+    By default every step runs the extend kernel in `invariant_config`, so that a query's result
+    does not depend on the batch (the module's docstring). With PAGEDSERVE_BATCH_VARIANT=1
+    (`cpu_features.batch_variant`) a step with one new token per sequence (num_tokens ==
+    num_seqs) runs the split-context decode kernel, anything else the extend kernel in
+    `extend_config`. Both are correct for any layout (the decode kernel handles each token on its
+    own), so the choice needs only shapes. Value checks that need the host (query_start_loc
+    monotone, seq_len >= q_len, block-table capacity) are the reference's; here, as in the model
+    runner, the caller guarantees them.
     """
     if validation.CHECK_ARGS:
         check_paged_attention_args(
@@ -773,7 +801,13 @@ def paged_attention(
     if num_seqs == 0:
         raise ValueError(f"q has {num_tokens} tokens but there are no sequences")
     q = _inner_contiguous(q)
-    if num_tokens == num_seqs:
+    if not cpu_features.batch_variant():
+        config = invariant_config(q.shape[2], q.shape[1] // k_cache.shape[2])
+        extend(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+            out, config, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    elif num_tokens == num_seqs:
         num_splits = num_decode_splits(
             num_tokens, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.device
         )
@@ -953,6 +987,7 @@ def extend(
         PRECISION=_precision(q.dtype),
         FP8_KV=is_fp8(k_cache.dtype),
         HAS_KV_SCALES=_has_kv_scales(k_cache, k_scale, v_scale),
+        MASK_EVERY_TILE=cfg.mask_every_tile,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -964,12 +999,14 @@ def extend(
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters of one kernel: keys per K/V tile, warps, software-pipeline stages, and
-    for the extend kernel the query rows per tile (query tokens x grouped heads)."""
+    for the extend kernel the query rows per tile (query tokens x grouped heads) and whether every
+    key tile takes the masked path (`invariant_config`)."""
 
     tile: int
     num_warps: int
     num_stages: int
     block_m: int = 0
+    mask_every_tile: bool = False
 
 
 def decode_config(head_dim: int) -> KernelConfig:
@@ -981,6 +1018,16 @@ def extend_config(head_dim: int, group: int) -> KernelConfig:
     # 128 query rows (128 // group tokens) against 64-key tiles, as in FlashAttention-2.
     block_m = 128 if group <= 128 else triton.next_power_of_2(group)
     return KernelConfig(tile=64, num_warps=8 if head_dim > 64 else 4, num_stages=2, block_m=block_m)
+
+
+def invariant_config(head_dim: int, group: int) -> KernelConfig:
+    """The extend kernel's launch for every step by default (see the module's docstring): from
+    the head layout alone, never from the batch. 16 query rows per tile (block_m // group
+    tokens; more for a group above 16), as in vLLM's unified kernel, so that a decode token,
+    alone in its tile, computes few padding rows; 64-key tiles, every one masked. The cost against
+    the batch-variant kernels is what `bench.gpu_kernels --invariance` measures."""
+    block_m = max(16, triton.next_power_of_2(group))
+    return KernelConfig(tile=64, num_warps=4, num_stages=2, block_m=block_m, mask_every_tile=True)
 
 
 def _strides(

@@ -123,9 +123,9 @@ def _save_tiny(path: Path, kind: str) -> Path:
 
 @pytest.fixture
 def batch_variant(monkeypatch):
-    """The CPU kernels' faster paths whose results depend on the batch
-    (PAGEDSERVE_BATCH_VARIANT=1, `cpu_features.batch_variant`), for the tests of those paths; the
-    default is invariant."""
+    """The kernels' faster paths whose results depend on the batch (PAGEDSERVE_BATCH_VARIANT=1,
+    `cpu_features.batch_variant`: the CPU kernels' and the Triton attention's), for the tests of
+    those paths; the default is invariant."""
     from pagedserve.kernels import cpu_features
 
     monkeypatch.setenv(cpu_features.BATCH_VARIANT_ENV, "1")

@@ -15,6 +15,21 @@ from pagedserve.engine.models.model_config import ModelConfig
 NAN_TOKEN = 77
 
 
+def record_calls(monkeypatch, module: object, names: tuple[str, ...]) -> list[str]:
+    """Wrap each `module.<name>` (with monkeypatch) so that a call appends its name to the list
+    returned, then runs the real function."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def cpu_engine_config(model_dir: Path | str, **changes) -> EngineConfig:
     """The engine tests' usual options for a tiny model on CPU: float32, blocks of 4 tokens, 512
     of them, 512 positions; `changes` override any option."""

@@ -7,6 +7,7 @@ against torch's own kernels, both measured side by side in one run.
     python -m pagedserve.bench.gpu_kernels --only copy            # copy_blocks alone
     python -m pagedserve.bench.gpu_kernels --only moe             # the fused MoE alone
     python -m pagedserve.bench.gpu_kernels --sweep                # launch configurations instead
+    python -m pagedserve.bench.gpu_kernels --invariance           # one request, one answer
     TRITON_INTERPRET=1 python -m pagedserve.bench.gpu_kernels --smoke   # tiny shapes, also on CPU
 
 Scenarios, in bf16 (--dtype) over a paged cache of block size 16 whose blocks lie in a random
@@ -50,6 +51,11 @@ permutation (the scatter a long-running server's block pool ends up with):
            [I x top_k, hidden] matmul); GB/s of the distinct experts' weights read in the JSON.
            Eager (the reference syncs with the host).
 
+--invariance replaces them with the checks and costs of the batch-invariant default
+(invariance.py): one stream's queries bit for bit the same alone, among other decodes, in mixed
+steps and in chunks; then decode and prefill steps timed by default and with
+PAGEDSERVE_BATCH_VARIANT=1, the split-context decode kernel's dispatch.
+
 Before it is timed, each case's Triton output is compared with `kernels.reference` in the same
 dtype on the same device (attention: |triton - ref| <= ATOL + RTOL * |ref|; the cache write must
 match exactly, and so must every cache after copy_blocks). A failed check, or a case that raises,
@@ -63,7 +69,8 @@ targets are reported (`target`, `ok`) but do not change the exit status.
 
 The package: plans.py (the shapes and cases of FULL and SMOKE), harness.py (what every case
 shares: setup, report, timer, check), one module per scenario family (attention.py: decode and
-prefill; cache.py: cache and copy; fused.py; moe.py), sweep.py (--sweep) and cli.py (the command).
+prefill; cache.py: cache and copy; fused.py; moe.py), sweep.py (--sweep), invariance.py
+(--invariance) and cli.py (the command).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pagedserve.bench.gpu_kernels.attention import (
 )
 from pagedserve.bench.gpu_kernels.cache import cache_label, copy_label, run_cache, run_copy
 from pagedserve.bench.gpu_kernels.fused import FUSED_OPS, fused_label, run_fused
+from pagedserve.bench.gpu_kernels.invariance import format_invariance, run_invariance
 from pagedserve.bench.gpu_kernels.moe import moe_label, run_moe
 from pagedserve.bench.gpu_kernels.plans import FULL, SMOKE, Plan
 from pagedserve.bench.gpu_kernels.sweep import SWEEP_SCENARIOS, format_sweep, run_sweep
@@ -228,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the regular cases, time the launch configurations of the decode and "
         "prefill kernels (tile, warps, stages, rows; decode splits) on a few cases against SDPA",
     )
+    parser.add_argument(
+        "--invariance",
+        action="store_true",
+        help="instead of the regular cases, check that the default paged attention gives a "
+        "query the same bits in every batch composition, and time it against "
+        "PAGEDSERVE_BATCH_VARIANT=1 (decode and prefill steps)",
+    )
     return parser
 
 
@@ -277,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = harness.Report(sink)
         report.emit(environment(setup, args.smoke))
-        if args.sweep:
+        if args.invariance:
+            run_invariance(report, setup, plan)
+        elif args.sweep:
             swept = [s for s in scenarios if s in SWEEP_SCENARIOS]
             run = functools.partial(run_sweep, report, setup, plan, swept)
             harness.run_case(report, device, {"scenario": "sweep", "case": "sweep"}, run)
@@ -287,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         if sink is not None:
             sink.close()
     print(format_table(report.records), file=sys.stderr)
+    if args.invariance:
+        print(format_invariance(report.records), file=sys.stderr)
     if args.sweep:
         print(format_sweep(report.records), file=sys.stderr)
     return 1 if report.failed else 0

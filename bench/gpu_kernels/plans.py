@@ -102,6 +102,16 @@ class Plan:
     sweep_splits: tuple[int, ...] = ()
     decode_configs: tuple[KernelConfig, ...] = ()
     prefill_configs: tuple[KernelConfig, ...] = ()
+    # --invariance (see invariance.py): a stream of invariance_length tokens checked bit for bit
+    # as a decode among invariance_batch - 1 others, its prompt in chunks of invariance_chunk
+    # tokens (not a multiple of any query tile's tokens), ...; then these cases timed by default
+    # and with PAGEDSERVE_BATCH_VARIANT=1, on each of invariance_shapes (the first for the checks)
+    invariance_shapes: tuple[HeadShape, ...] = ()
+    invariance_length: int = 0
+    invariance_batch: int = 0
+    invariance_chunk: int = 0
+    invariance_decode: tuple[DecodeCase, ...] = ()
+    invariance_prefill: tuple[PrefillCase, ...] = ()
 
 
 FULL = Plan(
@@ -166,6 +176,16 @@ FULL = Plan(
             (64, 32, 4, 4),
         ]
     ),  # fmt: skip
+    invariance_shapes=(LLAMA_8B,),
+    invariance_length=2000,
+    invariance_batch=64,
+    invariance_chunk=509,
+    invariance_decode=(
+        DecodeCase(64, 2048, None),
+        DecodeCase(256, 1024, None),
+        DecodeCase(1, 8192, None),
+    ),
+    invariance_prefill=(PrefillCase(8, 2048, 0, None), PrefillCase(8, 512, 2048, None)),
 )
 
 # Tiny shapes that run in seconds under TRITON_INTERPRET=1; no speed targets.
@@ -192,4 +212,10 @@ SMOKE = Plan(
     sweep_splits=(2,),
     decode_configs=(KernelConfig(32, 4, 2), KernelConfig(64, 4, 3)),
     prefill_configs=(KernelConfig(32, 4, 2, 32), KernelConfig(64, 4, 2, 64)),
+    invariance_shapes=(TINY,),
+    invariance_length=130,  # three 64-key tiles
+    invariance_batch=8,
+    invariance_chunk=13,
+    invariance_decode=(DecodeCase(2, 64, None), DecodeCase(1, 600, None)),
+    invariance_prefill=(PrefillCase(2, 32, 32, None),),
 )

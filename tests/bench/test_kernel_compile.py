@@ -48,6 +48,7 @@ def test_every_variant_compiles_for_sm90_without_spills():
     expected = {
         "decode": ["_decode_kernel"],
         "extend": ["_extend_kernel"],
+        "invariant": ["_extend_kernel"],
         "cache": ["_reshape_and_cache_kernel"],
         "copy_blocks": ["_copy_blocks_kernel"],
         "rms_norm": ["_rms_norm_kernel"],
@@ -81,6 +82,7 @@ def test_every_variant_compiles_for_sm90_without_spills():
         ("decode", "_merge_splits_kernel", True, "float8_e4m3fn"),
         ("decode", "_decode_kernel", False, "float8_e5m2"),
         ("extend", "_extend_kernel", False, "float8_e4m3fn"),
+        ("invariant", "_extend_kernel", False, "float8_e4m3fn"),
         ("cache", "_reshape_and_cache_kernel", False, "float8_e4m3fn"),
         ("rotary_cache", "_rotary_and_cache_kernel", False, "float8_e4m3fn"),
         ("copy_blocks", "_copy_blocks_kernel", False, "float8_e4m3fn"),

@@ -8,6 +8,7 @@ tests/conftest.py): the real kernels, executed with numpy instead of compiled fo
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedserve.kernels import triton_attention, triton_ops
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, record_calls
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
@@ -36,9 +37,9 @@ def _generate(path, backend: str, prompts, **kwargs) -> tuple[LLM, list[list[int
     return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize(("kind", "variant"), [("llama", False), ("qwen2", False), ("llama", True)])
 def test_triton_backend_greedy_equals_torch_backend_and_transformers(
-    kind, tiny_llama_dir, tiny_qwen2_dir, monkeypatch
+    kind, variant, tiny_llama_dir, tiny_qwen2_dir, monkeypatch, request
 ):
     from transformers import AutoModelForCausalLM
 
@@ -49,26 +50,23 @@ def test_triton_backend_greedy_equals_torch_backend_and_transformers(
     expected = [hf_greedy(hf, p, 12) for p in prompts]
 
     # A 16-token budget: prompts are prefilled in chunks next to other sequences' decodes, so
-    # the steps mix extends over cached prefixes with decodes (the extend kernel), and the last
-    # steps are pure decode (the split-context decode kernel).
+    # the steps mix extends over cached prefixes with decodes, and the last steps are pure
+    # decode: by default all through the extend kernel (one request, one answer); with
+    # PAGEDSERVE_BATCH_VARIANT=1 the pure decode steps through the split-context decode kernel.
+    if variant:
+        request.getfixturevalue("batch_variant")
     options = dict(num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=16)
     _, with_torch = _generate(path, "torch", prompts, **options)
-    # Every op of the Triton backend runs: both attention kernels and the fused layer ops.
+    # Every op of the Triton backend runs: the attention kernels and the fused layer ops.
     fused = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_and_cache")
-    launches = dict.fromkeys(("decode", "extend", *fused), 0)
-    for name in launches:
-        module = triton_attention if name in ("decode", "extend") else triton_ops
-        real = getattr(module, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            launches[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, spy)
+    attention_calls = record_calls(monkeypatch, triton_attention, ("decode", "extend"))
+    fused_calls = record_calls(monkeypatch, triton_ops, fused)
     llm, with_triton = _generate(path, "triton", prompts, **options)
     assert with_torch == expected
     assert with_triton == expected
-    assert all(launches.values()), launches
+    launches = Counter(attention_calls + fused_calls)
+    assert all(launches[name] for name in ("extend", *fused)), launches
+    assert (launches["decode"] > 0) == variant, launches
     # Per step: one norm (the first layer's input), then two fused norms per layer (the second
     # layer's input norm, both post-attention norms and the final norm).
     assert launches["fused_add_rms_norm"] == 2 * 2 * launches["rms_norm"], launches

@@ -131,3 +131,64 @@ def dense_attention(
 # (num_cached, q_len): decode at and across block edges, a 1-token context, a fresh prefill, and
 # extends whose new tokens cross blocks; listed out of kind order so the groups interleave.
 MIXED = [(0, 7), (13, 1), (20, 5), (0, 1), (16, 1), (3, 18), (8, 1), (31, 2), (5, 9)]
+
+
+@dataclass
+class Stream:
+    """One sequence's q, k and v at every position: a step attends a span of its positions."""
+
+    q: torch.Tensor  # [length, H, D]
+    k: torch.Tensor  # [length, Hkv, D]
+    v: torch.Tensor
+
+
+def random_stream(
+    length: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> Stream:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(length, h, head_dim, generator=gen).to(dtype)
+        for h in (num_heads, num_kv_heads, num_kv_heads)
+    )
+    return Stream(q, k, v)
+
+
+def step_of(spans: list[tuple[Stream, int, int]], *, block_size: int, seed: int = 0) -> Batch:
+    """One step over given streams: positions [start, end) of each are its new tokens, over its
+    keys [0, end), written by reshape_and_cache to a random permutation of blocks (unwritten
+    slots hold finite noise), so that the same stream can be attended in different steps."""
+    rng = random.Random(seed)
+    first = spans[0][0]
+    blocks_per_seq = [math.ceil(end / block_size) for _, _, end in spans]
+    physical = list(range(sum(blocks_per_seq) + 3))
+    rng.shuffle(physical)
+    tables = []
+    for n in blocks_per_seq:
+        own, physical = physical[:n], physical[n:]
+        tables.append(own + [GARBAGE_BLOCK_ID] * (max(blocks_per_seq) + 1 - n))
+    shape = (sum(blocks_per_seq) + 3, block_size, *first.k.shape[1:])
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(shape, generator=gen).to(first.k.dtype)
+    v_cache = torch.randn(shape, generator=gen).to(first.k.dtype)
+    keys = [stream.k[:end] for stream, _, end in spans]
+    values = [stream.v[:end] for stream, _, end in spans]
+    slots = [
+        slot_of(table, p, block_size)
+        for table, k in zip(tables, keys, strict=True)
+        for p in range(len(k))
+    ]
+    reference.reshape_and_cache(
+        torch.cat(keys), torch.cat(values), k_cache, v_cache, torch.tensor(slots)
+    )
+    q_lens = [end - start for _, start, end in spans]
+    return Batch(
+        q=torch.cat([stream.q[start:end] for stream, start, end in spans]),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        seq_lens=torch.tensor([len(k) for k in keys], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
+        keys=keys,
+        values=values,
+        q_lens=q_lens,
+    )

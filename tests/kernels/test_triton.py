@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from pagedserve import kernels
 from pagedserve.kernels import reference, triton_attention, triton_ops
+from tests.helpers import record_calls
 from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
 
 pytestmark = pytest.mark.skipif(
@@ -172,8 +173,9 @@ def test_sliding_window_decode(sliding_window, num_splits):
     check(decode_run(batch, 0.125, num_splits, sliding_window), batch, 0.125, sliding_window)
 
 
-def test_decode_of_a_32k_context():
-    # One long sequence: the public entry point splits it (4 "SMs" on CPU, see num_decode_splits).
+def test_decode_of_a_32k_context(batch_variant):
+    # One long sequence: with PAGEDSERVE_BATCH_VARIANT=1 the public entry point splits it (4 "SMs"
+    # on CPU, see num_decode_splits); by default it never splits (test_triton_batch_invariance.py).
     batch = make_batch([(32767, 1)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=32,
                        seed=10)  # fmt: skip
     max_context = batch.block_tables.shape[1] * 32
@@ -463,15 +465,7 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
     assert kernels.select_backend(batch.q.device) == "triton"
     assert kernels.resolve_backend("torch", batch.q.device) == "torch"  # explicit beats env
-    calls = []
-    for name in ("paged_attention", "reshape_and_cache"):
-        real = getattr(triton_ops, name)
-
-        def spy(*a, _real=real, _name=name, **kw):
-            calls.append(_name)
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(triton_ops, name, spy)
+    calls = record_calls(monkeypatch, triton_ops, ("paged_attention", "reshape_and_cache"))
     got = kernels.paged_attention(*args(batch), batch.query_start_loc, 0.125)
     check(got, batch, 0.125)
     k = torch.zeros(1, 2, 64)
