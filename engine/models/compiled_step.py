@@ -7,10 +7,11 @@ and steps below, `CausalLM.forward` hands all its layers to one C++ call instead
 (`kernels/csrc/cpu_decoder.cpp`): the same kernels, in the same order, on the same values, so the
 hidden states are the Python path's bit for bit (tests/engine/test_compiled_step.py).
 
-Models: the Llama family's layers (Llama, SmolLM2, Mistral, Qwen2 with its q/k/v bias, Phi-3) with
-every layer's matmul weights kept as a GGUF file's blocks (engine/models/quantized_linear.py), the
-compiled CPU backend, one process (no tensor parallelism). Gemma's norms, per-head q/k norms,
-soft-capping and mixtures of experts stay on the Python path, as does a model with dense weights.
+Models: the Llama family's layers (Llama, SmolLM2, Mistral, Qwen2 with its q/k/v bias, Phi-3),
+Qwen3's per-head q/k norms and Gemma's (its four norms a layer of 1 + weight, GELU-tanh, soft-capped
+scores), with every layer's matmul weights kept as a GGUF file's blocks
+(engine/models/quantized_linear.py), the compiled CPU backend, one process (no tensor
+parallelism). Mixtures of experts stay on the Python path, as does a model with dense weights.
 
 Steps: the attention kernel takes every sequence (`cpu_ops.kernel_attends`: decodes, speculative
 verifies, short prompts) and the step's rows take the blocks' dot products or the AMX tiles
@@ -41,10 +42,7 @@ def unsupported(model) -> str | None:
         and first.ops is not cpu_ops,
         "the CPU kernels did not load": not cpu_ops.available(),
         "tensor parallelism": model.tp is not None,
-        "Gemma's norms": config.is_gemma,
-        "per-head q/k norms": config.qk_norm,
-        "soft-capped attention": config.attn_logit_softcapping is not None,
-        f"the {config.hidden_act} activation": config.hidden_act != "silu",
+        f"the {config.hidden_act} activation": config.hidden_act not in _ACTIVATIONS,
         "an fp8 KV cache": first is not None and bool(first.kv_scales),
         "a mixture of experts": any(not isinstance(layer.mlp, MLP) for layer in model.layers),
     }
@@ -59,8 +57,15 @@ def unsupported(model) -> str | None:
     return None
 
 
+_ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}  # -> whether the step takes GELU-tanh
+
+
 def _parts(weight: BlockWeight) -> tuple[list[torch.Tensor], list[int]]:
     return [p.blocks for p in weight.parts], [p.kernel_type for p in weight.parts]
+
+
+def _weight(norm) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
 
 
 class CompiledStep:
@@ -73,7 +78,8 @@ class CompiledStep:
         self._first = first
         self._layers = torch.classes.pagedserve_cpu.DecoderLayers(
             first.num_heads, first.num_kv_heads, first.head_dim, config.rms_norm_eps,
-            first.scale, model.norm.weight,
+            first.scale, model.norm.weight, config.is_gemma, first.softcap or 0.0,
+            _ACTIVATIONS[config.hidden_act],
         )  # fmt: skip
         # The step's route (`quantized_linear.route`): by interleaved rows' crossovers where
         # every layer's weights are.
@@ -91,7 +97,9 @@ class CompiledStep:
                 *_parts(quantized(attn.qkv_proj)), attn.qkv_bias,
                 *_parts(quantized(attn.o_proj)), *_parts(quantized(mlp.gate_up_proj)),
                 *_parts(quantized(mlp.down_proj)), rotary.cos, rotary.sin,
-                attn.sliding_window or 0, attn.kv_group,
+                attn.sliding_window or 0, attn.kv_group, _weight(attn.q_norm),
+                _weight(attn.k_norm), _weight(layer.pre_feedforward_layernorm),
+                _weight(layer.post_feedforward_layernorm),
             )  # fmt: skip
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:

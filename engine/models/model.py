@@ -359,10 +359,10 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self._embed(input_ids)
-        if self.compiled_step is not None and self.compiled_step.takes(x, meta, kv_caches):
-            return self.compiled_step(x, positions, kv_caches, meta)
         if self.embed_scale is not None:
             x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
+        if self.compiled_step is not None and self.compiled_step.takes(x, meta, kv_caches):
+            return self.compiled_step(x, positions, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, self.rotary_of(layer), x, residual, kv_cache, meta)

@@ -16,10 +16,14 @@
 //   h = attention(q, cache) @ Wo^T
 //   h, r = add_rms_norm(h, r)
 //   h = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
-// and after the last layer h, _ = add_rms_norm(h, r) with the final norm.
+// and after the last layer h, _ = add_rms_norm(h, r) with the final norm. Gemma's layers add
+// per-head q/k norms before the rotation (Qwen3's too), a norm of the attention's output before
+// the residual add and one of the MLP's output (`sandwich`), GELU-tanh for SiLU, norms that
+// multiply by 1 + weight, and soft-capped attention scores (Gemma 2).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -65,6 +69,10 @@ struct Matmul {
 
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
+  // Gemma's norms of the attention's and the MLP's outputs (`post_attention_norm` is then the
+  // one of the attention's output, `pre_feedforward_norm` the residual add's).
+  c10::optional<at::Tensor> pre_feedforward_norm, post_feedforward_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;  // per head, before the rotation
   Matmul qkv, o, gate_up, down;
   c10::optional<at::Tensor> qkv_bias;
   at::Tensor cos, sin;  // float32 [positions, head_dim] rotary tables
@@ -74,10 +82,12 @@ struct Layer {
 
 class DecoderLayers : public torch::CustomClassHolder {
  public:
+  // unit_offset: Gemma's norms (1 + weight); softcap 0: none; gelu: GELU-tanh, else SiLU.
   DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                double scale, at::Tensor final_norm)
+                double scale, at::Tensor final_norm, bool unit_offset, double softcap, bool gelu)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
-        scale_(scale), final_norm_(std::move(final_norm)) {}
+        scale_(scale), final_norm_(std::move(final_norm)), unit_offset_(unit_offset),
+        softcap_(softcap), gelu_(gelu) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm,
                  std::vector<at::Tensor> qkv, std::vector<int64_t> qkv_types,
@@ -85,10 +95,19 @@ class DecoderLayers : public torch::CustomClassHolder {
                  std::vector<int64_t> o_types, std::vector<at::Tensor> gate_up,
                  std::vector<int64_t> gate_up_types, std::vector<at::Tensor> down,
                  std::vector<int64_t> down_types, at::Tensor cos, at::Tensor sin,
-                 int64_t window, int64_t kv_group) {
+                 int64_t window, int64_t kv_group, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> pre_feedforward_norm,
+                 c10::optional<at::Tensor> post_feedforward_norm) {
     Layer layer;
     layer.input_norm = std::move(input_norm);
     layer.post_attention_norm = std::move(post_attention_norm);
+    layer.pre_feedforward_norm = std::move(pre_feedforward_norm);
+    layer.post_feedforward_norm = std::move(post_feedforward_norm);
+    layer.q_norm = std::move(q_norm);
+    layer.k_norm = std::move(k_norm);
+    TORCH_CHECK(layer.pre_feedforward_norm.has_value() == layer.post_feedforward_norm.has_value() &&
+                    layer.q_norm.has_value() == layer.k_norm.has_value(),
+                "decoder layer ", layers_.size(), ": norms come in pairs");
     layer.qkv = Matmul(std::move(qkv), std::move(qkv_types));
     layer.o = Matmul(std::move(o), std::move(o_types));
     layer.gate_up = Matmul(std::move(gate_up), std::move(gate_up_types));
@@ -131,6 +150,7 @@ class DecoderLayers : public torch::CustomClassHolder {
     // warm in the caches).
     at::Tensor normed = at::empty({n, hidden}, opts);
     at::Tensor branch = at::empty({n, hidden}, opts);
+    at::Tensor sandwich = at::empty({n, hidden}, opts);  // a Gemma branch before its norm
     at::Tensor qkv = at::empty({n, qkv_size}, opts);
     at::Tensor q = at::empty({n, num_heads_, head_dim_}, opts);
     at::Tensor attn = at::empty({n, num_heads_, head_dim_}, opts);
@@ -143,32 +163,54 @@ class DecoderLayers : public torch::CustomClassHolder {
       tables.push_back(block_tables.select(0, g));
     }
     at::Tensor& residual = x;
+    const bool unit = unit_offset_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       TORCH_CHECK(layer.kv_group < static_cast<int64_t>(slots.size()),
                   "the step has no slot mapping for KV group ", layer.kv_group);
       if (i == 0)
-        pagedserve_cpu::rms_norm(x, layer.input_norm, eps_, false, normed);
+        pagedserve_cpu::rms_norm(x, layer.input_norm, eps_, unit, normed);
       else
-        pagedserve_cpu::fused_add_rms_norm(branch, residual, layer.input_norm, eps_, false,
+        pagedserve_cpu::fused_add_rms_norm(branch, residual, layer.input_norm, eps_, unit,
                                            normed);
       layer.qkv(normed, qkv, amx);
       if (layer.qkv_bias) qkv.add_(*layer.qkv_bias);
+      if (layer.q_norm) {
+        const int64_t q_size = num_heads_ * head_dim_;
+        pagedserve_cpu::head_rms_norm(qkv, 0, num_heads_, head_dim_, *layer.q_norm, eps_, unit);
+        pagedserve_cpu::head_rms_norm(qkv, q_size, num_kv_heads_, head_dim_, *layer.k_norm, eps_,
+                                      unit);
+      }
       at::Tensor k_cache = k_caches[i], v_cache = v_caches[i];
       pagedserve_cpu::rotary_and_cache(qkv, positions, layer.cos, layer.sin, k_cache, v_cache,
                                        slots[layer.kv_group], num_heads_, num_kv_heads_,
                                        head_dim_, q);
       pagedserve_cpu::paged_attention(q, k_cache, v_cache, tables[layer.kv_group], seq_lens,
-                                      query_start_loc, scale_, layer.window, 0.0, c10::nullopt,
-                                      batch_variant, attn);
+                                      query_start_loc, scale_, layer.window, softcap_,
+                                      c10::nullopt, batch_variant, attn);
       layer.o(attn_rows, branch, amx);
-      pagedserve_cpu::fused_add_rms_norm(branch, residual, layer.post_attention_norm, eps_, false,
-                                         normed);
+      if (layer.pre_feedforward_norm) {  // Gemma: norm the attention's output, then add
+        pagedserve_cpu::rms_norm(branch, layer.post_attention_norm, eps_, unit, sandwich);
+        pagedserve_cpu::fused_add_rms_norm(sandwich, residual, *layer.pre_feedforward_norm, eps_,
+                                           unit, normed);
+      } else {
+        pagedserve_cpu::fused_add_rms_norm(branch, residual, layer.post_attention_norm, eps_,
+                                           unit, normed);
+      }
       layer.gate_up(normed, gate_up, amx);
-      pagedserve_cpu::silu_and_mul(gate_up, act);
-      layer.down(act, branch, amx);
+      if (gelu_)  // as kernels.reference.gelu_tanh_and_mul: the same ATen ops
+        at::gelu_out(act, gate_up.narrow(1, 0, inter2 / 2), "tanh")
+            .mul_(gate_up.narrow(1, inter2 / 2, inter2 / 2));
+      else
+        pagedserve_cpu::silu_and_mul(gate_up, act);
+      if (layer.post_feedforward_norm) {
+        layer.down(act, sandwich, amx);
+        pagedserve_cpu::rms_norm(sandwich, *layer.post_feedforward_norm, eps_, unit, branch);
+      } else {
+        layer.down(act, branch, amx);
+      }
     }
-    pagedserve_cpu::fused_add_rms_norm(branch, residual, final_norm_, eps_, false, normed);
+    pagedserve_cpu::fused_add_rms_norm(branch, residual, final_norm_, eps_, unit, normed);
     return normed;
   }
 
@@ -176,6 +218,9 @@ class DecoderLayers : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   at::Tensor final_norm_;
+  bool unit_offset_;
+  double softcap_;
+  bool gelu_;
   std::vector<Layer> layers_;
 };
 
@@ -183,7 +228,7 @@ class DecoderLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.class_<DecoderLayers>("DecoderLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, bool, double, bool>())
       .def("add_layer", &DecoderLayers::add_layer)
       .def("num_layers", &DecoderLayers::num_layers)
       .def("forward", &DecoderLayers::forward);

@@ -75,21 +75,45 @@ constexpr int64_t block_bytes(int64_t qtype) {
   }
 }
 
-// A Q4_0, Q4_1 or Q8_0 weight whose rows come interleaved by groups of 8
+// A Q4_0, Q4_1, Q5_0 or Q8_0 weight whose rows come interleaved by groups of 8
 // (`QuantizedRows.interleave` on the Python side, which passes its type id plus kRows8). Per
-// group and block of 32 values: the 8 rows' float16 d (Q4_1: then their 8 m), then runs of 32
+// group and block of 32 values: the 8 rows' float16 d (Q4_1: then their 8 m; Q5_0: then 32
+// bytes of fifth bits, byte 4 r + p holding in bit g row r's of value 4 g + p), then runs of 32
 // bytes, run g holding each row's code bytes 4 g .. 4 g + 3 in row order (4 runs of Q4 nibbles,
-// 8 of Q8_0 codes stored plus 128, as unsigned bytes). One 256-bit load is then 4 codes of 8 rows
+// 8 of Q8_0 codes stored plus 128, as unsigned bytes). Q4_K per group and super-block of 256
+// values: the 8 rows' float16 d, their float16 dmin, per block j of 32 the 8 rows' 6-bit scales
+// sc_j and mins m_j as bytes, then per block Q4_0's 4 runs (value i's nibble low, i + 16's high):
+// 1184 bytes against the file's 1152. Q6_K per group and super-block: the 8 rows' float16 d, per
+// block j the rows' int8 scales of its two half blocks (8 + 8), then per block 4 runs of the
+// codes' low 4 bits as Q4_0's and 64 bytes of their top 2 bits, byte 4 r + p holding in bits
+// 2 g, 2 g + 1 row r's of value 4 g + p (values 0-15, then 16-31): the file's 210 bytes a row. One 256-bit load is then 4 codes of 8 rows
 // (and, in a Q4 block's high nibbles, 4 more), so that vpdpbusd sums the 8 rows at once, each in
 // its own lane, and a block's 8 scales are one conversion: about a third of the instructions per
 // (row, block) of the file's layout (rows8_linear; BENCHMARKS.md, "Rows interleaved by 8"). Same
 // size as the file's blocks.
 constexpr int64_t kRows8 = 1000, kGroupRows = 8;
 constexpr bool is_rows8(int64_t qtype) {
-  return qtype == kQ4_0 + kRows8 || qtype == kQ4_1 + kRows8 || qtype == kQ8_0 + kRows8;
+  return qtype == kQ4_0 + kRows8 || qtype == kQ4_1 + kRows8 || qtype == kQ5_0 + kRows8 ||
+         qtype == kQ8_0 + kRows8 || qtype == kQ4_K + kRows8 || qtype == kQ6_K + kRows8;
+}
+constexpr int64_t kQ6KHead = 16 + 8 * 16;  // d, each block's two scales per row
+constexpr int64_t kQ4KHead = 32 + 8 * 16;             // d, dmin, each block's sc and m bytes
+constexpr int64_t kQ4KGroupBytes = kQ4KHead + 8 * 128;  // and the 8 blocks' runs
+// A group's bytes per file block (a K-quant's super-block).
+constexpr int64_t group_block_bytes(int64_t qtype) {
+  return qtype == kQ4_K ? kQ4KGroupBytes : kGroupRows * block_bytes(qtype);
 }
 // Runs of 32 code bytes per group and block.
 constexpr int kRuns(int64_t qtype) { return qtype == kQ8_0 ? 8 : 4; }
+// The bytes before a group's block's runs: d, Q4_1's m, Q5_0's fifth bits.
+constexpr int64_t kHead(int64_t qtype) {
+  return qtype == kQ4_1 ? 32 : qtype == kQ5_0 ? 48 : 16;
+}
+// A block's m per unit of d where the type has no m of its own: Q4_0's -8, Q5_0's -16, and
+// -128 for Q8_0's codes stored plus 128 where they are taken so (`unsigned_q8`).
+constexpr float kOffset(int64_t qtype, bool unsigned_q8) {
+  return qtype == kQ4_0 ? -8.0f : qtype == kQ5_0 ? -16.0f : unsigned_q8 ? -128.0f : 0.0f;
+}
 
 constexpr bool is_k_quant(int64_t qtype) {
   return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K;
@@ -129,10 +153,12 @@ inline void load32(const c10::BFloat16* x, __m256 v[4]) {
 constexpr float kCodeMax = 32512.0f;
 
 // One row of K activations into blocks of 15-bit codes c = round(x / dx), dx = max|x| / kCodeMax,
-// stored as two int8 codes per value: h = round(c / 255) in `high`, l = c - 255 h in `low`; and
-// sx = dx * sum(c) (what a Q4 block's offset multiplies).
+// stored as two int8 codes per value: h = round(c / 255) in `high`, l = c - 255 h in `low`;
+// sx = dx * sum(c) (what a Q4 block's offset multiplies), and the sums of c over each half block
+// of 16 (what Q6_K's -32 multiplies, in `halves`).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* high, int8_t* low, float* d, float* s) {
+void quantize_row(const T* x, int64_t k, int8_t* high, int8_t* low, float* d, float* s,
+                  int32_t* halves) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 base = _mm256_set1_ps(255.0f), inverse_base = _mm256_set1_ps(1.0f / 255.0f);
   constexpr int kRound = _MM_ROUND_NEAREST | _MM_FROUND_NO_EXC;
@@ -155,6 +181,11 @@ void quantize_row(const T* x, int64_t k, int8_t* high, int8_t* low, float* d, fl
     const float dx = max_abs / kCodeMax;
     const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kCodeMax / max_abs : 0.0f);
     __m256i h[4], l[4], sum32 = _mm256_setzero_si256();
+    const auto total = [](__m256i v) {
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      t = _mm_hadd_epi32(t, t);
+      return _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
+    };
     for (int j = 0; j < 4; ++j) {
       // Whole numbers in float32, exactly: c, then h (c / 255 is at least 1/510 from a tie, far
       // beyond the product's rounding) and l = c - 255 h.
@@ -163,14 +194,14 @@ void quantize_row(const T* x, int64_t k, int8_t* high, int8_t* low, float* d, fl
       h[j] = _mm256_cvtps_epi32(hf);
       l[j] = _mm256_cvtps_epi32(_mm256_fnmadd_ps(hf, base, c));
       sum32 = _mm256_add_epi32(sum32, _mm256_cvtps_epi32(c));
+      if (j == 1) halves[2 * b] = total(sum32);
     }
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-    t = _mm_hadd_epi32(t, t);
-    t = _mm_hadd_epi32(t, t);
+    const int32_t sum = total(sum32);
+    halves[2 * b + 1] = sum - halves[2 * b];
     pack(h, high + b * kBlock);
     pack(l, low + b * kBlock);
     d[b] = dx;
-    s[b] = dx * static_cast<float>(_mm_cvtsi128_si32(t));
+    s[b] = dx * static_cast<float>(sum);
   }
 }
 
@@ -303,26 +334,32 @@ inline void super_block_scales(const uint8_t* block, float* pairs) {
 }
 
 // The activations after quantization: codes [M, K] as their high and low halves (`codes`, `low`),
-// and per block each row's (dx, sx) pair, block by block ([K / 32, M, 2]): a tile's rows have
-// theirs side by side. Each row is quantized alone: its codes are the same in a step of any rows.
+// per block each row's (dx, sx) pair, block by block ([K / 32, M, 2]): a tile's rows have theirs
+// side by side; and likewise the integer sums of each half block's codes (`halves`). Each row is
+// quantized alone: its codes are the same in a step of any rows.
 struct QuantizedActivations {
   // Left uninitialized: every byte is written, and zeroing them is a pass over memory per call.
   std::unique_ptr<int8_t[]> codes, low;
   std::vector<float> scales;
+  std::vector<int32_t> halves;
   int64_t m, k;
 
   template <typename T>
   QuantizedActivations(const T* x, int64_t rows, int64_t cols)
       : codes(new int8_t[rows * cols]), low(new int8_t[rows * cols]),
-        scales(cols / kBlock * rows * 2), m(rows), k(cols) {
+        scales(cols / kBlock * rows * 2), halves(cols / kBlock * rows * 2), m(rows), k(cols) {
     const int64_t nblocks = k / kBlock;
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> d(nblocks), s(nblocks);
+      std::vector<int32_t> h(2 * nblocks);
       for (int64_t i = begin; i < end; ++i) {
-        quantize_row(x + i * k, k, codes.get() + i * k, low.get() + i * k, d.data(), s.data());
+        quantize_row(x + i * k, k, codes.get() + i * k, low.get() + i * k, d.data(), s.data(),
+                     h.data());
         for (int64_t b = 0; b < nblocks; ++b) {
           scales[(b * m + i) * 2] = d[b];
           scales[(b * m + i) * 2 + 1] = s[b];
+          halves[(b * m + i) * 2] = h[2 * b];
+          halves[(b * m + i) * 2 + 1] = h[2 * b + 1];
         }
       }
     });
@@ -518,6 +555,95 @@ constexpr bool kUnsignedQ8 =
     false;
 #endif
 
+// Q5_0's fifth bits of run g of an interleaved block (`bits`, its 32 bytes of them: bit g of
+// each byte) as 16 or 0 in each byte, to add to the run's nibbles. Bit g moves to bit 4 within its
+// byte (a 16-bit lane's shift carries no other byte's bit into bit 4 of either byte).
+inline __m256i fifth_of_run(__m256i bits, int g) {
+  const __m256i moved = g <= 4 ? _mm256_slli_epi16(bits, 4 - g) : _mm256_srli_epi16(bits, g - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(16));
+}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i fifth_of_run(__m512i bits, int g) {
+  const __m512i moved = g <= 4 ? _mm512_slli_epi16(bits, 4 - g) : _mm512_srli_epi16(bits, g - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(16));
+}
+#endif
+
+// Where block b's runs of code bytes start in a group of interleaved rows.
+template <int64_t QType>
+inline const uint8_t* group_runs(const uint8_t* group, int64_t b) {
+  if constexpr (QType == kQ4_K) return group + b / 8 * kQ4KGroupBytes + kQ4KHead + b % 8 * 128;
+  if constexpr (QType == kQ6_K) return group + b / 8 * 1680 + kQ6KHead + b % 8 * 192;
+  return group + b * group_block_bytes(QType) + kHead(QType);
+}
+
+// The cache lines of block b of a group (and, at a super-block's first, its scales).
+template <int64_t QType>
+inline void prefetch_group_block(const uint8_t* group, int64_t b) {
+  const uint8_t* runs = group_runs<QType>(group, b);
+  const uint8_t* start = runs - kHead(QType);
+  int64_t bytes = group_block_bytes(QType);
+  if constexpr (is_k_quant(QType)) start = runs, bytes = QType == kQ6_K ? 192 : 128;
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(start + line), _MM_HINT_T0);
+  if constexpr (is_k_quant(QType)) {
+    constexpr int64_t kSuper = group_block_bytes(QType);
+    constexpr int64_t kHeader = QType == kQ6_K ? kQ6KHead : kQ4KHead;
+    if (b % 8 == 0)
+      for (int64_t line = 0; line < kHeader; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(group + b / 8 * kSuper + line), _MM_HINT_T0);
+  }
+}
+
+// The 8 rows' d and m of block b of a group: w = d * code + m. Q4_K's are d sc_j and -dmin m_j,
+// exact in float32 as super_block_scales makes them. Q6_K's, w = d sc (code - 32) per half block:
+// d sc of the first half in `d`, of the second in `m` (exact too). `Unsigned` (VNNI): Q8_0's
+// codes are taken as stored, plus 128.
+template <int64_t QType, bool Unsigned = kUnsignedQ8>
+inline void group_scales(const uint8_t* group, int64_t b, __m256& d, __m256& m) {
+  const auto halves = [](const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  if constexpr (QType == kQ6_K) {
+    const uint8_t* super = group + b / 8 * 1680;
+    const uint8_t* bytes = super + 16 + b % 8 * 16;  // 8 first halves' scales, then 8 seconds'
+    const auto ints = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(p))));
+    };
+    d = _mm256_mul_ps(halves(super), ints(bytes));
+    m = _mm256_mul_ps(halves(super), ints(bytes + 8));
+  } else if constexpr (QType == kQ4_K) {
+    const uint8_t* super = group + b / 8 * kQ4KGroupBytes;
+    const uint8_t* bytes = super + 32 + b % 8 * 16;  // 8 sc_j, then 8 m_j
+    const auto ints = [](const uint8_t* p) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(p))));
+    };
+    d = _mm256_mul_ps(halves(super), ints(bytes));
+    m = _mm256_mul_ps(_mm256_xor_ps(halves(super + 16), _mm256_set1_ps(-0.0f)), ints(bytes + 8));
+  } else {
+    d = halves(group + b * group_block_bytes(QType));
+    m = QType == kQ4_1 ? halves(group + b * group_block_bytes(QType) + 16)
+                       : _mm256_mul_ps(d, _mm256_set1_ps(kOffset(QType, Unsigned)));
+  }
+}
+
+// Q6_K's top 2 bits of run g % 4 of a half block (`bits`: bits 2 g, 2 g + 1 of each byte) as
+// bits 4 and 5 of each byte, to add to the run's low 4 bits (the same shift as fifth_of_run's).
+inline __m256i top_of_run(__m256i bits, int g) {
+  const __m256i moved = g <= 2 ? _mm256_slli_epi16(bits, 4 - 2 * g)
+                               : _mm256_srli_epi16(bits, 2 * g - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i top_of_run(__m512i bits, int g) {
+  const __m512i moved = g <= 2 ? _mm512_slli_epi16(bits, 4 - 2 * g)
+                               : _mm512_srli_epi16(bits, 2 * g - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+}
+#endif
+
 // NG groups of 8 interleaved rows (`groups`, group_bytes apart) by RX activation rows (from row
 // `first`): sums[j * NG * 8 + row] for activation row j. Per block, each activation row's 32
 // codes are 8 broadcasts of 4, each group's codes 4 loads (Q8_0: 8); the offset is a
@@ -526,8 +652,6 @@ constexpr bool kUnsignedQ8 =
 template <int64_t QType, int NG, int RX>
 void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActivations& x,
                 int64_t first, float* sums) {
-  constexpr int64_t kBytes = kGroupRows * block_bytes(QType);  // a group's block
-  constexpr int64_t kScales = QType == kQ4_1 ? 32 : 16;         // its d (and m) bytes
   constexpr bool kQ8 = QType == kQ8_0;
   const int64_t nblocks = x.k / kBlock;
   const __m256i low4 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -536,21 +660,16 @@ void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActiv
     for (int j = 0; j < RX; ++j) acc[q][j] = offset[q][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     for (int q = 0; q < NG; ++q) {
-      const uint8_t* chunk = groups + q * group_bytes + b * kBytes;
+      const uint8_t* group = groups + q * group_bytes;
       // The same block of the groups the next call takes (the tile's groups are read side by
       // side, so a fixed distance ahead would land in the other group's rows).
-      for (int64_t line = 0; line < kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(chunk + NG * group_bytes + line), _MM_HINT_T0);
-      const __m256 d =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
-      const __m256 m =
-          QType == kQ4_1
-              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16)))
-              : _mm256_mul_ps(d, _mm256_set1_ps(!kQ8 ? -8.0f : kUnsignedQ8 ? -128.0f : 0.0f));
+      prefetch_group_block<QType>(group + NG * group_bytes, b);
+      __m256 d, m;
+      group_scales<QType>(group, b, d, m);
+      const uint8_t* runs = group_runs<QType>(group, b);
       __m256i codes[8];  // the codes of values 4 g .. 4 g + 3, 8 rows
       for (int g = 0; g < kRuns(QType); ++g) {
-        const __m256i raw =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + kScales + 32 * g));
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs + 32 * g));
         if constexpr (kQ8) {
           codes[g] = kUnsignedQ8 ? raw : _mm256_xor_si256(raw, bias);
         } else {  // the high nibbles are the values 16 further on
@@ -558,34 +677,56 @@ void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActiv
           codes[4 + g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         }
       }
+      if constexpr (QType == kQ5_0) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs - 32));
+        for (int g = 0; g < 8; ++g) codes[g] = _mm256_or_si256(codes[g], fifth_of_run(bits, g));
+      }
+      if constexpr (QType == kQ6_K)
+        for (int g = 0; g < 8; ++g)
+          codes[g] = _mm256_or_si256(
+              codes[g], top_of_run(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                       runs + 128 + 32 * (g / 4))),
+                                   g % 4));
       for (int j = 0; j < RX; ++j) {
         int32_t quads[8], low_quads[8];
         x.quads(first + j, b, quads, low_quads);
-        // Two chains of dot products per half of the codes.
+        // Two chains of dot products per half of the codes: values 0-15 and 16-31.
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
         __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g += 2) {
-          const __m256i c0 = _mm256_set1_epi32(quads[g]), c1 = _mm256_set1_epi32(quads[g + 1]);
+        for (int g = 0; g < 4; ++g) {
+          const __m256i c0 = _mm256_set1_epi32(quads[g]), c1 = _mm256_set1_epi32(quads[g + 4]);
           const __m256i l0 = _mm256_set1_epi32(low_quads[g]);
-          const __m256i l1 = _mm256_set1_epi32(low_quads[g + 1]);
+          const __m256i l1 = _mm256_set1_epi32(low_quads[g + 4]);
           if (kQ8 && !kUnsignedQ8) {
             const __m256i u0 = _mm256_sign_epi8(codes[g], codes[g]);
-            const __m256i u1 = _mm256_sign_epi8(codes[g + 1], codes[g + 1]);
+            const __m256i u1 = _mm256_sign_epi8(codes[g + 4], codes[g + 4]);
             s0 = dot_add(s0, u0, _mm256_sign_epi8(c0, codes[g]));
-            s1 = dot_add(s1, u1, _mm256_sign_epi8(c1, codes[g + 1]));
+            s1 = dot_add(s1, u1, _mm256_sign_epi8(c1, codes[g + 4]));
             t0 = dot_add(t0, u0, _mm256_sign_epi8(l0, codes[g]));
-            t1 = dot_add(t1, u1, _mm256_sign_epi8(l1, codes[g + 1]));
+            t1 = dot_add(t1, u1, _mm256_sign_epi8(l1, codes[g + 4]));
           } else {
             s0 = dot_add(s0, codes[g], c0);
-            s1 = dot_add(s1, codes[g + 1], c1);
+            s1 = dot_add(s1, codes[g + 4], c1);
             t0 = dot_add(t0, codes[g], l0);
-            t1 = dot_add(t1, codes[g + 1], l1);
+            t1 = dot_add(t1, codes[g + 4], l1);
           }
         }
-        const __m256i sums = combine(_mm256_add_epi32(s0, s1), _mm256_add_epi32(t0, t1));
         const float* xs = x.scales.data() + (b * x.m + first + j) * 2;
-        acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                    _mm256_mul_ps(d, _mm256_set1_ps(xs[0])), acc[q][j]);
+        const __m256 dx = _mm256_set1_ps(xs[0]);
+        if constexpr (QType == kQ6_K) {  // each half's sum less 32 sum c, by its own scale
+          const int32_t* halves = x.halves.data() + (b * x.m + first + j) * 2;
+          const __m256i first_half =
+              _mm256_sub_epi32(combine(s0, t0), _mm256_set1_epi32(32 * halves[0]));
+          const __m256i second_half =
+              _mm256_sub_epi32(combine(s1, t1), _mm256_set1_epi32(32 * halves[1]));
+          acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first_half), _mm256_mul_ps(d, dx),
+                                      acc[q][j]);
+          acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second_half), _mm256_mul_ps(m, dx),
+                                      acc[q][j]);
+          continue;
+        }
+        const __m256i sums = combine(_mm256_add_epi32(s0, s1), _mm256_add_epi32(t0, t1));
+        acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dx), acc[q][j]);
         offset[q][j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[1]), offset[q][j]);
       }
     }
@@ -608,40 +749,57 @@ constexpr bool kRows16 = true;
 template <int64_t QType, int RX>
 void rows16_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActivations& x,
                  int64_t first, float* sums) {
-  constexpr int64_t kBytes = kGroupRows * block_bytes(QType);
-  constexpr int64_t kScales = QType == kQ4_1 ? 32 : 16;
   constexpr bool kQ8 = QType == kQ8_0;
   const int64_t nblocks = x.k / kBlock;
   const __m512i low4 = _mm512_set1_epi8(15);
-  const auto pair128 = [](const uint8_t* a, const uint8_t* b) {
-    return _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  };
   __m512 acc[RX], offset[RX];
 #pragma GCC unroll 8
   for (int j = 0; j < RX; ++j) acc[j] = offset[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* c0 = groups + b * kBytes;
-    const uint8_t* c1 = c0 + group_bytes;
-    for (int64_t line = 0; line < kBytes; line += 64) {  // the next pair's block
-      _mm_prefetch(reinterpret_cast<const char*>(c0 + 2 * group_bytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(c1 + 2 * group_bytes + line), _MM_HINT_T0);
-    }
-    const __m512 d = _mm512_cvtph_ps(pair128(c0, c1));
-    const __m512 m = QType == kQ4_1 ? _mm512_cvtph_ps(pair128(c0 + 16, c1 + 16))
-                                    : _mm512_mul_ps(d, _mm512_set1_ps(!kQ8 ? -8.0f : -128.0f));
+    const uint8_t* g1 = groups + group_bytes;
+    prefetch_group_block<QType>(groups + 2 * group_bytes, b);  // the next pair's block
+    prefetch_group_block<QType>(g1 + 2 * group_bytes, b);
+    // The two groups' scales side by side: the same values as rows8_tile's, lane by lane.
+    __m256 d0, m0, d1, m1;
+    group_scales<QType, true>(groups, b, d0, m0);
+    group_scales<QType, true>(g1, b, d1, m1);
+    const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(d0)), _mm256_castps_pd(d1), 1));
+    const __m512 m = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(m0)), _mm256_castps_pd(m1), 1));
+    const uint8_t* c0 = group_runs<QType>(groups, b);
+    const uint8_t* c1 = group_runs<QType>(g1, b);
     __m512i codes[8];
 #pragma GCC unroll 8
     for (int g = 0; g < kRuns(QType); ++g) {
       const __m512i raw = _mm512_inserti64x4(
           _mm512_castsi256_si512(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0 + kScales + 32 * g))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 + kScales + 32 * g)), 1);
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0 + 32 * g))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 + 32 * g)), 1);
       // Q8_0's codes plus 128 as stored (vpdpbusd's sums do not saturate); Q4's high nibbles are
       // the values 16 further on.
       codes[g] = kQ8 ? raw : _mm512_and_si512(raw, low4);
       if constexpr (!kQ8) codes[4 + g] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    }
+    if constexpr (QType == kQ5_0) {
+      const __m512i bits = _mm512_inserti64x4(
+          _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0 - 32))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 - 32)), 1);
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) codes[g] = _mm512_or_si512(codes[g], fifth_of_run(bits, g));
+    }
+    if constexpr (QType == kQ6_K) {
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m512i bits = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(c0 + 128 + 32 * half))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 + 128 + 32 * half)), 1);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g)
+          codes[4 * half + g] = _mm512_or_si512(codes[4 * half + g], top_of_run(bits, g));
+      }
     }
     // Unrolled, or the rows' sums live on the stack (3x slower).
 #pragma GCC unroll 8
@@ -656,16 +814,28 @@ void rows16_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActi
       __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
       __m512i low[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
 #pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {  // two chains per half
-        high[g & 1] = _mm512_dpbusd_epi32(high[g & 1], codes[g], splat(h_codes + 4 * g));
-        low[g & 1] = _mm512_dpbusd_epi32(low[g & 1], codes[g], splat(l_codes + 4 * g));
+      for (int g = 0; g < 8; ++g) {  // a chain per half: values 0-15, 16-31
+        high[g / 4] = _mm512_dpbusd_epi32(high[g / 4], codes[g], splat(h_codes + 4 * g));
+        low[g / 4] = _mm512_dpbusd_epi32(low[g / 4], codes[g], splat(l_codes + 4 * g));
       }
-      const __m512i h = _mm512_add_epi32(high[0], high[1]);
-      const __m512i sum = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h),
-                                           _mm512_add_epi32(low[0], low[1]));
+      const auto combine16 = [](__m512i h, __m512i l) {  // 255 h + l
+        return _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(h, 8), h), l);
+      };
       const float* xs = x.scales.data() + (b * x.m + first + j) * 2;
-      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(xs[0])),
-                               acc[j]);
+      const __m512 dx = _mm512_set1_ps(xs[0]);
+      if constexpr (QType == kQ6_K) {  // as rows8_tile: each half by its own scale
+        const int32_t* halves = x.halves.data() + (b * x.m + first + j) * 2;
+        const __m512i first_half =
+            _mm512_sub_epi32(combine16(high[0], low[0]), _mm512_set1_epi32(32 * halves[0]));
+        const __m512i second_half =
+            _mm512_sub_epi32(combine16(high[1], low[1]), _mm512_set1_epi32(32 * halves[1]));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first_half), _mm512_mul_ps(d, dx), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second_half), _mm512_mul_ps(m, dx), acc[j]);
+        continue;
+      }
+      const __m512i sum = combine16(_mm512_add_epi32(high[0], high[1]),
+                                    _mm512_add_epi32(low[0], low[1]));
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[j]);
       offset[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[1]), offset[j]);
     }
   }
@@ -696,7 +866,7 @@ template <int64_t QType, typename T, typename U>
 void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64_t n, U* out,
                   int64_t ldo) {
   const int64_t groups = n / kGroupRows;
-  const int64_t group_bytes = k / kBlock * kGroupRows * block_bytes(QType);
+  const int64_t group_bytes = k / kBlock / sub_blocks(QType) * group_block_bytes(QType);
   const QuantizedActivations xq(x, m, k);
   // Threads split pairs of groups. A pair is multiplied at once (512-bit vectors of 16 rows
   // where the build has AVX512-VNNI; one activation row as two independent chains of products
@@ -744,16 +914,80 @@ void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64
 // blocks (for the ops that read a row at a time: dequantizing, the AMX tiles).
 template <int64_t QType>
 void ungroup_row(const uint8_t* group, int64_t nblocks, int r, uint8_t* row) {
+  if constexpr (QType == kQ6_K) {
+    for (int64_t sb = 0; sb < nblocks / 8; ++sb) {
+      const uint8_t* super = group + sb * 1680;
+      uint8_t* block = row + sb * 210;
+      uint8_t q[256];  // the 6-bit codes in value order
+      for (int j = 0; j < 8; ++j) {
+        block[192 + 2 * j] = super[16 + 16 * j + r];
+        block[193 + 2 * j] = super[24 + 16 * j + r];
+        const uint8_t* runs = super + kQ6KHead + 192 * j;
+        for (int t = 0; t < 16; ++t) {
+          const int g = t / 4, p = t % 4;
+          const uint8_t nibbles = runs[32 * g + 4 * r + p];
+          const int top0 = (runs[128 + 4 * r + p] >> (2 * g)) & 3;
+          const int top1 = (runs[160 + 4 * r + p] >> (2 * g)) & 3;
+          q[32 * j + t] = static_cast<uint8_t>((nibbles & 15) | top0 << 4);
+          q[32 * j + t + 16] = static_cast<uint8_t>((nibbles >> 4) | top1 << 4);
+        }
+      }
+      for (int n = 0; n < 2; ++n)  // ggml's dequantize_row_q6_K, packed back
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t* v = q + 128 * n + l;
+          block[64 * n + l] = static_cast<uint8_t>((v[0] & 15) | (v[64] & 15) << 4);
+          block[64 * n + l + 32] = static_cast<uint8_t>((v[32] & 15) | (v[96] & 15) << 4);
+          block[128 + 32 * n + l] =
+              static_cast<uint8_t>(v[0] >> 4 | (v[32] >> 4) << 2 | (v[64] >> 4) << 4 | (v[96] >> 4) << 6);
+        }
+      std::memcpy(block + 208, super + 2 * r, 2);
+    }
+    return;
+  }
+  if constexpr (QType == kQ4_K) {
+    for (int64_t sb = 0; sb < nblocks / 8; ++sb) {
+      const uint8_t* super = group + sb * kQ4KGroupBytes;
+      uint8_t* block = row + sb * 144;
+      std::memcpy(block, super + 2 * r, 2);
+      std::memcpy(block + 2, super + 16 + 2 * r, 2);
+      uint8_t sc[8], mn[8];
+      for (int j = 0; j < 8; ++j) sc[j] = super[32 + 16 * j + r], mn[j] = super[40 + 16 * j + r];
+      for (int j = 0; j < 4; ++j) {  // ggml's get_scale_min_k4, packed back
+        block[4 + j] = static_cast<uint8_t>(sc[j] | (sc[j + 4] >> 4) << 6);
+        block[8 + j] = static_cast<uint8_t>(mn[j] | (mn[j + 4] >> 4) << 6);
+        block[12 + j] = static_cast<uint8_t>((sc[j + 4] & 15) | (mn[j + 4] & 15) << 4);
+      }
+      // Block j's value t: the low nibble of byte t (t < 16) or the high one of byte t - 16 in
+      // its runs; in the file, the low (even j) or high (odd j) nibble of byte 32 (j / 2) + t.
+      uint8_t values[8][32];
+      for (int j = 0; j < 8; ++j)
+        for (int t = 0; t < 16; ++t) {
+          const uint8_t byte = super[kQ4KHead + 128 * j + 32 * (t / 4) + 4 * r + t % 4];
+          values[j][t] = byte & 15, values[j][t + 16] = byte >> 4;
+        }
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 32; ++t)
+          block[16 + 32 * i + t] = static_cast<uint8_t>(values[2 * i][t] | values[2 * i + 1][t] << 4);
+    }
+    return;
+  }
   constexpr int64_t kBytes = block_bytes(QType), kHalves = QType == kQ4_1 ? 2 : 1;
+  constexpr int64_t kCodes = QType == kQ5_0 ? 6 : 2 * kHalves;  // where a block's codes start
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* chunk = group + b * kGroupRows * kBytes;
     uint8_t* block = row + b * kBytes;
     for (int64_t h = 0; h < kHalves; ++h) std::memcpy(block + 2 * h, chunk + 16 * h + 2 * r, 2);
+    if constexpr (QType == kQ5_0) {  // value 4 g + p's fifth bit: bit g of byte 16 + 4 r + p
+      uint32_t qh = 0;
+      for (int p = 0; p < 4; ++p)
+        for (int g = 0; g < 8; ++g) qh |= uint32_t((chunk[16 + 4 * r + p] >> g) & 1) << (4 * g + p);
+      std::memcpy(block + 2, &qh, 4);
+    }
     for (int g = 0; g < kRuns(QType); ++g) {
       uint32_t quad;
-      std::memcpy(&quad, chunk + 16 * kHalves + 32 * g + 4 * r, 4);
+      std::memcpy(&quad, chunk + kHead(QType) + 32 * g + 4 * r, 4);
       if constexpr (QType == kQ8_0) quad ^= 0x80808080u;  // stored plus 128
-      std::memcpy(block + 2 * kHalves + 4 * g, &quad, 4);
+      std::memcpy(block + kCodes + 4 * g, &quad, 4);
     }
   }
 }
@@ -897,7 +1131,9 @@ void dequantize_rows(const uint8_t* weight, int64_t n, int64_t k, T* out,
       const int64_t row = ids ? ids[i] : i;
       const uint8_t* w = weight + row * row_bytes;
       if constexpr (Rows8) {
-        ungroup_row<QType>(weight + row / kGroupRows * kGroupRows * row_bytes, k / kBlock,
+        ungroup_row<QType>(weight + row / kGroupRows * (k / kBlock / sub_blocks(QType)) *
+                                        group_block_bytes(QType),
+                           k / kBlock,
                            static_cast<int>(row % kGroupRows), ungrouped.data());
         w = ungrouped.data();
       }
@@ -921,11 +1157,15 @@ void with_qtype(int64_t qtype, F&& f) {
   }
 }
 
-// The same for a weight of interleaved rows, with its blocks' type (Q4_0, Q4_1 or Q8_0).
+// The same for a weight of interleaved rows, with its blocks' type (Q4_0, Q4_1, Q5_0, Q8_0,
+// Q4_K or Q6_K).
 template <typename F>
 void with_rows8_qtype(int64_t qtype, F&& f) {
   if (qtype == kQ4_0 + kRows8) return f(std::integral_constant<int64_t, kQ4_0>{});
+  if (qtype == kQ5_0 + kRows8) return f(std::integral_constant<int64_t, kQ5_0>{});
   if (qtype == kQ8_0 + kRows8) return f(std::integral_constant<int64_t, kQ8_0>{});
+  if (qtype == kQ4_K + kRows8) return f(std::integral_constant<int64_t, kQ4_K>{});
+  if (qtype == kQ6_K + kRows8) return f(std::integral_constant<int64_t, kQ6_K>{});
   return f(std::integral_constant<int64_t, kQ4_1>{});
 }
 #endif
@@ -1011,10 +1251,16 @@ inline void runs_to_rows(const __m256i* r, __m256i* out) {
   out[3] = _mm256_unpackhi_epi64(t1, t3);
 }
 
+// The interleaved types whose groups the AMX path dequantizes as they are stored; Q5_0's and
+// the K-quants' rows are put back in the file's layout first (ungroup_row).
+template <int64_t QType>
+constexpr bool kGroupDequantize = QType == kQ4_0 || QType == kQ4_1 || QType == kQ8_0;
+
 // Block b of a group of 8 interleaved rows (Q4_0, Q4_1, Q8_0) as bfloat16: row i's 32 values at
 // o + i * kBlock, the values dequantize_bf16 gives for the file's blocks.
 template <int64_t QType>
 inline void dequantize_group_bf16(const uint8_t* group, int64_t b, c10::BFloat16* o) {
+  static_assert(kGroupDequantize<QType>, "Q4_0, Q4_1 and Q8_0 groups only");
   constexpr int64_t kBytes = kGroupRows * block_bytes(QType), kScales = QType == kQ4_1 ? 32 : 16;
   const uint8_t* chunk = group + b * kBytes;
   alignas(32) float d[8], m[8];
@@ -1121,6 +1367,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
                 c10::BFloat16* out, int64_t ldo) {
   const int64_t nblocks = k / kBlock;
   const int64_t row_bytes = nblocks / sub_blocks(QType) * block_bytes(QType);
+  const int64_t group_bytes = nblocks / sub_blocks(QType) * group_block_bytes(QType);
   const int64_t chunks = (m + kAmxRows - 1) / kAmxRows, chunk = nblocks * 256;
   const auto activations = activation_tiles(x, m, k);
   // Threads take pairs of weight tiles (32 rows), dequantized block-major: [2][nblocks][16][32].
@@ -1132,6 +1379,7 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
     c10::BFloat16* weights = buffer.data();
     alignas(64) float products[4][kAmxRows * kAmxRows];
     float scales[16];
+    std::vector<uint8_t> ungrouped(Rows8 ? row_bytes : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = t * 2 * kAmxRows;
       const int count = static_cast<int>(std::min<int64_t>(2 * kAmxRows, n - first));
@@ -1147,8 +1395,8 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
             std::memset(dst + kb * kAmxRows * kBlock, 0, kBlock * 2);
           continue;
         }
-        if constexpr (Rows8) {  // a group at a time (a pair's 32 rows are 4 whole groups)
-          if (r % kGroupRows != 0) continue;
+        if constexpr (Rows8 && kGroupDequantize<QType>) {  // a group at a time (a pair's 32
+          if (r % kGroupRows != 0) continue;                 // rows are 4 whole groups)
           // The next pair's same group, a block's lines at a time, as this one is read.
           const uint8_t* ahead = r < next_count ? next + r * row_bytes : nullptr;
           constexpr int64_t kBytes = kGroupRows * block_bytes(QType);
@@ -1167,6 +1415,11 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
             _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + offset),
                          _MM_HINT_T1);
         const uint8_t* row = weight + (first + r) * row_bytes;
+        if constexpr (Rows8) {  // Q5_0, Q4_K, Q6_K: the row in the file's layout first
+          ungroup_row<QType>(weight + (first + r) / kGroupRows * group_bytes, nblocks,
+                             static_cast<int>((first + r) % kGroupRows), ungrouped.data());
+          row = ungrouped.data();
+        }
         for (int64_t kb = 0; kb < nblocks; ++kb) {
           if (is_k_quant(QType) && kb % 8 == 0)
             super_block_scales<QType>(row + kb / 8 * block_bytes(QType), scales);
@@ -1202,15 +1455,19 @@ void amx_linear(const c10::BFloat16* x, int64_t m, int64_t k, const uint8_t* wei
 
 
 // The checks the ops share: weight holds [N, K] values in `qtype`'s blocks (rows interleaved by
-// 8 for kRows8 + Q4_0 / Q4_1 / Q8_0: [N / 8, 8 x a row's bytes]); returns (N, K).
+// 8 for kRows8 + Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K: [N / 8, a group's bytes]); returns
+// (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& weight, int64_t qtype) {
   const int64_t group = is_rows8(qtype) ? kGroupRows : 1;
-  const int64_t bytes = block_bytes(qtype - (group > 1 ? kRows8 : 0)) * group;
-  const int64_t values = kBlock * sub_blocks(qtype);
+  const int64_t base = qtype - (group > 1 ? kRows8 : 0);
+  const int64_t bytes = group > 1 ? group_block_bytes(base) : block_bytes(base);
+  const int64_t values = kBlock * sub_blocks(base);
   TORCH_CHECK(bytes > 0,
               "GGUF block weights are Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), "
-              "Q5_K (13) or Q6_K (14), or Q4_0 / Q4_1 / Q8_0 with rows interleaved by 8 (",
-              kQ4_0 + kRows8, ", ", kQ4_1 + kRows8, ", ", kQ8_0 + kRows8, "), got type ", qtype);
+              "Q5_K (13) or Q6_K (14), or Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K with rows "
+              "interleaved by 8 (", kQ4_0 + kRows8, ", ", kQ4_1 + kRows8, ", ", kQ5_0 + kRows8,
+              ", ", kQ8_0 + kRows8, ", ", kQ4_K + kRows8, ", ", kQ6_K + kRows8, "), got type ",
+              qtype);
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
                   weight.size(1) % bytes == 0,
               "weight must be contiguous uint8 [N / ", group, ", K / ", values, " * ", bytes,

@@ -26,6 +26,10 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool un
 void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps, bool unit_offset, at::Tensor& out);
 void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out);
+// In place: rms_norm over each of `heads` heads of head_dim values from column `offset` of x's
+// rows (Qwen3's and Gemma 3's q/k norms), each head as the rms_norm of one row.
+void head_rms_norm(at::Tensor& x, int64_t offset, int64_t heads, int64_t head_dim,
+                   const at::Tensor& weight, double eps, bool unit_offset);
 void rotary_and_cache(const at::Tensor& qkv, const at::Tensor& positions,
                       const at::Tensor& cos_table, const at::Tensor& sin_table,
                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,

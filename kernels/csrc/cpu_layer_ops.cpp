@@ -148,6 +148,25 @@ void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   });
 }
 
+void head_rms_norm(at::Tensor& x, int64_t offset, int64_t heads, int64_t head_dim,
+                   const at::Tensor& weight, double eps, bool unit_offset) {
+  check_rows(x, "x");
+  TORCH_CHECK(offset >= 0 && offset + heads * head_dim <= x.size(1) && weight.is_contiguous() &&
+                  weight.numel() == head_dim && weight.dtype() == x.dtype(),
+              "head_rms_norm: the heads must lie within x's rows, weight [head_dim] in x's dtype");
+  const int64_t n = x.size(0), stride = x.stride(0);
+  PAGEDSERVE_DISPATCH_FLOATS(x.scalar_type(), "head_rms_norm", [&] {
+    auto* xp = x.data_ptr<scalar_t>() + offset;
+    const auto* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, n * heads, grain_rows(head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* row = xp + (i / heads) * stride + (i % heads) * head_dim;
+        norm_row(row, wp, row, head_dim, float(eps), unit_offset);
+      }
+    });
+  });
+}
+
 void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "gate_up");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);

@@ -19,7 +19,7 @@ from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.quantized_linear import route
 from pagedserve.kernels import cpu_features
 from tests.engine.test_quantized_linear import _q4_k_m, _tiny_llama, needs_block_dot
-from tests.families import COMMON, build_family
+from tests.families import COMMON, GGUF_CHANGES, build_family
 from tests.gguf_writer import write_gguf_like_llama_cpp
 
 Q = gguf.GGMLQuantizationType
@@ -59,8 +59,11 @@ def _gguf(tmp_path, family: str, tensor_type) -> str:
         config, weights = _tiny_llama(folder, hidden=256, initializer_range=0.15)
     elif family == "qwen2":
         config, weights = _qwen2(folder)
-    else:
+    elif family == "phi3":
         config, weights = _phi3(folder)
+    else:  # Gemma 2 and 3, Qwen3: per-head q/k norms, Gemma's four norms a layer, GELU-tanh
+        hf = build_family(family, folder, **GGUF_CHANGES.get(family, {}))
+        config, weights = ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
     return str(write_gguf_like_llama_cpp(folder / "m.gguf", config, weights,
                                          tensor_type=tensor_type))  # fmt: skip
 
@@ -101,6 +104,9 @@ CASES = {
     "llama Q4_K_M mix float32": ("llama_256", _mixed_q4_k_m, "float32", {}, PROMPTS),
     "qwen2 q/k/v bias Q8_0 float32": ("qwen2", Q.Q8_0, "float32", {}, PROMPTS),
     "phi3 window Q8_0 bfloat16": ("phi3", Q.Q8_0, "bfloat16", {}, PROMPTS),
+    "gemma3 q/k norms, two windows Q8_0 bfloat16": ("gemma3", Q.Q8_0, "bfloat16", {}, PROMPTS),
+    "gemma2 soft-capped Q8_0 float32": ("gemma2", Q.Q8_0, "float32", {}, PROMPTS),
+    "qwen3 q/k norms Q8_0 float32": ("qwen3", Q.Q8_0, "float32", {}, PROMPTS),
     "llama Q8_0 float32, n-gram verify steps": ("llama", Q.Q8_0, "float32",
                                                 {"speculative_ngram": 3}, PROMPTS),
 }  # fmt: skip
@@ -191,15 +197,12 @@ def test_models_it_does_not_take_say_why(tmp_path, caplog):
     assert "decode steps run layer by layer (matmul weights not kept as GGUF blocks)" in caplog.text
     assert llm.engine.core.worker.model.compiled_step is None
 
-    folder = tmp_path / "gemma2"
-    hf = build_family("gemma2", folder, query_pre_attn_scalar=COMMON["head_dim"])
+    folder = tmp_path / "qwen3_moe"
+    hf = build_family("qwen3_moe", folder, **GGUF_CHANGES["qwen3"])
     config = ModelConfig.from_json_file(folder / "config.json")
     path = write_gguf_like_llama_cpp(folder / "m.gguf", config, hf.state_dict(),
                                      tensor_type=Q.Q8_0)  # fmt: skip
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         llm = _llm(str(path), "float32")
-    assert (
-        "decode steps run layer by layer (Gemma's norms, soft-capped attention, the "
-        "gelu_pytorch_tanh activation)" in caplog.text
-    )
+    assert "decode steps run layer by layer (a mixture of experts)" in caplog.text
