@@ -112,6 +112,9 @@ class Plan:
     invariance_chunk: int = 0
     invariance_decode: tuple[DecodeCase, ...] = ()
     invariance_prefill: tuple[PrefillCase, ...] = ()
+    # The checks in float32 and windowed + soft-capped too, or only --dtype's plain ones (the
+    # smoke run's: tests/kernels/test_triton_batch_invariance.py checks the rest on CPU).
+    invariance_every_check: bool = True
 
 
 FULL = Plan(
@@ -213,9 +216,10 @@ SMOKE = Plan(
     decode_configs=(KernelConfig(32, 4, 2), KernelConfig(64, 4, 3)),
     prefill_configs=(KernelConfig(32, 4, 2, 32), KernelConfig(64, 4, 2, 64)),
     invariance_shapes=(TINY,),
-    invariance_length=130,  # three 64-key tiles
+    invariance_length=80,  # two 64-key tiles
     invariance_batch=8,
     invariance_chunk=13,
-    invariance_decode=(DecodeCase(2, 64, None), DecodeCase(1, 600, None)),
+    invariance_decode=(DecodeCase(2, 64, None), DecodeCase(1, 160, None)),
     invariance_prefill=(PrefillCase(2, 32, 32, None),),
+    invariance_every_check=False,
 )

@@ -4,21 +4,19 @@ dtype at load (`--quantization`).
 
 A decode step of one stream reads every weight once for one row of activations, so its time is
 the weights' bytes: Q4_1 is 5 bits a value against bfloat16's 16 and float32's 32. The blocks are
-the file's bytes (Q4_0, Q4_1 and Q8_0 with their rows interleaved by 8: the same bytes in another
-order, `QuantizedRows.interleave`), so the weights hold exactly the values llama.cpp multiplies by
-and their memory is the file's size, and the matmuls read them directly
-(kernels/csrc/cpu_gguf.cpp, on every x86 CPU with AVX2):
+the file's blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with their rows interleaved by 8,
+`QuantizedRows.interleave`), so the weights hold exactly the values llama.cpp multiplies by and
+their memory is about the file's size, and the matmuls read them directly
+(kernels/csrc/cpu_gguf.cpp, on every x86 CPU with AVX2).
 
-- steps of few rows (`BLOCK_DOT_MAX_ROWS` by dtype): the activations are quantized per block of
-  32 to int8, as llama.cpp does, and each block's product is an integer dot product (AVX-VNNI /
-  AVX512-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`);
-- steps of more rows in bfloat16 on CPUs with AMX (a native build): tiles of 16 weight rows are
-  dequantized in the core's caches and multiplied by AMX's bf16 tiles (`AMX_MIN_ROWS`,
-  `AMX_MAX_ROWS`), so the weights are read once per step as blocks;
-- other steps of more rows (prefill): each weight is dequantized into a scratch buffer, a slab of
-  rows at a time, and multiplied by oneDNN / MKL as a dense weight: past the crossover the dense
-  GEMM's speed outweighs dequantizing (measured: BENCHMARKS.md, "Quantized weights on every x86
-  CPU").
+By default every step multiplies by the blocks (`route`): each activation row is quantized alone
+per block of 32 to 15-bit codes and each block's product is integer dot products (AVX-VNNI /
+AVX512-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`), so a row's result is the same in a step of any
+rows. `PAGEDSERVE_BATCH_VARIANT=1` (kernels/cpu_features.py) brings back the faster routes whose
+results depend on the step's rows: bfloat16 steps of more rows on CPUs with AMX multiply tiles
+of weight rows dequantized in the core's caches by AMX's bf16 tiles (`AMX_MIN_ROWS`,
+`AMX_MAX_ROWS`), and other long steps dequantize each weight into a scratch buffer, a slab of rows
+at a time, for oneDNN / MKL (BENCHMARKS.md, "One request, one answer").
 
 A fused weight (q/k/v, gate/up) whose parts come in different block types (llama.cpp's Q4_K_M
 files store some layers' v in Q8_0 beside q and k in Q5_0) keeps each run of one type as a part

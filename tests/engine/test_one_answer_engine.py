@@ -2,8 +2,8 @@
 tests/server/test_one_answer.py's): the real SmolLM2 GGUF with the defaults a user gets (weights
 kept quantized, `dtype="auto"`), each request's greedy tokens and logprobs the same, bit for bit,
 when it is preempted and computed again, swapped out and back, drafted by n-gram speculation,
-served beside requests of a LoRA adapter and of the base model, or split over two
-tensor-parallel ranks."""
+or served beside requests of a LoRA adapter and of the base model (two tensor-parallel ranks:
+tests/server/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -86,17 +86,3 @@ def test_an_adapters_request_answers_the_same_alone_and_mixed(hf_smollm2, tmp_pa
     assert answers[1] == _answers(llm.generate([PROMPTS[1]], GREEDY))[0]
     assert answers[2] == _answers(llm.generate([PROMPTS[2]], GREEDY, lora_request=loras[1]))[0]
 
-
-def test_two_tensor_parallel_ranks_answer_alone_as_batched():
-    """Within tensor parallelism of 2 ranks (the weights dequantized and split, the rows' partial
-    sums all-reduced): each request alone, then all 8 at once, bit for bit. Across rank counts
-    the sums differ (tests/engine/test_tensor_parallel.py compares tokens there)."""
-    llm = LLM(
-        "smollm2-135m-instruct", max_model_len=64, num_kv_blocks=SMALL_POOL,
-        tensor_parallel_size=2,
-    )  # fmt: skip
-    try:
-        alone = [_answers(llm.generate([p], GREEDY))[0] for p in PROMPTS]
-        assert _answers(llm.generate(PROMPTS, GREEDY)) == alone
-    finally:
-        llm.engine.close()

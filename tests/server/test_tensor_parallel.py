@@ -1,6 +1,6 @@
 """`pagedserve serve --tensor-parallel-size 2` on CPU: the real SmolLM2 split over two processes
-(3 KV heads: 2 + 1) answers as the one-rank server does, with a LoRA adapter as PEFT does, and a
-rank that dies takes the server down at once: the open stream ends with an error event, /health
+(3 KV heads: 2 + 1) answers as the one-rank server does, with a LoRA adapter as PEFT does, each
+request alone as among others (bit for bit), and a rank that dies takes the server down at once: the open stream ends with an error event, /health
 turns 503, the exit status is 1, and no process is left behind."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from tests.server.test_core_process import _server, _Stream, _wait_gone
 from tests.server.util import PAGEDSERVE
 
 REGEX = r"[a-f]{2,4}-[0-9]{3}"
+PROMPTS = ["Once upon a time", "In 1492, Columbus", "def fibonacci(n):", "Water boils at",
+           "The best way to learn a language is", "1, 2, 3, 4, 5, 1, 2, 3,"]  # fmt: skip
 COMPLETION = {
     "model": "smollm2-135m-instruct",
     "prompt": "The three primary colors are",
@@ -51,6 +53,19 @@ def test_two_ranks_answer_as_one_and_a_dead_rank_stops_the_server(
         two = httpx.post(f"{tp.base}/v1/completions", json=regex, timeout=60).json()
         assert re.fullmatch(REGEX, two["choices"][0]["text"])
         assert two["choices"][0]["text"] == one["choices"][0]["text"]
+        # One request, one answer within the two ranks: prompts in one request (one batch) and
+        # each alone give the same tokens and logprobs, bit for bit.
+        batch = {**COMPLETION, "prompt": PROMPTS, "max_tokens": 12, "logprobs": 3}
+        together = httpx.post(f"{tp.base}/v1/completions", json=batch, timeout=60).json()
+        alone = [
+            httpx.post(f"{tp.base}/v1/completions", json={**batch, "prompt": p}, timeout=60)
+            .json()["choices"][0]
+            for p in PROMPTS
+        ]  # fmt: skip
+        by_index = sorted(together["choices"], key=lambda c: c["index"])
+        assert [(c["text"], c["logprobs"]) for c in by_index] == [
+            (c["text"], c["logprobs"]) for c in alone
+        ]
         log = tp.log()
         assert "query/KV heads per rank 6/2, 3/1 (3 KV heads do not divide by 2" in log
         worker = int(re.search(r"tensor parallel: started ranks 1\.\.1 \(pids (\d+)\)", log)[1])
