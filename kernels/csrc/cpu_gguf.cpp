@@ -577,21 +577,30 @@ inline const uint8_t* group_runs(const uint8_t* group, int64_t b) {
   return group + b * group_block_bytes(QType) + kHead(QType);
 }
 
-// The cache lines of block b of a group (and, at a super-block's first, its scales).
-template <int64_t QType>
+// The cache lines of block b of a group (and, at a super-block's first, its scales): into L1, or
+// `Far` into L2. A step of few rows reads each weight once, at memory's pace: fetched into L1 a
+// pair ahead, its lines held L1's few miss buffers (a thread pulled 12 GB/s); into L2 two pairs
+// ahead, 20 (BENCHMARKS.md, "One request, one answer", second sitting). A step of more rows
+// multiplies a pair's blocks by tile after tile of them, from L1.
+template <int64_t QType, bool Far>
 inline void prefetch_group_block(const uint8_t* group, int64_t b) {
+  const auto fetch = [](const uint8_t* p) {
+    if constexpr (Far)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+    else
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  };
   const uint8_t* runs = group_runs<QType>(group, b);
   const uint8_t* start = runs - kHead(QType);
   int64_t bytes = group_block_bytes(QType);
   if constexpr (is_k_quant(QType)) start = runs, bytes = QType == kQ6_K ? 192 : 128;
-  for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(start + line), _MM_HINT_T0);
+  for (int64_t line = 0; line < bytes; line += 64) fetch(start + line);
   if constexpr (is_k_quant(QType)) {
     constexpr int64_t kSuper = group_block_bytes(QType);
     constexpr int64_t kHeader = QType == kQ6_K ? kQ6KHead : kQ4KHead;
     if (b % 8 == 0)
       for (int64_t line = 0; line < kHeader; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(group + b / 8 * kSuper + line), _MM_HINT_T0);
+        fetch(group + b / 8 * kSuper + line);
   }
 }
 
@@ -651,7 +660,7 @@ inline __m512i top_of_run(__m512i bits, int g) {
 // stored plus 128).
 template <int64_t QType, int NG, int RX>
 void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActivations& x,
-                int64_t first, float* sums) {
+                int64_t first, float* sums, bool far) {
   constexpr bool kQ8 = QType == kQ8_0;
   const int64_t nblocks = x.k / kBlock;
   const __m256i low4 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -663,7 +672,10 @@ void rows8_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActiv
       const uint8_t* group = groups + q * group_bytes;
       // The same block of the groups the next call takes (the tile's groups are read side by
       // side, so a fixed distance ahead would land in the other group's rows).
-      prefetch_group_block<QType>(group + NG * group_bytes, b);
+      if (far)
+        prefetch_group_block<QType, true>(group + 2 * NG * group_bytes, b);
+      else
+        prefetch_group_block<QType, false>(group + NG * group_bytes, b);
       __m256 d, m;
       group_scales<QType>(group, b, d, m);
       const uint8_t* runs = group_runs<QType>(group, b);
@@ -748,7 +760,7 @@ constexpr bool kRows16 = true;
 // order as rows8_tile's, so a row's result is the same bits whichever of the two computes it.
 template <int64_t QType, int RX>
 void rows16_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActivations& x,
-                 int64_t first, float* sums) {
+                 int64_t first, float* sums, bool far) {
   constexpr bool kQ8 = QType == kQ8_0;
   const int64_t nblocks = x.k / kBlock;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -757,8 +769,13 @@ void rows16_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActi
   for (int j = 0; j < RX; ++j) acc[j] = offset[j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* g1 = groups + group_bytes;
-    prefetch_group_block<QType>(groups + 2 * group_bytes, b);  // the next pair's block
-    prefetch_group_block<QType>(g1 + 2 * group_bytes, b);
+    if (far) {  // the block of the pair after next
+      prefetch_group_block<QType, true>(groups + 4 * group_bytes, b);
+      prefetch_group_block<QType, true>(g1 + 4 * group_bytes, b);
+    } else {  // the next pair's
+      prefetch_group_block<QType, false>(groups + 2 * group_bytes, b);
+      prefetch_group_block<QType, false>(g1 + 2 * group_bytes, b);
+    }
     // The two groups' scales side by side: the same values as rows8_tile's, lane by lane.
     __m256 d0, m0, d1, m1;
     group_scales<QType, true>(groups, b, d0, m0);
@@ -846,16 +863,18 @@ void rows16_tile(const uint8_t* groups, int64_t group_bytes, const QuantizedActi
 // rows16_tile for `cols` (1 to kTileCols16) activation rows.
 template <int64_t QType, int RX = kTileCols16>
 void rows16_tiles(int cols, const uint8_t* groups, int64_t group_bytes,
-                  const QuantizedActivations& x, int64_t first, float* sums) {
+                  const QuantizedActivations& x, int64_t first, float* sums, bool far) {
   if constexpr (RX > 1) {
-    if (cols < RX) return rows16_tiles<QType, RX - 1>(cols, groups, group_bytes, x, first, sums);
+    if (cols < RX)
+      return rows16_tiles<QType, RX - 1>(cols, groups, group_bytes, x, first, sums, far);
   }
-  rows16_tile<QType, RX>(groups, group_bytes, x, first, sums);
+  rows16_tile<QType, RX>(groups, group_bytes, x, first, sums, far);
 }
 #else
 constexpr bool kRows16 = false;
 template <int64_t QType>
-void rows16_tiles(int, const uint8_t*, int64_t, const QuantizedActivations&, int64_t, float*) {}
+void rows16_tiles(int, const uint8_t*, int64_t, const QuantizedActivations&, int64_t, float*,
+                  bool) {}
 #endif
 
 // Activation rows per pass over a thread's weights: their codes (2 bytes a value) stay in the
@@ -868,6 +887,9 @@ void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64
   const int64_t groups = n / kGroupRows;
   const int64_t group_bytes = k / kBlock / sub_blocks(QType) * group_block_bytes(QType);
   const QuantizedActivations xq(x, m, k);
+  // Rows enough for one tile a pair: each block is read once, and fetched into L2 from further
+  // ahead (prefetch_group_block).
+  const bool far = m <= (kRows16 ? kTileCols16 : kTileCols);
   // Threads split pairs of groups. A pair is multiplied at once (512-bit vectors of 16 rows
   // where the build has AVX512-VNNI; one activation row as two independent chains of products
   // elsewhere), else a group at a time, up to 4 activation rows per tile.
@@ -886,17 +908,17 @@ void rows8_linear(const T* x, int64_t m, int64_t k, const uint8_t* weight, int64
           for (int64_t i = row0; i < row_end; i += step) {
             const int cols = static_cast<int>(std::min<int64_t>(step, row_end - i));
             if (nq == 2 && kRows16) {
-              rows16_tiles<QType>(cols, w, group_bytes, xq, i, sums);
+              rows16_tiles<QType>(cols, w, group_bytes, xq, i, sums, far);
             } else if (nq == 2) {
-              rows8_tile<QType, 2, 1>(w, group_bytes, xq, i, sums);
+              rows8_tile<QType, 2, 1>(w, group_bytes, xq, i, sums, far);
             } else if (cols == 4) {
-              rows8_tile<QType, 1, 4>(w, group_bytes, xq, i, sums);
+              rows8_tile<QType, 1, 4>(w, group_bytes, xq, i, sums, far);
             } else if (cols == 3) {
-              rows8_tile<QType, 1, 3>(w, group_bytes, xq, i, sums);
+              rows8_tile<QType, 1, 3>(w, group_bytes, xq, i, sums, far);
             } else if (cols == 2) {
-              rows8_tile<QType, 1, 2>(w, group_bytes, xq, i, sums);
+              rows8_tile<QType, 1, 2>(w, group_bytes, xq, i, sums, far);
             } else {
-              rows8_tile<QType, 1, 1>(w, group_bytes, xq, i, sums);
+              rows8_tile<QType, 1, 1>(w, group_bytes, xq, i, sums, far);
             }
             const int rows = nq * kGroupRows;
             for (int j = 0; j < cols; ++j)
