@@ -44,13 +44,14 @@ def q4_k_m(name: str, k: int) -> Q:
     """The type llama-quantize gives transformers' tensor `name` of rows of `k` values."""
     layer = int(name.split(".")[2]) if ".layers." in name else -1
     wanted = Q.Q4_K
-    if "embed_tokens" in name or (
-        ("v_proj" in name or "down_proj" in name) and _more_bits(layer)
-    ):
+    if "embed_tokens" in name or (("v_proj" in name or "down_proj" in name) and _more_bits(layer)):
         wanted = Q.Q6_K
     if k % 256:
         return {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}[wanted]
     return wanted
+
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def vocabulary(size: int) -> SentencePieceVocabulary:
@@ -63,7 +64,7 @@ def vocabulary(size: int) -> SentencePieceVocabulary:
         tokens=specials + pieces + words,
         scores=[0.0] * (len(specials) + len(pieces)) + [-float(i) for i in range(len(words))],
         types=[t.UNKNOWN, t.CONTROL, t.CONTROL] + [t.BYTE] * len(pieces) + [t.NORMAL] * len(words),
-        bos=1, eos=2, unk=0, pad=0, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        bos=1, eos=2, unk=0, pad=0, chat_template=TEMPLATE,
     )  # fmt: skip
 
 
@@ -84,7 +85,11 @@ def main(path: str) -> Path:
     )  # fmt: skip
 
 
-if __name__ == "__main__":
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="the GGUF file to write")
-    print(main(parser.parse_args().path))
+    return parser
+
+
+if __name__ == "__main__":
+    print(main(build_parser().parse_args().path))

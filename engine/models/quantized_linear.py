@@ -65,11 +65,11 @@ _QUANTIZED = "_pagedserve_quantized"
 logger = logging.getLogger(__name__)
 
 
-# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights of whole groups of 8 rows are kept with their rows interleaved
-# by 8 (`QuantizedRows.interleave`): the block dot products then take 8 rows per instruction, about
-# a third of the instructions per row and block of the file's layout (BENCHMARKS.md, "Rows
-# interleaved by 8"). The kernels know such a weight by its type id plus ROWS8 (kRows8 in
-# cpu_gguf.cpp).
+# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights of whole groups of 8 rows are kept with their
+# rows interleaved by 8 (`QuantizedRows.interleave`): the block dot products then take 8 rows per
+# instruction, about a third of the instructions per row and block of the file's layout
+# (BENCHMARKS.md, "Rows interleaved by 8"). The kernels know such a weight by its type id plus
+# ROWS8 (kRows8 in cpu_gguf.cpp).
 INTERLEAVED_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K)
 GROUP_ROWS = 8
 ROWS8 = 1000
@@ -211,8 +211,10 @@ def _q4_k_ungrouped(grouped: np.ndarray, n: int, k: int) -> np.ndarray:
     d, dmin = x[..., 0:16].reshape(g, ns, 8, 2), x[..., 16:32].reshape(g, ns, 8, 2)
     scales = x[..., 32:160].reshape(g, ns, 8, 2, GROUP_ROWS)
     sc, mn = scales[..., 0, :].swapaxes(-1, -2), scales[..., 1, :].swapaxes(-1, -2)  # [.., 8, j]
-    q = np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
-                        (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], axis=-1)  # fmt: skip
+    q = np.concatenate(
+        [sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
+         (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], axis=-1,
+    )  # fmt: skip
     packed = x[..., 160:].reshape(g, ns, 8, 4, GROUP_ROWS, 4).transpose(0, 1, 4, 2, 3, 5)
     packed = packed.reshape(g, ns, GROUP_ROWS, 8, 16)
     values = np.concatenate([packed & 15, packed >> 4], axis=-1)  # [.., 8 rows, 8 j, 32]
@@ -257,7 +259,8 @@ def _q6_k_ungrouped(grouped: np.ndarray, n: int, k: int) -> np.ndarray:
     runs = per_block[..., :128].reshape(g, ns, 8, 4, 8, 4).transpose(0, 1, 4, 2, 3, 5)
     nibbles = runs.reshape(g, ns, 8, 8, 16)  # [.., rows, j, 16]
     tops = per_block[..., 128:].reshape(g, ns, 8, 2, 8, 4).transpose(0, 1, 4, 2, 3, 5)
-    tops = np.stack([(tops >> (2 * q)) & 3 for q in range(4)], axis=-2)  # [.., rows, j, half, run, p]
+    # [.., rows, j, half, run, p]
+    tops = np.stack([(tops >> (2 * q)) & 3 for q in range(4)], axis=-2)
     low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
     codes = low | tops.reshape(g, ns, 8, 8, 32) << 4  # [.., rows, j, 32]
     quarters = codes.reshape(g, ns, 8, 2, 4, 32)  # value 128 n + 32 i + l

@@ -85,4 +85,3 @@ def test_an_adapters_request_answers_the_same_alone_and_mixed(hf_smollm2, tmp_pa
     assert answers[0] == with_adapter and answers[3][0] != answers[0][0]
     assert answers[1] == _answers(llm.generate([PROMPTS[1]], GREEDY))[0]
     assert answers[2] == _answers(llm.generate([PROMPTS[2]], GREEDY, lora_request=loras[1]))[0]
-

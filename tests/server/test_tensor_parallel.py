@@ -1,7 +1,8 @@
 """`pagedserve serve --tensor-parallel-size 2` on CPU: the real SmolLM2 split over two processes
 (3 KV heads: 2 + 1) answers as the one-rank server does, with a LoRA adapter as PEFT does, each
-request alone as among others (bit for bit), and a rank that dies takes the server down at once: the open stream ends with an error event, /health
-turns 503, the exit status is 1, and no process is left behind."""
+request alone as among others (bit for bit), and a rank that dies takes the server down at once:
+the open stream ends with an error event, /health turns 503, the exit status is 1, and no process
+is left behind."""
 
 from __future__ import annotations
 
