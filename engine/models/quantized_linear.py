@@ -39,6 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.engine.engine_config import QUANTIZATIONS
+from pagedserve.engine.models.row_groups import (
+    GROUP_ROWS,
+    K_QUANT_GROUPS,
+    fifth_bits,
+    fifth_bits_back,
+)
 from pagedserve.kernels import cpu_features
 
 _Q = gguf.GGMLQuantizationType
@@ -71,7 +77,6 @@ logger = logging.getLogger(__name__)
 # (BENCHMARKS.md, "Rows interleaved by 8"). The kernels know such a weight by its type id plus
 # ROWS8 (kRows8 in cpu_gguf.cpp).
 INTERLEAVED_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K)
-GROUP_ROWS = 8
 ROWS8 = 1000
 
 
@@ -80,10 +85,10 @@ class QuantizedRows:
     """Rows of one GGUF weight as its blocks: `blocks` uint8 [N, K / 32 * block bytes], row n
     the blocks of the weight's row n; or, `interleaved`, [N / 8, 8 x a row's bytes]: per group
     of 8 rows and block, the 8 rows' float16 d (Q4_1: then their 8 m; Q5_0: then 32 bytes of
-    fifth bits, `_fifth_bits`), then runs of 32 bytes (Q4, Q5_0: 4, Q8_0: 8), run g holding each
+    fifth bits, row_groups.py), then runs of 32 bytes (Q4, Q5_0: 4, Q8_0: 8), run g holding each
     row's code bytes 4 g .. 4 g + 3 in row order (Q8_0's int8 codes stored plus 128, for the
     unsigned side of vpdpbusd). The K-quants' groups hold each block's scales and codes apart
-    (`_q4_k_grouped`: 1184 bytes a super-block against the file's 1152; `_q6_k_grouped`)."""
+    (row_groups.py: Q4_K 1184 bytes a super-block against the file's 1152, Q6_K the same)."""
 
     qtype: gguf.GGMLQuantizationType
     blocks: torch.Tensor
@@ -101,8 +106,8 @@ class QuantizedRows:
         n, k = self.shape
         if self.interleaved or self.qtype not in INTERLEAVED_TYPES or n % GROUP_ROWS:
             return self
-        if self.qtype in _K_GROUPED:
-            blocks = torch.from_numpy(_K_GROUPED[self.qtype][0](self.blocks.numpy(), n, k))
+        if self.qtype in K_QUANT_GROUPS:
+            blocks = torch.from_numpy(K_QUANT_GROUPS[self.qtype][0](self.blocks.numpy(), n, k))
             return QuantizedRows(self.qtype, blocks, self.shape, interleaved=True)
         halves, runs, bias = self._layout()
         size = gguf.GGML_QUANT_SIZES[self.qtype][1]
@@ -110,7 +115,7 @@ class QuantizedRows:
         a = self.blocks.numpy().reshape(g, GROUP_ROWS, nb, size).transpose(0, 2, 1, 3)
         scales = [a[..., 2 * h : 2 * h + 2].reshape(g, nb, 16) for h in range(halves)]
         if self.qtype == _Q.Q5_0:  # d, 4 bytes of fifth bits, then Q4_0's 16 bytes of nibbles
-            scales.append(_fifth_bits(a[..., 2:6]))
+            scales.append(fifth_bits(a[..., 2:6]))
             a = a[..., 4:]
         codes = a[..., 2 * halves :].reshape(g, nb, GROUP_ROWS, runs, 4).transpose(0, 1, 3, 2, 4)
         grouped = np.concatenate([*scales, codes.reshape(g, nb, 32 * runs) ^ bias], axis=-1)
@@ -127,8 +132,8 @@ class QuantizedRows:
         """The blocks as the file stores them, [N, K / 32 * block bytes] (interleave undone)."""
         if not self.interleaved:
             return self.blocks.numpy()
-        if self.qtype in _K_GROUPED:
-            return _K_GROUPED[self.qtype][1](self.blocks.numpy(), *self.shape)
+        if self.qtype in K_QUANT_GROUPS:
+            return K_QUANT_GROUPS[self.qtype][1](self.blocks.numpy(), *self.shape)
         halves, runs, bias = self._layout()
         size = gguf.GGML_QUANT_SIZES[self.qtype][1]
         n, nb = self.shape[0], self.shape[1] // 32
@@ -136,7 +141,7 @@ class QuantizedRows:
         lead = x.shape[:2]
         scales = [x[..., 16 * h : 16 * h + 16].reshape(*lead, GROUP_ROWS, 2) for h in range(halves)]
         if self.qtype == _Q.Q5_0:
-            scales.append(_fifth_bits_back(x[..., 16:48]))
+            scales.append(fifth_bits_back(x[..., 16:48]))
             x = x[..., 32:]
         codes = (x[..., 16 * halves :] ^ bias).reshape(*lead, runs, GROUP_ROWS, 4)
         codes = codes.transpose(0, 1, 3, 2, 4).reshape(*lead, GROUP_ROWS, 4 * runs)
@@ -182,115 +187,6 @@ class QuantizedRows:
             )
             for run in runs
         ]
-
-
-def _q4_k_grouped(blocks: np.ndarray, n: int, k: int) -> np.ndarray:
-    """Q4_K rows [N, K / 256 * 144] interleaved by 8: per group and super-block, the 8 rows'
-    float16 d, their float16 dmin, per block j of 32 the rows' 6-bit scales sc_j and mins m_j
-    as bytes (8 + 8), then per block 4 runs of 32 bytes as Q4_0's (the byte of value t holding
-    t + 16's nibble high). [N / 8, K / 256 * 1184]."""
-    g, ns = n // GROUP_ROWS, k // 256
-    a = blocks.reshape(g, GROUP_ROWS, ns, 144).transpose(0, 2, 1, 3)  # [g, ns, 8 rows, 144]
-    q = a[..., 4:16].astype(np.uint8)
-    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | (q[..., 0:4] >> 6) << 4], -1)
-    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | (q[..., 4:8] >> 6) << 4], -1)
-    scales = np.stack([sc.swapaxes(-1, -2), mn.swapaxes(-1, -2)], axis=-2)  # [g, ns, 8 j, 2, 8]
-    qs = a[..., 16:].reshape(g, ns, GROUP_ROWS, 4, 32)  # block pair i: 2 i low, 2 i + 1 high
-    values = np.stack([qs & 15, qs >> 4], axis=-2).reshape(g, ns, GROUP_ROWS, 8, 32)
-    packed = values[..., :16] | values[..., 16:] << 4  # [g, ns, 8 rows, 8 j, 16]
-    runs = packed.reshape(g, ns, GROUP_ROWS, 8, 4, 4).transpose(0, 1, 3, 4, 2, 5)
-    parts = [a[..., 0:2].reshape(g, ns, 16), a[..., 2:4].reshape(g, ns, 16),
-             scales.reshape(g, ns, 128), runs.reshape(g, ns, 1024)]  # fmt: skip
-    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(g, ns * 1184))
-
-
-def _q4_k_ungrouped(grouped: np.ndarray, n: int, k: int) -> np.ndarray:
-    """`_q4_k_grouped` undone: the file's rows [N, K / 256 * 144]."""
-    g, ns = n // GROUP_ROWS, k // 256
-    x = grouped.reshape(g, ns, 1184)
-    d, dmin = x[..., 0:16].reshape(g, ns, 8, 2), x[..., 16:32].reshape(g, ns, 8, 2)
-    scales = x[..., 32:160].reshape(g, ns, 8, 2, GROUP_ROWS)
-    sc, mn = scales[..., 0, :].swapaxes(-1, -2), scales[..., 1, :].swapaxes(-1, -2)  # [.., 8, j]
-    q = np.concatenate(
-        [sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
-         (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], axis=-1,
-    )  # fmt: skip
-    packed = x[..., 160:].reshape(g, ns, 8, 4, GROUP_ROWS, 4).transpose(0, 1, 4, 2, 3, 5)
-    packed = packed.reshape(g, ns, GROUP_ROWS, 8, 16)
-    values = np.concatenate([packed & 15, packed >> 4], axis=-1)  # [.., 8 rows, 8 j, 32]
-    qs = values[..., 0::2, :] | values[..., 1::2, :] << 4  # [.., 8 rows, 4 pairs, 32]
-    rows = np.concatenate([d, dmin, q.astype(np.uint8), qs.reshape(g, ns, GROUP_ROWS, 128)], -1)
-    return np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(n, ns * 144)
-
-
-def _q6_k_grouped(blocks: np.ndarray, n: int, k: int) -> np.ndarray:
-    """Q6_K rows [N, K / 256 * 210] interleaved by 8: per group and super-block, the 8 rows'
-    float16 d, per block j of 32 the rows' int8 scales of its values 0-15 and 16-31 (8 + 8), then
-    per block 4 runs of the 6-bit codes' low 4 bits as Q4_0's and 64 bytes of their top 2 bits
-    (byte 4 r + p, bits 2 g and 2 g + 1: row r's of value 4 g + p, values 0-15 then 16-31).
-    The same size."""
-    g, ns = n // GROUP_ROWS, k // 256
-    a = blocks.reshape(g, GROUP_ROWS, ns, 210).transpose(0, 2, 1, 3)  # [g, ns, 8 rows, 210]
-    ql, qh = a[..., 0:128].reshape(g, ns, 8, 2, 2, 32), a[..., 128:192].reshape(g, ns, 8, 2, 32)
-    # ggml's dequantize_row_q6_K: value 128 n + 32 i + l from ql[n, i % 2] (high nibble for
-    # i >= 2) and bits 2 i, 2 i + 1 of qh[n, l].
-    quarters = [(ql[..., i % 2, :] >> (4 * (i // 2)) & 15) | ((qh >> (2 * i)) & 3) << 4
-                for i in range(4)]  # fmt: skip
-    codes = np.stack(quarters, axis=-2).reshape(g, ns, 8, 8, 32)  # [.., rows, block j, 32]
-    scales = a[..., 192:208].reshape(g, ns, 8, 8, 2).transpose(0, 1, 3, 4, 2)  # [.., j, 2, rows]
-    nibbles = (codes[..., :16] & 15) | (codes[..., 16:] & 15) << 4  # [.., rows, j, 16]
-    runs = nibbles.reshape(g, ns, 8, 8, 4, 4).transpose(0, 1, 3, 4, 2, 5)  # [.., j, run, rows, 4]
-    tops = (codes >> 4).reshape(g, ns, 8, 8, 2, 4, 4)  # [.., rows, j, half, run, p]
-    packed = sum(tops[..., q, :] << (2 * q) for q in range(4)).astype(np.uint8)
-    tops = packed.transpose(0, 1, 3, 4, 2, 5)  # [.., j, half, rows, p]
-    per_block = np.concatenate([runs.reshape(g, ns, 8, 128), tops.reshape(g, ns, 8, 64)], -1)
-    parts = [a[..., 208:210].reshape(g, ns, 16), scales.reshape(g, ns, 128),
-             per_block.reshape(g, ns, 8 * 192)]  # fmt: skip
-    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(g, ns * 1680))
-
-
-def _q6_k_ungrouped(grouped: np.ndarray, n: int, k: int) -> np.ndarray:
-    """`_q6_k_grouped` undone: the file's rows [N, K / 256 * 210]."""
-    g, ns = n // GROUP_ROWS, k // 256
-    x = grouped.reshape(g, ns, 1680)
-    d = x[..., 0:16].reshape(g, ns, 8, 2)
-    scales = x[..., 16:144].reshape(g, ns, 8, 2, 8).transpose(0, 1, 4, 2, 3).reshape(g, ns, 8, 16)
-    per_block = x[..., 144:].reshape(g, ns, 8, 192)
-    runs = per_block[..., :128].reshape(g, ns, 8, 4, 8, 4).transpose(0, 1, 4, 2, 3, 5)
-    nibbles = runs.reshape(g, ns, 8, 8, 16)  # [.., rows, j, 16]
-    tops = per_block[..., 128:].reshape(g, ns, 8, 2, 8, 4).transpose(0, 1, 4, 2, 3, 5)
-    # [.., rows, j, half, run, p]
-    tops = np.stack([(tops >> (2 * q)) & 3 for q in range(4)], axis=-2)
-    low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
-    codes = low | tops.reshape(g, ns, 8, 8, 32) << 4  # [.., rows, j, 32]
-    quarters = codes.reshape(g, ns, 8, 2, 4, 32)  # value 128 n + 32 i + l
-    ql = np.stack([(quarters[..., i, :] & 15) | (quarters[..., i + 2, :] & 15) << 4
-                   for i in range(2)], axis=-2)  # fmt: skip
-    qh = sum((quarters[..., i, :] >> 4) << (2 * i) for i in range(4)).astype(np.uint8)
-    rows = np.concatenate([ql.reshape(g, ns, 8, 128), qh.reshape(g, ns, 8, 64),
-                           scales, d], axis=-1)  # fmt: skip
-    return np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(n, ns * 210)
-
-
-def _fifth_bits(qh: np.ndarray) -> np.ndarray:
-    """Q5_0's fifth bits of a group's block, the 8 rows' 4 bytes of `qh` [..., 8, 4] (bit v of
-    the little-endian word: value v's), as the kernels take them: 32 bytes [..., 32], byte
-    4 r + p holding in bit g row r's bit of value 4 g + p, the value whose code the run g of
-    nibbles holds at that byte (runs 4-7: the high nibbles)."""
-    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 8 rows, 32 values]
-    by_run = bits.reshape(*bits.shape[:-1], 8, 4).swapaxes(-1, -2)  # [..., 8, p, g]
-    return np.packbits(by_run, axis=-1, bitorder="little").reshape(*qh.shape[:-2], 32)
-
-
-def _fifth_bits_back(masks: np.ndarray) -> np.ndarray:
-    """`_fifth_bits` undone: [..., 32] -> each row's 4 bytes of qh [..., 8, 4]."""
-    by_run = np.unpackbits(masks.reshape(*masks.shape[:-1], 8, 4, 1), axis=-1, bitorder="little")
-    bits = by_run.swapaxes(-1, -2).reshape(*masks.shape[:-1], 8, 32)
-    return np.packbits(bits, axis=-1, bitorder="little")
-
-
-# The K-quants' interleaving and its undoing.
-_K_GROUPED = {_Q.Q4_K: (_q4_k_grouped, _q4_k_ungrouped), _Q.Q6_K: (_q6_k_grouped, _q6_k_ungrouped)}
 
 
 def gguf_rows(
