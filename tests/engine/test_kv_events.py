@@ -71,11 +71,13 @@ def test_a_router_replays_the_prefix_cache_from_the_events_through_hits_eviction
     finally:
         engine.close()
         sub.close(linger=0)
-    # Every batch numbered in order from 0; what the subscriber got live, the batches of the
-    # requests, is what replay gives back.
+    # Every batch numbered in order from 0; what the subscriber got live is what replay gives
+    # back from the first batch it saw on. Where that is depends on how soon its connection was
+    # up (ZeroMQ's slow joiner): usually after batch 0, on a busy machine sometimes before.
     assert [seq for seq, _ in everything] == list(range(len(everything)))
     assert frames and all(topic == b"kv-events" for topic, _, _ in frames)
-    assert [(seq, payload) for _, seq, payload in frames] == everything[1:]
+    live = [(seq, payload) for _, seq, payload in frames]
+    assert live == everything[live[0][0] :]
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     batches = [decoder.decode(payload) for _, payload in everything]
     assert all(b.data_parallel_rank == 0 for b in batches)
