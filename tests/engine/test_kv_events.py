@@ -54,7 +54,7 @@ def test_a_router_replays_the_prefix_cache_from_the_events_through_hits_eviction
         kv_events_config=events_config(pub, rep),
     )
     engine = LLMEngine(config)
-    # A router joining a running engine: what it missed (batch 0 at least) comes from replay.
+    # A router joining a running engine: what it missed (batch 0, usually) comes from replay.
     sub = subscribe(f"tcp://127.0.0.1:{pub}", b"kv-events")
     try:
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
