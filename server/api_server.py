@@ -25,7 +25,6 @@ from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.frontend.client import EngineClient
 from pagedserve.engine.frontend.data_parallel import DataParallelEngine
 from pagedserve.engine.frontend.process_client import ProcessEngine
-from pagedserve.server.app import build_app
 from pagedserve.server.server_config import ServerConfig
 
 logger = logging.getLogger("pagedserve")
@@ -163,6 +162,10 @@ def start_client(
 
 def server_app(client: EngineClient, config: EngineConfig, server: ServerConfig) -> FastAPI:
     """The FastAPI app over `client` with the server's options (the caller runs the engine)."""
+    # Imported here: the routes import transformers (a second), which `serve` does after it
+    # launched the engine core, so that the two processes' start-ups overlap.
+    from pagedserve.server.app import build_app
+
     return build_app(
         client,
         list(server.served_model_name or [config.model]),
@@ -209,7 +212,7 @@ def _wait_for_core(client: ProcessEngine | DataParallelEngine) -> None:
     KeyboardInterrupt on Ctrl-C/SIGTERM."""
     died = threading.Event()
     client.on_dead = died.set
-    while client.is_running and not died.wait(0.5):  # a timeout, so signals get through
+    while client.is_running and not died.wait(0.1):  # a timeout: signals, and the drain's stop
         pass
     if client.error is not None:
         time.sleep(DEAD_CORE_GRACE_S)

@@ -78,7 +78,8 @@ class EngineClient(ABC):
     Subclasses deliver the engine's outputs (`_deliver`, on whichever thread they come from)
     and implement `_submit`, `abort`, `start` and `shutdown`."""
 
-    def __init__(self, inputs: InputProcessor, max_queue_len: int | None = None) -> None:
+    def __init__(self, inputs: InputProcessor | None, max_queue_len: int | None = None) -> None:
+        """`inputs` None: a subclass sets them before it starts (ProcessEngine.use_inputs)."""
         if max_queue_len is not None and max_queue_len < 1:
             raise ValueError(f"max_queue_len must be >= 1 or None (no limit), got {max_queue_len}")
         self.inputs = inputs

@@ -252,10 +252,9 @@ class _Core(ProcessEngine):
         owner: DataParallelEngine,
         index: int,
         config: EngineConfig,
-        inputs: InputProcessor,
         num_threads: int | None,
     ) -> None:
-        super().__init__(config, inputs=inputs, num_threads=num_threads)
+        super().__init__(config, num_threads=num_threads)  # the owner hands it the inputs
         self.index = index
         self._owner = owner
         self.on_dead = lambda: owner._core_died(index)
@@ -274,20 +273,16 @@ class DataParallelEngine(EngineClient):
     ) -> None:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-        inputs = front_end_inputs(config)
-        super().__init__(inputs, max_queue_len)
+        super().__init__(None, max_queue_len)  # the inputs load in `start`, as the cores do
         self.config = config
         self.description = ""  # the cores' device, dtype and KV cache, once started
         self.on_dead: Callable[[], None] | None = None  # called on a core's receiver thread
         threads = core_threads(data_parallel_size)
         self.cores = [
-            _Core(self, i, config, inputs, threads)
+            _Core(self, i, config, threads)
             for i, config in enumerate(core_configs(config, data_parallel_size))
         ]
-        # An encoder-decoder's cores cache no prefixes (its KV depends on the audio): only the
-        # load routes its requests.
-        caching = config.enable_prefix_caching and not inputs.max_audio_samples
-        self.router = PrefixRouter(data_parallel_size, config.block_size, caching)
+        self.router = PrefixRouter(data_parallel_size, config.block_size)
         self._routes: dict[str, tuple[int, int]] = {}  # request id -> (core, cost); by _lock
 
     # ---- what handlers may read ------------------------------------------------------------------
@@ -336,6 +331,7 @@ class DataParallelEngine(EngineClient):
             for core in self.cores:
                 core.launch()
                 launched.append(core)
+            self._use_inputs(front_end_inputs(self.config))  # while the cores load the model
         except BaseException:
             for core in launched:
                 core.abandon(timeout=0)
@@ -373,6 +369,16 @@ class DataParallelEngine(EngineClient):
             "%d engine cores ready in processes %s",
             len(self.cores),
             ", ".join(str(core.pid) for core in self.cores),
+        )
+
+    def _use_inputs(self, inputs: InputProcessor) -> None:
+        self.inputs = inputs
+        for core in self.cores:
+            core.use_inputs(inputs)
+        # An encoder-decoder's cores cache no prefixes (its KV depends on the audio): only the
+        # load routes its requests.
+        self.router.prefix_caching = self.config.enable_prefix_caching and not (
+            inputs.max_audio_samples
         )
 
     def _stop_starting_cores(self, waiters: list[threading.Thread]) -> None:

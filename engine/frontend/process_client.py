@@ -59,7 +59,6 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.engine.models.bert_config import context_length, embedding_pooling
 from pagedserve.engine.models.model_source import resolve_model
-from pagedserve.engine.models.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagedserve")
 
@@ -69,6 +68,10 @@ _POLL_MS = 100  # how often the receiver looks at the core process while no outp
 def front_end_inputs(config: EngineConfig) -> InputProcessor:
     """The API server's InputProcessor for `config`: the tokenizer and the limits, from the
     model's config (not its weights)."""
+    # Here, not at the top: transformers takes a second to import, and a server launches its
+    # core process before that (ProcessEngine.wait_started).
+    from pagedserve.engine.models.tokenizer import load_tokenizer
+
     source = resolve_model(config.model)
     model_config = source.config
     pooling = embedding_pooling(source, config.task)
@@ -93,16 +96,18 @@ class ProcessEngine(EngineClient):
         num_threads: int | None = None,
     ) -> None:
         """`inputs`: the InputProcessor (tokenizer) to use, when the caller already has one for
-        this config (several cores behind one server share it: engine/frontend/data_parallel.py).
-        `num_threads`: torch's intra-op threads in the core process (None: torch's default)."""
-        if inputs is None:
-            inputs = front_end_inputs(config)
+        this config (several cores behind one server share it: engine/frontend/data_parallel.py);
+        None: `wait_started` loads it while the launched core loads the model, each a matter of
+        seconds, so that a server is ready sooner. `num_threads`: torch's intra-op threads in the
+        core process (None: torch's default)."""
         super().__init__(inputs, max_queue_len)
         self.config = config
         self.num_threads = num_threads
         self.description = ""  # the core's device, dtype and KV cache, once started
         self.on_dead: Callable[[], None] | None = None  # called on the receiver thread
-        self.output_processor = OutputProcessor(inputs.tokenizer)
+        self.output_processor: OutputProcessor | None = None
+        if inputs is not None:
+            self.use_inputs(inputs)
         # Guards the output processor, the streams and the input socket, which the event loop
         # (add, abort) and the receiver thread (outputs, stop strings) both use.
         self._state_lock = threading.Lock()
@@ -114,6 +119,11 @@ class ProcessEngine(EngineClient):
         self._context: zmq.Context | None = None
         self._input: zmq.Socket | None = None
         self._output: zmq.Socket | None = None
+
+    def use_inputs(self, inputs: InputProcessor) -> None:
+        """The front end's tokenizer and limits, before the core is ready."""
+        self.inputs = inputs
+        self.output_processor = OutputProcessor(inputs.tokenizer)
 
     @property
     def pid(self) -> int | None:
@@ -162,6 +172,12 @@ class ProcessEngine(EngineClient):
     def wait_started(self) -> None:
         """Wait for the launched core's CoreReady; then requests are accepted. Raises as
         `start` does (the core is stopped first)."""
+        if self.inputs is None:
+            try:
+                self.use_inputs(front_end_inputs(self.config))
+            except BaseException:  # the core may load for minutes yet: no waiting for it
+                self.abandon(timeout=0)
+                raise
         try:
             ready = self._wait_ready()
         except BaseException:  # includes Ctrl-C while the model loads

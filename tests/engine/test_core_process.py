@@ -261,3 +261,13 @@ def test_shutdown_does_not_wait_for_a_core_that_just_died(tiny_llama_dir, monkey
     engine.shutdown(timeout=1.0)
     assert time.monotonic() - start < 10
     assert engine._process.exitcode == -signal.SIGKILL
+
+
+def test_a_front_end_that_cannot_load_stops_the_launched_core(tiny_llama_dir, tmp_path):
+    # The core is launched before the front end loads its tokenizer (they load at the same
+    # time); a tokenizer that does not load is the caller's ValueError, and the core is gone.
+    engine = ProcessEngine(cpu_engine_config(tiny_llama_dir, tokenizer=str(tmp_path / "none")))
+    with pytest.raises(ValueError, match="none"):
+        engine.start()
+    assert engine.pid is not None and not process_alive(engine.pid)
+    assert not os.path.exists(engine._folder)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedserve.engine.models.model_config import ModelConfig
-from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
+from pagedserve.engine.models.model_source import GGUFFile, embedded_model_path, resolve_model
 from pagedserve.engine.models.weights import (
     dummy_weights,
     iter_gguf_weights,
@@ -231,3 +231,33 @@ def test_load_weights_dispatches_on_the_source(tmp_path: Path):
         load_weights(shape_source, "gguf")
     with pytest.raises(ValueError, match="unknown load format 'pt'"):
         load_weights(hf_source, "pt")
+
+
+def test_gguf_file_parses_the_fields_gguf_reader_does(tmp_path):
+    # GGUFFile reads arrays of scalars and strings in one pass; what it yields must be
+    # GGUFReader's, part for part: transformers' GGUF loaders read the parts and indices.
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("general.name", "fields")
+    writer.add_uint32("llama.block_count", 3)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "", "é", "▁the", "\n", "x" * 300])
+    writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, 2.25, 3.0, -0.5, 1.0])
+    writer.add_array("tokenizer.ggml.token_type", [3, 1, 1, 1, 6, 1])
+    writer.add_array("tokenizer.ggml.merges", ["▁ t", "h e"])
+    writer.add_array("flags", [True, False])
+    writer.add_tensor("weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, want in theirs.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.data, got.types) == (want.offset, want.data, want.types), name
+        assert [(p.dtype, p.shape, p.tobytes()) for p in got.parts] == [
+            (p.dtype, p.shape, p.tobytes()) for p in want.parts
+        ], name
+        assert got.contents() == want.contents(), name
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[2] == "é"
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
