@@ -39,15 +39,18 @@ browser:
 		exit 1; \
 	fi
 
-# The 25 slowest durations are printed so that the suite's growth shows in every CI log.
+# The 25 slowest durations are printed so that the suite's growth shows in every CI log. Two
+# workers: the heavy part in one, light modules at the lowest priority in the other
+# (tests/conftest.py `LIGHT_MODULES`); `PYTEST_ARGS=-n0` runs it in one process.
+XDIST := -n 2
 test: $(STAMP) browser
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The whole suite as an AVX2-only CPU runs it, on any x86 machine with more: pagedserve decides
 # as level avx2 (kernels/cpu_features.py), and torch's kernels and oneDNN are lowered to AVX2 too.
 test-avx2: $(STAMP) browser
 	PAGEDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+		$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -59,6 +59,54 @@ def pytest_configure(config: pytest.Config) -> None:
     keep_large_allocations_in_heap()
 
 
+# `make test` runs two pytest-xdist workers (`-n 2`). One runs the heavy part in file order, as a
+# serial run does: the real model and its references, the servers, the processes that hold
+# gigabytes (two such workers do not fit in 24 GiB). The other takes these light modules one at a
+# time, single-threaded work on toy shapes (the Triton interpreter, the scheduler's Python, `--help`
+# interpreters), at the lowest priority: it runs on the core that the heavy part leaves idle about
+# half the time, and never slows the heavy part's two-thread steps, which wait for their slower
+# thread (BENCHMARKS.md, "the suite in two lanes").
+LIGHT_MODULES = (
+    "tests/kernels/",
+    "tests/scheduler/",
+    "tests/bench/test_documented_commands.py",
+    "tests/bench/test_gpu_engine_bench.py",
+    "tests/bench/test_gpu_kernels_bench.py",
+    "tests/bench/test_host_step.py",
+    "tests/bench/test_kernel_compile.py",
+    "tests/bench/test_quantized_cpu_bench.py",
+    "tests/engine/test_attention_backend.py",
+    "tests/engine/test_config.py",
+    "tests/engine/test_cuda_graph.py",
+    "tests/engine/test_model_families.py",
+    "tests/engine/test_whisper.py",
+    "tests/engine/test_whisper_decoding.py",
+    "tests/engine/test_whisper_engine.py",
+)
+
+
+def _lane(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return module if module.startswith(LIGHT_MODULES) else "heavy"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """The heavy part as one unit of work, each light module as its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _lane(nodeid)
+
+    return Lanes(config, log) if config.getvalue("dist") == "load" else None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if getattr(item.config, "workerinput", None) is not None and _lane(item.nodeid) != "heavy":
+        os.nice(19 - os.nice(0))  # the lowest priority, for this worker and what it starts
+
+
 TINY_LLAMA = dict(
     vocab_size=512,
     hidden_size=96,
