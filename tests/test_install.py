@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import openai
 import pytest
@@ -112,17 +113,47 @@ def test_the_installed_server_answers_from_another_directory(installed, tmp_path
     assert "Traceback" not in log.read_text()
 
 
+def _python_in_the_checkout(code: str, *flags: str) -> subprocess.CompletedProcess:
+    """`python -c code` started in the checkout's root, which Python puts first on sys.path."""
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
 def test_a_checkout_run_module_keeps_hugging_face_kernels_importable():
     # `python -m pagedserve.bench.X` from the checkout puts its root first on sys.path, where
     # kernels/ would shadow Hugging Face's `kernels` and transformers would fail to load models.
-    code = (
+    done = _python_in_the_checkout(
         "import sys; assert sys.path[0] == ''\n"
         "import pagedserve.bench, kernels\n"
         "from transformers.integrations import hub_kernels\n"
         "print(kernels.__file__)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(site_packages_of_the_tests()), done.stdout
+
+
+def test_a_script_in_the_checkouts_root_imports_hugging_faces_kernels():
+    # A user's script beside the README: nothing moves the root, and `import kernels` finds the
+    # kernels/ folder first. sentence-transformers imports Hugging Face's `kernels` through
+    # transformers, and failed there (`cannot import name 'CUDAProperties' from 'kernels'`).
+    done = _python_in_the_checkout(
+        "import sentence_transformers, kernels, pagedserve.kernels\n"
+        "from kernels import CUDAProperties, get_kernel\n"
+        "print(kernels.__file__); print(pagedserve.kernels.__file__)\n"
+        "print(callable(get_kernel), callable(pagedserve.kernels.paged_attention))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    theirs, ours, callables = done.stdout.splitlines()
+    assert theirs == str(Path(site_packages_of_the_tests(), "kernels", "__init__.py"))
+    assert ours == str(ROOT / "kernels" / "__init__.py")
+    assert callables == "True True"
+    # Without an installed `kernels` (-S: no site-packages) the name is missing, as it would be
+    # without the folder, and the error says what the folder is.
+    done = _python_in_the_checkout("import kernels", "-S")
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith(
+        "ModuleNotFoundError: No module named 'kernels' (the checkout's kernels/ folder is "
+        "pagedserve.kernels)"
+    ), done.stderr
