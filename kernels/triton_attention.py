@@ -22,7 +22,7 @@ Same signatures and semantics as the reference; the differences are all about sp
 * Soft-capping (Gemma 2): with `softcap`, each score s = scale * q.k becomes softcap *
   tanh(s / softcap) before the mask and the softmax, as in the reference. The kernels work in the
   log2 domain (exp2 instead of exp), so the natural-log score is capped first and then scaled by
-  log2(e). tanh is computed from exp2 (`_tanh`, within a few ulps in float32): Triton's own tanh
+  log2(e). tanh is computed from exp2 (`tanh_f32`, within a few ulps in float32): Triton's own tanh
   differs between versions and between the interpreter and the compiler. A constexpr
   (HAS_SOFTCAP) switches it on, so the uncapped kernels compile to the same code as without it.
 
@@ -51,7 +51,7 @@ reference these kernels do not need unwritten cache slots to be finite.
 
 * fp8 KV caches (`kernels.fp8`): the attention kernels load fp8 K/V tiles (one byte per element)
   and dequantize them in registers, tile * scale rounded to q's dtype, as the reference does
-  before its products; the cache writes quantize in registers (`_quantize_fp8`). The scales are
+  before its products; the cache writes quantize in registers (`quantize_fp8`). The scales are
   read from memory by every program (the engine calibrates them in place, after CUDA graphs are
   captured). Constexprs switch fp8 on, so kernels for caches in q's dtype compile as before.
 
@@ -107,7 +107,7 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
-def _quantize_fp8(
+def quantize_fp8(
     x,
     scale,
     dtype: tl.constexpr,
@@ -146,7 +146,7 @@ def _quantize_fp8(
 
 
 @triton.jit
-def _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES: tl.constexpr):
+def load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES: tl.constexpr):
     """The fp8 cache's K and V scales, read at every call (1.0 without them)."""
     k_scale = 1.0
     v_scale = 1.0
@@ -195,12 +195,12 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + token * key_stride_t + h * key_stride_h + d, mask=mask)
     v = tl.load(value_ptr + token * value_stride_t + h * value_stride_h + d, mask=mask)
     if FP8_MANTISSA > 0:
-        k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
-        k = _quantize_fp8(
+        k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
+        k = quantize_fp8(
             k, k_scale, k_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA, FP8_MIN_EXP,
             FP8_MAX,
         )  # fmt: skip
-        v = _quantize_fp8(
+        v = quantize_fp8(
             v, v_scale, v_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA, FP8_MIN_EXP,
             FP8_MAX,
         )  # fmt: skip
@@ -238,7 +238,7 @@ def reshape_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
-        *_kv_scale_args(k_cache, k_scale, v_scale),
+        *kv_scale_args(k_cache, k_scale, v_scale),
         k_cache.shape[0] * k_cache.shape[1],
         key.stride(0),
         key.stride(1),
@@ -252,11 +252,11 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        **_fp8_write_constexprs(k_cache, k_scale, v_scale),
+        **fp8_write_constexprs(k_cache, k_scale, v_scale),
     )
 
 
-def _kv_scale_args(
+def kv_scale_args(
     k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (k_scale_ptr, v_scale_ptr) kernel arguments: the scales of an fp8 cache, a 1.0 tensor
@@ -274,10 +274,10 @@ def _has_kv_scales(
     return is_fp8(k_cache.dtype) and (k_scale is not None or v_scale is not None)
 
 
-def _fp8_write_constexprs(
+def fp8_write_constexprs(
     k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
 ) -> dict[str, object]:
-    """The cache writes' fp8 constexprs (see `_quantize_fp8`); FP8_MANTISSA = 0 for a cache that
+    """The cache writes' fp8 constexprs (see `quantize_fp8`); FP8_MANTISSA = 0 for a cache that
     is not fp8, which compiles the plain copy."""
     if not is_fp8(k_cache.dtype):
         return dict(HAS_KV_SCALES=False, FP8_MANTISSA=0, FP8_MIN_EXP=0, FP8_MAX=0.0)
@@ -382,7 +382,7 @@ def _online_softmax_step(s, v, m, row_sum, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
+def tanh_f32(x):
     """tanh(x) in float32 from exp2, within about 3 ulps everywhere (with numpy's exp2; the GPU's
     ex2.approx adds a little). With e = exp(-2|x|) and r = 1 / (1 + e), |tanh(x)| is:
 
@@ -415,7 +415,7 @@ def _scores(q, k, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr, PRECISION: 
     scale / softcap and softcap_log2 = softcap * log2(e) (see `_score_scales`)."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if HAS_SOFTCAP:
-        s = _tanh(s) * softcap_log2
+        s = tanh_f32(s) * softcap_log2
     return s
 
 
@@ -559,7 +559,7 @@ def _decode_kernel(
         other=0.0,
     )  # [GROUP_PAD, BLOCK_D]
 
-    k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
     m = tl.full([GROUP_PAD], _NEG_BIG, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -717,7 +717,7 @@ def _extend_kernel(
     else:
         unmasked_end = (first_pos + 1) // TILE * TILE  # keys <= first_pos: seen by every row
 
-    k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
+    k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
     m = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -898,7 +898,7 @@ def decode(
         out,
         part_out,
         part_lse,
-        *_kv_scale_args(k_cache, k_scale, v_scale),
+        *kv_scale_args(k_cache, k_scale, v_scale),
         block_tables.shape[0],
         *_score_scales(scale, softcap),
         sliding_window or 0,
@@ -970,7 +970,7 @@ def extend(
         seq_lens,
         query_start_loc,
         out,
-        *_kv_scale_args(k_cache, k_scale, v_scale),
+        *kv_scale_args(k_cache, k_scale, v_scale),
         num_seqs,
         *_score_scales(scale, softcap),
         sliding_window or 0,

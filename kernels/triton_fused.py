@@ -7,7 +7,7 @@
     gelu_tanh_and_mul   gelu_tanh(gate) * up (Gemma's GeGLU), from the same kernel
     rotary_and_cache    RoPE on q and k straight from the stacked qkv projection; rotated k and
                         raw v written to the paged KV cache (quantized into an fp8 cache, with
-                        `triton_attention._quantize_fp8`), rotated q returned
+                        `triton_attention.quantize_fp8`), rotated q returned
 
 Each op reads its inputs once and writes its outputs once, where the torch reference makes
 float32 copies, rotated copies and temporaries. The arithmetic is float32 and results are
@@ -36,11 +36,11 @@ import triton.language as tl
 
 from pagedserve.kernels import triton_attention, validation
 from pagedserve.kernels.triton_attention import (
-    _fp8_write_constexprs,
-    _kv_scale_args,
-    _load_kv_scales,
-    _quantize_fp8,
-    _tanh,
+    fp8_write_constexprs,
+    kv_scale_args,
+    load_kv_scales,
+    quantize_fp8,
+    tanh_f32,
 )
 from pagedserve.kernels.validation import (
     check_fused_add_rms_norm_args,
@@ -198,9 +198,9 @@ def _silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     # F.silu(gate) / F.gelu(gate) is rounded to the dtype before .mul_(up) rounds the product.
     if ACTIVATION == "gelu_tanh":
-        # torch's formula and order of operations, with tanh from exp2 (triton_attention._tanh).
+        # torch's formula and order of operations, with tanh from exp2 (triton_attention.tanh_f32).
         inner = _GELU_BETA * (gate + _GELU_KAPPA * (gate * gate * gate))
-        act = 0.5 * gate * (1.0 + _tanh(inner))
+        act = 0.5 * gate * (1.0 + tanh_f32(inner))
     else:
         act = gate / (1.0 + tl.exp(-gate))
     act = act.to(dtype).to(tl.float32)
@@ -298,7 +298,7 @@ def _rotary_and_cache_kernel(
     """One token: a qkv row is [q heads | k heads | v heads], each head [x1 | x2] of HEAD_DIM / 2
     dims, rotated pairwise as (x1[i], x2[i]) with the angles in the table row of its position.
     Into an fp8 cache, the rotated k (rounded to qkv's dtype, as the reference's) and v are
-    quantized as `_quantize_fp8` does."""
+    quantized as `quantize_fp8` does."""
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + token)
@@ -332,20 +332,20 @@ def _rotary_and_cache_kernel(
         v1 = tl.load(v_src, mask=kv_mask)
         v2 = tl.load(v_src + HEAD_DIM // 2, mask=kv_mask)
         if FP8_MANTISSA > 0:
-            k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
-            k1 = _quantize_fp8(
+            k_scale, v_scale = load_kv_scales(k_scale_ptr, v_scale_ptr, HAS_KV_SCALES)
+            k1 = quantize_fp8(
                 k1, k_scale, k_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
                 FP8_MIN_EXP, FP8_MAX,
             )  # fmt: skip
-            k2 = _quantize_fp8(
+            k2 = quantize_fp8(
                 k2, k_scale, k_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
                 FP8_MIN_EXP, FP8_MAX,
             )  # fmt: skip
-            v1 = _quantize_fp8(
+            v1 = quantize_fp8(
                 v1, v_scale, v_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
                 FP8_MIN_EXP, FP8_MAX,
             )  # fmt: skip
-            v2 = _quantize_fp8(
+            v2 = quantize_fp8(
                 v2, v_scale, v_cache_ptr.dtype.element_ty, HAS_KV_SCALES, FP8_MANTISSA,
                 FP8_MIN_EXP, FP8_MAX,
             )  # fmt: skip
@@ -397,7 +397,7 @@ def rotary_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
-        *_kv_scale_args(k_cache, k_scale, v_scale),
+        *kv_scale_args(k_cache, k_scale, v_scale),
         q,
         cos_table.shape[0],
         k_cache.shape[0] * k_cache.shape[1],
@@ -416,7 +416,7 @@ def rotary_and_cache(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        **_fp8_write_constexprs(k_cache, k_scale, v_scale),
+        **fp8_write_constexprs(k_cache, k_scale, v_scale),
         num_warps=4,
     )
     return q

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from pagedserve.kernels import triton_attention, validation
 from pagedserve.kernels.lora import check_lora_args, part_offsets
-from pagedserve.kernels.triton_moe import _round
+from pagedserve.kernels.triton_moe import round_to
 
 __all__ = ["MAX_PARTS", "lora_add_triton"]
 
@@ -87,7 +87,7 @@ def _lora_shrink_kernel(
         x_ptrs += BLOCK_K * x_stride_k
         a_ptrs += BLOCK_K * a_stride_k
     # PEFT's lora_A(x) is in the model's dtype: rounded here, kept in float32 for the expand.
-    shrunk = _round(acc, x_ptr.dtype.element_ty, INTERP_BF16).to(tl.float32)
+    shrunk = round_to(acc, x_ptr.dtype.element_ty, INTERP_BF16).to(tl.float32)
     tl.store(tmp_ptr + (token * NUM_PARTS + part) * RANK + r, shrunk, mask=r_ok)
 
 
@@ -130,10 +130,10 @@ def _lora_expand_kernel(
     b_ptrs = b_ptr + slot * b_stride_s + rows[:, None] * b_stride_n + r[None, :] * b_stride_r
     b = tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
-    delta = _round(tl.sum(b * shrunk, axis=1), dtype, INTERP_BF16).to(tl.float32)
+    delta = round_to(tl.sum(b * shrunk, axis=1), dtype, INTERP_BF16).to(tl.float32)
     y_ptrs = y_ptr + token * y_stride_t + rows * y_stride_n
     y = tl.load(y_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, _round(y + delta, dtype, INTERP_BF16), mask=row_ok)
+    tl.store(y_ptrs, round_to(y + delta, dtype, INTERP_BF16), mask=row_ok)
 
 
 def lora_add_triton(

@@ -142,7 +142,7 @@ def align(
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
+def round_to(x, dtype: tl.constexpr, INTERP_BF16: tl.constexpr):
     """float32 x rounded to `dtype`, to nearest even. The interpreter truncates float32 to
     bfloat16, so with INTERP_BF16 the rounding is done on the bits (finite x; the carry out of
     the mantissa is the exponent's increment)."""
@@ -217,15 +217,15 @@ def _moe_gate_up_kernel(
     dtype = h_ptr.dtype.element_ty
     # Rounded as the reference rounds: the projection (F.linear's output), the activation
     # (F.silu / F.gelu compute in float32 and round), then its product with up.
-    gate = _round(acc_gate, dtype, INTERP_BF16).to(tl.float32)
-    up = _round(acc_up, dtype, INTERP_BF16).to(tl.float32)
+    gate = round_to(acc_gate, dtype, INTERP_BF16).to(tl.float32)
+    up = round_to(acc_up, dtype, INTERP_BF16).to(tl.float32)
     if GELU:
         inner = _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
         act = gate / (1.0 + tl.exp(-2.0 * inner))  # 0.5 * x * (1 + tanh(inner))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    act = _round(act, dtype, INTERP_BF16).to(tl.float32)
-    h = _round(act * up, dtype, INTERP_BF16)
+    act = round_to(act, dtype, INTERP_BF16).to(tl.float32)
+    h = round_to(act * up, dtype, INTERP_BF16)
     tl.store(
         h_ptr + pairs[:, None] * INTER + cols[None, :], h, mask=row_ok[:, None] & col_ok[None, :]
     )
@@ -284,8 +284,8 @@ def _moe_down_kernel(
     weight = tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0)
     # The reference rounds F.linear's output, multiplies by the float32 weight (promoting to
     # float32) and rounds the product.
-    y = _round(acc, dtype, INTERP_BF16).to(tl.float32) * weight[:, None]
-    y = _round(y, dtype, INTERP_BF16)
+    y = round_to(acc, dtype, INTERP_BF16).to(tl.float32) * weight[:, None]
+    y = round_to(y, dtype, INTERP_BF16)
     tl.store(
         y_ptr + pairs[:, None] * HIDDEN + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :]
     )
@@ -312,7 +312,7 @@ def _moe_sum_kernel(
     total = tl.load(rows, mask=mask, other=0.0).to(tl.float32)
     for k in tl.static_range(1, TOP_K):
         y = tl.load(rows + k * HIDDEN, mask=mask, other=0.0).to(tl.float32)
-        total = _round(total + y, dtype, INTERP_BF16).to(tl.float32)
+        total = round_to(total + y, dtype, INTERP_BF16).to(tl.float32)
     tl.store(out_ptr + token * out_stride_t + cols, total.to(dtype), mask=mask)
 
 

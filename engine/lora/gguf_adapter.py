@@ -2,7 +2,7 @@
 
 The converter runs the base model's own tensor conversion over each LoRA pair, so the file
 carries what that conversion did: GGUF tensor names (`blk.N.attn_q.weight.lora_a`), and for the
-families whose q/k rows llama.cpp permutes (engine/models/weights.py `_PERMUTED_ARCHITECTURES`)
+families whose q/k rows llama.cpp permutes (engine/models/weights.py `PERMUTED_ARCHITECTURES`)
 lora_b of attn_q and attn_k permuted the same way (only B's rows are outputs; A is untouched).
 The names are mapped back with the base loader's own table (`gguf_to_hf_name`) and the rows
 unpermuted, so that `adapter.build_adapter` checks the result exactly as it checks a PEFT
@@ -34,7 +34,7 @@ from pagedserve.engine.models.gguf_config import GGUF_ARCHITECTURES
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import GGUFFile
 from pagedserve.engine.models.weights import (
-    _PERMUTED_ARCHITECTURES,
+    PERMUTED_ARCHITECTURES,
     gguf_to_hf_name,
     unpermute_qk,
 )
@@ -147,7 +147,7 @@ def _to_float32(t: gguf.gguf_reader.ReaderTensor) -> Tensor:
 
 
 def _unpermuted(b: Tensor, module: str, config: ModelConfig) -> Tensor:
-    if config.architecture not in _PERMUTED_ARCHITECTURES or module not in ("q_proj", "k_proj"):
+    if config.architecture not in PERMUTED_ARCHITECTURES or module not in ("q_proj", "k_proj"):
         return b
     heads = config.num_attention_heads if module == "q_proj" else config.num_key_value_heads
     if b.dim() != 2 or b.shape[0] != heads * config.head_dim:

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedserve.engine.models.hf_config import _freeze_rope_scaling
+from pagedserve.engine.models.hf_config import freeze_rope_scaling
 from pagedserve.engine.models.model_config import (
-    _FAMILY_DEFAULTS,
+    FAMILY_DEFAULTS,
     FULL_ATTENTION,
     GEMMA_ARCHITECTURES,
     SLIDING_ATTENTION,
@@ -107,7 +107,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
             raise ValueError(f"GGUF has neither {p}.vocab_size nor tokenizer.ggml.tokens")
     max_positions = int(get(f"{p}.context_length", 2048))
 
-    rope_theta = _f32(get(f"{p}.rope.freq_base", _FAMILY_DEFAULTS[arch]["rope_theta"]))
+    rope_theta = _f32(get(f"{p}.rope.freq_base", FAMILY_DEFAULTS[arch]["rope_theta"]))
     rope_scaling: dict[str, Any] | None = None
     scaling_type = get(f"{p}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -188,7 +188,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
-        rope_scaling=_freeze_rope_scaling(rope_scaling),
+        rope_scaling=freeze_rope_scaling(rope_scaling),
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.engine.models.model_config import (
-    _FAMILY_DEFAULTS,
     ARCHITECTURE_CLASSES,
+    FAMILY_DEFAULTS,
     FULL_ATTENTION,
     GEMMA_ARCHITECTURES,
     HIDDEN_ACTIVATIONS,
@@ -40,7 +40,7 @@ def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
         return BertConfig.from_hf_dict(d).model_config()
     d = _text_model_of(d)
     arch = _architecture_of(d)
-    defaults = _FAMILY_DEFAULTS[arch]
+    defaults = FAMILY_DEFAULTS[arch]
 
     def required(key: str) -> Any:
         if d.get(key) is None:
@@ -115,7 +115,7 @@ def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
         rope_theta=float(rope_theta),
-        rope_scaling=_freeze_rope_scaling(rope_scaling),
+        rope_scaling=freeze_rope_scaling(rope_scaling),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
@@ -352,7 +352,7 @@ def _rope_of(
     return float(theta), scaling, None
 
 
-def _freeze_rope_scaling(scaling: dict[str, Any] | None) -> tuple[tuple[str, object], ...] | None:
+def freeze_rope_scaling(scaling: dict[str, Any] | None) -> tuple[tuple[str, object], ...] | None:
     if not scaling:
         return None
     scaling = dict(scaling)

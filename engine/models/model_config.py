@@ -56,7 +56,7 @@ HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "text_config"}
 
 # Defaults of the Hugging Face config classes, used when a config.json leaves a key out.
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
     "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768},
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072},

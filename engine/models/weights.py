@@ -70,7 +70,7 @@ _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # llama.cpp's converter permutes q/k rows for these families (Mistral and Mixtral are converted
 # as "llama"); the others are stored unpermuted.
-_PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "mixtral")
 
 
 def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
@@ -160,7 +160,7 @@ def iter_gguf_weights(
     """
     reader = path if isinstance(path, gguf.GGUFReader) else GGUFFile(path)
     expected = gguf_weight_shapes(config)
-    permuted = config.architecture in _PERMUTED_ARCHITECTURES
+    permuted = config.architecture in PERMUTED_ARCHITECTURES
     for t in tqdm(reader.tensors, desc="Loading GGUF weights", unit="tensor", disable=not progress):
         name = gguf_to_hf_name(t.name, config.architecture)
         if name is None:

@@ -9,7 +9,7 @@ checks bf16 q over an fp8 cache on the GPU.
 Exactness: the cache writes are bit-equal to torch's cast for both formats (e4m3 and e5m2). The
 interpreter's own float32 -> fp8 conversion is not (it drops the carry when rounding up crosses a
 power of two: 7.77 -> 4.0 in e4m3, and e5m2 differs likewise), so the kernels round to the fp8
-grid themselves and the conversion only sees exact values (`triton_attention._quantize_fp8`).
+grid themselves and the conversion only sees exact values (`triton_attention.quantize_fp8`).
 The attention kernels dequantize the same bytes to the same values as the reference, so they
 match it to float32 tolerance, as in test_triton.py.
 """
