@@ -105,9 +105,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
         )
-        self.worker.runner.structured = self.structured
-        # min_tokens keeps EOS from being sampled too early: the sampler must know it.
-        self.worker.runner.sampler.eos_token_ids = frozenset(self.eos_token_ids)
+        self.worker.use_sampling_rules(self.structured, frozenset(self.eos_token_ids))
         self.num_steps = 0
         self.step_seconds = 0.0
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)

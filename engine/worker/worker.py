@@ -32,6 +32,7 @@ from pagedserve.engine.models.quantized_linear import describe, keep_quantized, 
 from pagedserve.engine.models.weights import load_weights
 from pagedserve.engine.models.whisper import WhisperModel, load_whisper_model
 from pagedserve.engine.models.whisper_config import WhisperDecoding
+from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 from pagedserve.engine.worker.cuda_graph import MAX_CAPTURE_BATCH_SIZE, DecodeGraphs
 from pagedserve.engine.worker.kv_cache import (
@@ -424,6 +425,14 @@ class Worker:
         return graphs
 
     # ---- steps (rank 0) --------------------------------------------------------------------------
+
+    def use_sampling_rules(
+        self, structured: StructuredOutputManager, eos_token_ids: frozenset[int]
+    ) -> None:
+        """The core's grammars, which mask each step's logits, and its EOS ids, which min_tokens
+        keeps the sampler from picking too early."""
+        self.runner.structured = structured
+        self.runner.sampler.eos_token_ids = eos_token_ids
 
     def launch(self, sched_out: SchedulerOutput) -> StepHandle:
         """Start a step on every rank; its sampled ids come from the handle."""
