@@ -1,8 +1,8 @@
 """pagedserve's kernels: every op behind one backend switch (`kernels/dispatch.py` says how).
 
 The checkout keeps this folder at its root under the design card's name, `kernels`, which is
-also the name of Hugging Face's `kernels` package (transformers imports it, and so do
-sentence-transformers and peft through it). pagedserve imports this folder only as
+also the name of Hugging Face's `kernels` package (transformers imports it, and so
+sentence-transformers does through transformers). pagedserve imports this folder only as
 `pagedserve.kernels`. Python started in the checkout's root (a user's script beside the README,
 `python -c`) puts the root first on sys.path, and an `import kernels` there finds this folder:
 then the name is handed to the installed package, as if the folder were not there.
