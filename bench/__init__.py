@@ -1,4 +1,5 @@
-"""pagedserve's benchmarks: `python -m pagedserve.bench.NAME`, or `pagedserve bench`."""
+"""`pagedserve bench`: the benchmarks a user runs (throughput, serve, soak, quality). The lab's
+benchmarks and GPU harnesses are the checkout's benchmarks/ folder, left out of the wheel."""
 
 from __future__ import annotations
 

@@ -82,23 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument(
-        "--input-len-range",
-        type=int,
-        nargs=2,
-        metavar=("LO", "HI"),
-        default=None,
-        help="draw each prompt's length uniformly from [LO, HI] (nano-vllm's workload; ids in "
-        "[0, 10000]); --input-len is then unused",
-    )
-    parser.add_argument(
-        "--output-len-range",
-        type=int,
-        nargs=2,
-        metavar=("LO", "HI"),
-        default=None,
-        help="draw each request's max_tokens uniformly from [LO, HI]; --output-len is then unused",
-    )
+    ranges = {
+        "--input-len-range": "draw each prompt's length uniformly from [LO, HI] (nano-vllm's "
+        "workload; ids in [0, 10000]); --input-len is then unused",
+        "--output-len-range": "draw each request's max_tokens uniformly from [LO, HI]; "
+        "--output-len is then unused",
+    }
+    for flag, help_text in ranges.items():
+        parser.add_argument(
+            flag, type=int, nargs=2, metavar=("LO", "HI"), default=None, help=help_text
+        )
     parser.add_argument(
         "--dataset-seed",
         type=int,

@@ -44,19 +44,29 @@ def test_the_wheel_installs_one_import_name(dists):
 def test_the_wheel_holds_every_file_of_the_runtime_packages(dists):
     installed = {source_path(n, PACKAGE_DIR) for n in wheel_files(dists.wheel)}
     checkout = {f for f in _checkout_files() if f.split("/")[0] in RUNTIME}
-    # bench/'s modules too (the `pagedserve bench` command), but not bench/peers/: the scripts
-    # that set up and run other engines, with those engines' own Python.
-    checkout |= {
-        f
-        for f in _checkout_files()
-        if f.startswith("bench/") and f.endswith(".py") and not f.startswith("bench/peers/")
-    }
+    # bench/'s modules too (the `pagedserve bench` command).
+    checkout |= {f for f in _checkout_files() if f.startswith("bench/") and f.endswith(".py")}
     assert checkout - installed == set()
     # The files the compiled kernels and the dashboard need, by name (a glob may miss them).
     for needed in ("kernels/csrc/cpu_math.h", "kernels/csrc/cpu_kernels.h",
                    "kernels/csrc/cpu_attention.cpp", "kernels/csrc/cpu_decoder.cpp",
                    "server/dashboard.html"):  # fmt: skip
         assert needed in installed
+
+
+def test_the_wheel_leaves_the_labs_benchmarks_out(dists):
+    # benchmarks/ (the GPU harnesses, microbenchmarks, comparison runs) and the committed
+    # results (docs/results/) stay in the checkout: the wheel ships what `pagedserve bench` runs.
+    files = wheel_files(dists.wheel)
+    assert f"{NAMESPACE}/bench/cli.py" in files
+    left_in = [
+        name
+        for name in files
+        if name.startswith((f"{NAMESPACE}/bench/gpu_", "benchmarks/"))
+        or "/results/" in name
+        or name.endswith((".json", ".png"))
+    ]
+    assert left_in == []
 
 
 def test_the_sdist_holds_what_the_wheel_installs(dists):
@@ -93,6 +103,15 @@ def test_the_installed_package_imports_beside_hugging_face_kernels(installed, tm
     assert hub_api == "True"
 
 
+def test_the_installed_bench_command_lists_its_benchmarks(installed, tmp_path):
+    done = subprocess.run(
+        [str(installed / "pagedserve"), "bench", "--help"], cwd=tmp_path, env=clean_env(),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "{throughput,serve,soak,quality}" in done.stdout, done.stdout
+
+
 # Slow: tests/test_docker_replay.py serves from the same wheel in a scratch venv, from a folder
 # outside the checkout (the image's home), in every run, and checks more (the prebuilt kernels,
 # the image's user).
@@ -122,11 +141,11 @@ def _python_in_the_checkout(code: str, *flags: str) -> subprocess.CompletedProce
 
 
 def test_a_checkout_run_module_keeps_hugging_face_kernels_importable():
-    # `python -m pagedserve.bench.X` from the checkout puts its root first on sys.path, where
+    # `python -m benchmarks.X` from the checkout puts its root first on sys.path, where
     # kernels/ would shadow Hugging Face's `kernels` and transformers would fail to load models.
     done = _python_in_the_checkout(
         "import sys; assert sys.path[0] == ''\n"
-        "import pagedserve.bench, kernels\n"
+        "import benchmarks, kernels\n"
         "from transformers.integrations import hub_kernels\n"
         "print(kernels.__file__)\n"
     )

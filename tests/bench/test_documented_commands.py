@@ -1,7 +1,7 @@
 """Every command README.md, BENCHMARKS.md and the peers' README show runs as written: its
-arguments parse with the real parser (`pagedserve`, `python -m pagedserve.bench.*`), its script
+arguments parse with the real parser (`pagedserve`, `python -m benchmarks.*`), its script
 exists in the repository and is valid shell, its make target exists;
-`python -m pagedserve.bench.attention_cpu` runs whole, and each `python -m` module answers
+`python -m benchmarks.attention_cpu` runs whole, and each `python -m` module answers
 `--help` in a fresh interpreter. And the repository is self-contained: no file of a clean
 checkout names a path above its root, where a fresh clone has nothing.
 
@@ -29,7 +29,7 @@ from tests.dists import _checkout_files
 from tests.server.util import PAGEDSERVE
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "BENCHMARKS.md", "bench/peers/vllm_cpu/README.md")
+DOCS = ("README.md", "BENCHMARKS.md", "benchmarks/peers/vllm_cpu/README.md")
 _ENV = r"(?:[A-Z_]+=(?:<[^>]*>|\S+)\s+)*"
 COMMAND = re.compile(rf"^{_ENV}(pagedserve|python3? -m|\.venv/bin/python -m|python|bash|make)\b")
 # Placeholders the docs use for "a value of your choice".
@@ -109,9 +109,9 @@ def test_documented_command_parses(doc, command):
             _parse_pagedserve(argv[1:])
     elif program in ("python", "python3", ".venv/bin/python"):
         assert argv[1] == "-m", (
-            f"{doc}: run bench scripts as modules (python -m pagedserve.bench.X): {command}"
+            f"{doc}: run bench scripts as modules (python -m benchmarks.X): {command}"
         )
-        assert argv[2].startswith(("pagedserve.", "tests.")), (
+        assert argv[2].startswith(("pagedserve.", "benchmarks.", "tests.")), (
             f"{doc}: `python -m` runs this project's modules only ({command}); "
             "show the suite as `make test PYTEST_ARGS=...`"
         )
@@ -169,15 +169,15 @@ def test_every_documented_module_answers_help_in_a_fresh_interpreter():
         if code not in (0, None) or not out.startswith("usage: ")
     }
     assert failed == {}
-    assert "pagedserve.bench.transcriptions" in report and len(report) >= 10
+    assert "benchmarks.transcriptions" in report and len(report) >= 10
 
 
 def test_attention_cpu_runs_as_written():
-    # The documented form; as a script (python bench/attention_cpu.py) bench/ came first on the
-    # path and shadowed the kernels package.
-    assert ("BENCHMARKS.md", "python -m pagedserve.bench.attention_cpu") in COMMANDS
+    # The documented form; as a script (python benchmarks/attention_cpu.py) its folder came first
+    # on the path and shadowed the kernels package.
+    assert ("BENCHMARKS.md", "python -m benchmarks.attention_cpu") in COMMANDS
     done = subprocess.run(
-        [sys.executable, "-m", "pagedserve.bench.attention_cpu"],
+        [sys.executable, "-m", "benchmarks.attention_cpu"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,11 +1,10 @@
-"""`bash bench/gpu_engine.sh` with SMOKE=1: every step of the H200 script runs on the CPU with a
-tiny Llama, and every record the GPU run writes is written, with the exact token counts the
-rates are computed from. Plus the pure parts: nano-vllm's workload, token comparison, and
-`bench serve` finding max_model_len without a tokenizer."""
+"""`bash benchmarks/gpu_engine.sh` with SMOKE=1: every step of the H200 script runs on the CPU with
+a tiny Llama, and every record the GPU run writes is written, with the exact token counts the
+rates are computed from. Plus the pure parts: nano-vllm's workload, token comparison, and the
+profile's summary of CUDA events."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -13,10 +12,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import httpx
 import pytest
 
-from pagedserve.bench.gpu_engine import SMOKE_SIZES, TINY_LLAMA, compare_tokens, summarize
+from benchmarks.gpu_engine import SMOKE_SIZES, TINY_LLAMA, compare_tokens, summarize
 from pagedserve.bench.throughput import random_length_workload, random_token_prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +45,7 @@ def _run_script(out: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
         **env_vars,
     }
     return subprocess.run(
-        ["bash", "bench/gpu_engine.sh"],
+        ["bash", "benchmarks/gpu_engine.sh"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -57,12 +55,37 @@ def _run_script(out: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
 
 
 def _records(out: Path, step: str) -> list[dict]:
-    return [json.loads(line) for line in (out / f"{step}.jsonl").read_text().splitlines()]
-
-
-def _no_errors(records: list[dict]) -> None:
+    """The step's records, none of them a failed part's."""
+    records = [json.loads(line) for line in (out / f"{step}.jsonl").read_text().splitlines()]
     errors = [r for r in records if "error" in r]
     assert not errors, errors[0].get("trace", errors[0]["error"])
+    return records
+
+
+def _where(records: list[dict], **fields: object) -> list[dict]:
+    """The records with these values (a record without a field has none of its values)."""
+    return [r for r in records if all(r.get(k) == v for k, v in fields.items())]
+
+
+def _both_engines_equal(checks: list[dict], **fields: object) -> None:
+    """A check of the default engine (CUDA graphs where there are any) and the eager one: both
+    equal to the reference, each with these values."""
+    assert [(r["engine"], r["equal"]) for r in checks] == [("default", True), ("eager", True)]
+    assert all(r[k] == v for r in checks for k, v in fields.items()), checks
+
+
+def _rates_measured(records: list[dict], *rates: str) -> None:
+    """The step's one throughput record has these rates, each above zero."""
+    (throughput,) = _where(records, kind="throughput")
+    assert all(throughput[rate] > 0 for rate in rates), throughput
+
+
+def _run_alone(out: Path, step: str) -> tuple[list[dict], str]:
+    """`ONLY=step`: the step's records and the summary, from a run where no other step ran."""
+    done = _run_script(out, ONLY=step)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith(f"{step}: rc=0 in ")
+    return _records(out, step), (out / "summary.txt").read_text()
 
 
 @SCRIPT_ON_CPU
@@ -93,7 +116,6 @@ def test_env_record(smoke):
 def test_correctness_fp32_equals_transformers_and_eager_equals_default(smoke):
     out, _ = smoke
     records = _records(out, "correctness")
-    _no_errors(records)
     by_check = Counter((r["check"], r.get("engine")) for r in records)
     assert by_check == {
         ("float32_vs_transformers", "default"): 1,
@@ -134,7 +156,6 @@ def _tiny_weight_bytes_fp32() -> int:
 def test_decode_records(smoke):
     out, _ = smoke
     records = _records(out, "decode")
-    _no_errors(records)
     kinds = Counter((r["kind"], r["enforce_eager"], r["batch_size"]) for r in records)
     assert kinds == {
         (kind, eager, b): 1
@@ -172,7 +193,6 @@ def test_decode_records(smoke):
 def test_offline_record_counts_exact_tokens(smoke):
     out, _ = smoke
     records = _records(out, "offline")
-    _no_errors(records)
     *engines, row = records
     assert [(r["kind"], r["engine"]) for r in engines] == [
         ("engine", "pagedserve"),
@@ -200,7 +220,6 @@ def test_offline_record_counts_exact_tokens(smoke):
 def test_nano_records_have_the_exact_output_tokens(smoke):
     out, _ = smoke
     records = _records(out, "nano")
-    _no_errors(records)
     s = SMOKE_SIZES
     prompts, output_lens = random_length_workload(
         s.nano_prompts, s.nano_input_range, s.nano_output_range, TINY_LLAMA["vocab_size"], 0
@@ -221,7 +240,6 @@ def test_nano_records_have_the_exact_output_tokens(smoke):
 def test_online_records(smoke):
     out, _ = smoke
     records = _records(out, "online")
-    _no_errors(records)
     s = SMOKE_SIZES
     offline, *serves = records
     top_requests = s.online_runs[-1][1]
@@ -244,7 +262,6 @@ def test_online_records(smoke):
 def test_spec_records(smoke):
     out, _ = smoke
     records = _records(out, "spec")
-    _no_errors(records)
     s = SMOKE_SIZES
     *specs, shared, weights = records
     assert [(r["kind"], r["batch_size"]) for r in specs] == [
@@ -292,43 +309,29 @@ def test_spec_records(smoke):
 
 @SCRIPT_ON_CPU
 def test_the_moe_step_runs_alone_and_checks_the_experts_against_transformers(tmp_path):
-    done = _run_script(tmp_path, ONLY="moe")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("moe: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "moe")
-    _no_errors(records)
-    checks = [r for r in records if r.get("check") == "fp32_greedy"]
-    assert [(r["engine"], r["equal"]) for r in checks] == [("default", True), ("eager", True)]
-    assert all(r["num_prompts"] == len(SMOKE_SIZES.correctness_prompt_lens) for r in checks)
-    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
+    records, summary = _run_alone(tmp_path, "moe")
+    checks = _where(records, check="fp32_greedy")
+    _both_engines_equal(checks, num_prompts=len(SMOKE_SIZES.correctness_prompt_lens))
+    (throughput,) = _where(records, kind="throughput")
     sizes = SMOKE_SIZES
     assert throughput["num_output_tokens"] == sizes.offline_prompts * sizes.offline_output_len
     assert throughput["num_active_params"] < throughput["num_params"]
-    summary = (tmp_path / "summary.txt").read_text()
     assert "moe: tiny-qwen3-moe fp32_greedy eager equal=True prompts 8/8" in summary
 
 
 @SCRIPT_ON_CPU
 def test_the_structured_step_runs_alone_and_checks_constrained_tokens(tmp_path):
-    done = _run_script(tmp_path, ONLY="structured")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("structured: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "structured")
-    _no_errors(records)
-    checks = [r for r in records if r.get("check") == "fp32_constrained_greedy"]
-    assert [(r["engine"], r["equal"], r["live_matchers"]) for r in checks] == [
-        ("default", True, 0),
-        ("eager", True, 0),
-    ]
+    records, summary = _run_alone(tmp_path, "structured")
+    checks = _where(records, check="fp32_constrained_greedy")
+    _both_engines_equal(checks, live_matchers=0)
     assert checks[0]["kinds"] == ["regex", "choice", "json", "grammar"]
-    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
+    (throughput,) = _where(records, kind="throughput")
     assert throughput["num_prompts"] == SMOKE_SIZES.offline_prompts
     assert (
         0
         < throughput["num_output_tokens"]
         <= (SMOKE_SIZES.offline_prompts * SMOKE_SIZES.offline_output_len)
     )
-    summary = (tmp_path / "summary.txt").read_text()
     assert "structured: tiny fp32_constrained_greedy eager equal=True prompts 8/8" in summary
 
 
@@ -347,17 +350,11 @@ def test_random_length_workload_is_nano_vllms():
 def test_fixed_length_workload_is_unchanged():
     from argparse import Namespace
 
+    from pagedserve.bench.cli import build_parser
     from pagedserve.bench.throughput import build_workload
 
-    args = Namespace(
-        num_prompts=3,
-        input_len=5,
-        output_len=7,
-        seed=11,
-        dataset_seed=None,
-        input_len_range=None,
-        output_len_range=None,
-    )
+    command = "throughput --num-prompts 3 --input-len 5 --output-len 7 --seed 11"
+    args = build_parser().parse_args(command.split())
     prompts, output_lens = build_workload(args, 50000, {2})
     assert prompts == random_token_prompts(3, 5, 50000, 11, {2})
     assert output_lens == [7, 7, 7]
@@ -388,26 +385,6 @@ def test_compare_tokens_reports_the_first_difference_and_its_margin():
     ]
 
 
-def test_bench_serve_reads_max_model_len_from_the_model_card():
-    """Token-id prompts need no tokenizer: the length check reads GET /v1/models, not
-    /tokenize (which a model without a tokenizer answers with 400)."""
-    from pagedserve.bench.serve import _max_model_len
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/v1/models"
-        cards = [{"id": "a", "max_model_len": 128}, {"id": "b", "max_model_len": 4096}]
-        return httpx.Response(200, json={"object": "list", "data": cards + [{"id": "c"}]})
-
-    async def ask(model: str) -> int | None:
-        transport = httpx.MockTransport(handler)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
-            return await _max_model_len(client, model)
-
-    assert asyncio.run(ask("b")) == 4096
-    assert asyncio.run(ask("c")) is None  # a card without the field: no check
-    assert asyncio.run(ask("missing")) is None
-
-
 def test_kernel_summary_of_cuda_events():
     """The CUDA branch of the profile summary (the smoke run has no CUDA events): GPU busy time
     is the union of kernel intervals, annotation ranges and host ops are left out."""
@@ -415,7 +392,7 @@ def test_kernel_summary_of_cuda_events():
 
     from torch.autograd import DeviceType
 
-    from pagedserve.bench.gpu_engine.decode import _kernel_summary
+    from benchmarks.gpu_engine.decode import _kernel_summary
 
     def event(name, start, end, device=DeviceType.CUDA, activity="kernel"):
         span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
@@ -451,34 +428,21 @@ def test_kernel_summary_of_cuda_events():
 
 @SCRIPT_ON_CPU
 def test_the_kvcap_step_runs_alone_and_checks_swap_and_fp8(tmp_path):
-    done = _run_script(tmp_path, ONLY="kvcap")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("kvcap: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "kvcap")
-    _no_errors(records)
-    swaps = [r for r in records if r.get("check") == "fp32_swap_greedy"]
-    assert [(r["engine"], r["equal"], r["swapped_blocks_left"]) for r in swaps] == [
-        ("default", True, 0),
-        ("eager", True, 0),
-    ]
+    records, summary = _run_alone(tmp_path, "kvcap")
+    swaps = _where(records, check="fp32_swap_greedy")
+    _both_engines_equal(swaps, swapped_blocks_left=0)
     # The pool is too small for all at once: requests were preempted, every one swapped out and
     # back in.
     assert all(r["swap_outs"] == r["swap_ins"] == r["preemptions"] > 0 for r in swaps)
-    (fp8,) = [r for r in records if r.get("check") == "fp8_greedy_agreement"]
+    (fp8,) = _where(records, check="fp8_greedy_agreement")
     assert 0 < fp8["agreement"] <= 1
-    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
-    assert throughput["bf16_tok_s"] > 0 and throughput["fp8_tok_s"] > 0
-    summary = (tmp_path / "summary.txt").read_text()
+    _rates_measured(records, "bf16_tok_s", "fp8_tok_s")
     assert "kvcap: tiny fp32_swap_greedy eager equal=True prompts 8/8" in summary
 
 
 @SCRIPT_ON_CPU
 def test_the_tp_step_runs_alone_and_checks_the_distributed_path(tmp_path):
-    done = _run_script(tmp_path, ONLY="tp")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("tp: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "tp")
-    _no_errors(records)
+    records, summary = _run_alone(tmp_path, "tp")
     checks = [(r["check"], r["engine"], r["equal"]) for r in records if r.get("check")]
     # On CPU two ranks run too (gloo): the H200 has one GPU and records that check as skipped.
     assert checks == [
@@ -486,27 +450,20 @@ def test_the_tp_step_runs_alone_and_checks_the_distributed_path(tmp_path):
         ("fp32_tp1_greedy", "eager", True),
         ("fp32_tp2_greedy", "default", True),
     ]
-    (throughput,) = [r for r in records if r.get("kind") == "throughput"]
-    assert throughput["plain_tok_s"] > 0 and throughput["tp1_tok_s"] > 0
-    summary = (tmp_path / "summary.txt").read_text()
+    _rates_measured(records, "plain_tok_s", "tp1_tok_s")
     assert "tp: tiny fp32_tp2_greedy default equal=True prompts 8/8" in summary
 
 
 @SCRIPT_ON_CPU
 def test_the_whisper_step_runs_alone_and_checks_transcriptions(tmp_path):
-    done = _run_script(tmp_path, ONLY="whisper")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("whisper: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "whisper")
-    _no_errors(records)
-    (check,) = [r for r in records if r.get("check") == "fp32_greedy"]
+    records, summary = _run_alone(tmp_path, "whisper")
+    (check,) = _where(records, check="fp32_greedy")
     assert (check["equal"], check["num_prompts"], check["blocks_free_after"]) == (True, 4, True)
-    served = [r for r in records if r.get("kind") == "transcription"]
+    served = _where(records, kind="transcription")
     assert [(r["concurrency"], r["requests"]) for r in served] == [(1, 2), (2, 4)]
     # 3 s windows of the smoke model, each decoding at most 63 tokens (64 positions).
     assert all(r["audio_seconds_each"] == 3.0 for r in served)
     assert all(0 < r["output_tokens"] <= 63 * r["requests"] for r in served)
-    summary = (tmp_path / "summary.txt").read_text()
     line = f"whisper: whisper-tiny fp32_greedy {check['engine']} equal=True prompts 4/4"
     assert line in summary
     assert "served c=2 x4:" in summary
@@ -514,39 +471,29 @@ def test_the_whisper_step_runs_alone_and_checks_transcriptions(tmp_path):
 
 @SCRIPT_ON_CPU
 def test_the_embed_step_runs_alone_and_checks_embeddings_and_token_rules(tmp_path):
-    done = _run_script(tmp_path, ONLY="embed")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("embed: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "embed")
-    _no_errors(records)
-    (embeddings,) = [r for r in records if r.get("check") == "fp32_embeddings"]
+    records, summary = _run_alone(tmp_path, "embed")
+    (embeddings,) = _where(records, check="fp32_embeddings")
     assert (embeddings["prompts"], embeddings["ok"]) == (8, True)
     assert embeddings["max_abs_diff"] <= 1e-5  # on the CPU, the engine and transformers agree
     rules = [
         (r["cuda_graphs"], r["equal"]) for r in records if r.get("check") == "token_rules_greedy"
     ]
     assert rules == [(True, True), (False, True)]
-    (speed,) = [r for r in records if r.get("part") == "throughput"]
+    (speed,) = _where(records, part="throughput")
     assert speed["prompts"] == 16 and speed["pagedserve_tok_s"] > 0 < speed["transformers_tok_s"]
-    summary = (tmp_path / "summary.txt").read_text()
     assert "embed: tiny_bert fp32_embeddings 8 prompts max |diff|" in summary
     assert "embed: tiny token_rules_greedy graphs=False equal=True prompts 8/8" in summary
 
 
 @SCRIPT_ON_CPU
 def test_the_lora_step_runs_alone_and_checks_kernels_tokens_and_cost(tmp_path):
-    done = _run_script(tmp_path, ONLY="lora")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines()[0].startswith("lora: rc=0 in ")  # no other step ran
-    records = _records(tmp_path, "lora")
-    _no_errors(records)
-    kernel_checks = [(r["check"], r["ok"]) for r in records if r.get("model") == "kernels"]
+    records, summary = _run_alone(tmp_path, "lora")
+    kernel_checks = [(r["check"], r["ok"]) for r in _where(records, model="kernels")]
     assert kernel_checks == [("triton_lora_float32", True), ("triton_lora_bfloat16", True)]
-    greedy = [(r["cuda_graphs"], r["equal"]) for r in records if r.get("check") == "lora_greedy"]
+    greedy = [(r["cuda_graphs"], r["equal"]) for r in _where(records, check="lora_greedy")]
     assert greedy == [(True, True), (False, True)]
-    (cost,) = [r for r in records if r.get("part") == "throughput"]
+    (cost,) = _where(records, part="throughput")
     assert cost["adapters"] == 4 and cost["base_output_tokens_per_s"] > 0
     assert cost["slot_loads"] >= 4  # every adapter went into a slot
-    summary = (tmp_path / "summary.txt").read_text()
     assert "lora: tiny lora_greedy graphs=False equal=True prompts" in summary
     assert "4 adapters mixed" in summary

@@ -1,4 +1,4 @@
-"""`python -m pagedserve.bench.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under
+"""`python -m benchmarks.gpu_kernels --smoke` end to end on CPU: the Triton kernels run under
 the interpreter, are checked against the torch reference, and every record the GPU run writes is
 written, with the byte and FLOP counts the rates are computed from."""
 
@@ -31,7 +31,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     # CUDA hidden: the smoke run must take the CPU path wherever the suite runs.
     env = os.environ | {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, "-m", "pagedserve.bench.gpu_kernels", *args],
+        [sys.executable, "-m", "benchmarks.gpu_kernels", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -243,7 +243,8 @@ def test_sweep_times_every_configuration_and_checks_it():
 
 
 def test_the_scripts_invariance_step_checks_bits_and_times_both_paths(tmp_path):
-    """`ONLY=invariance bash bench/gpu_kernels.sh` with SMOKE=1: the GPU step, tiny, on the CPU."""
+    """`ONLY=invariance bash benchmarks/gpu_kernels.sh` with SMOKE=1: the GPU step, tiny, on the
+    CPU."""
     pytest.importorskip("triton")
     env = os.environ | {
         "SMOKE": "1",
@@ -254,7 +255,7 @@ def test_the_scripts_invariance_step_checks_bits_and_times_both_paths(tmp_path):
     }
     env.pop("TRITON_INTERPRET", None)  # the script sets it
     done = subprocess.run(
-        ["bash", "bench/gpu_kernels.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+        ["bash", "benchmarks/gpu_kernels.sh"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -1,9 +1,9 @@
-"""pagedserve.bench.host_step runs a real engine (stubbed forward) and reports each part of a
+"""benchmarks.host_step runs a real engine (stubbed forward) and reports each part of a
 step."""
 
 from __future__ import annotations
 
-from pagedserve.bench.host_step import measure
+from benchmarks.host_step import measure
 
 
 def test_host_step_reports_each_part():

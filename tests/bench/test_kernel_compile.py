@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import triton
 
-from pagedserve.bench.kernel_compile import MAX_SHARED_BYTES, VARIANTS
+from benchmarks.kernel_compile import MAX_SHARED_BYTES, VARIANTS
 
 NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -30,7 +30,7 @@ NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 def test_every_variant_compiles_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "pagedserve.bench.kernel_compile", "--arch", "90", "--json"],
+        [sys.executable, "-m", "benchmarks.kernel_compile", "--arch", "90", "--json"],
         env=env,
         capture_output=True,
         text=True,

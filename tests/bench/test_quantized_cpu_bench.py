@@ -1,4 +1,4 @@
-"""`python -m pagedserve.bench.quantized_cpu --part matmul` runs whole on the real SmolLM2 Q4_1
+"""`python -m benchmarks.quantized_cpu --part matmul` runs whole on the real SmolLM2 Q4_1
 file: one JSON line per row count, timing the same 121 weights (30 layers' stacked q/k/v, o,
 gate/up and down, and the tied embedding) through each route, in float32 (the block dot products
 where the CPU level has them). And the agreement part's top-1 of a position, as greedy picks it."""
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_matmul_part_times_every_kept_weight_by_rows():
     done = subprocess.run(
-        [sys.executable, "-m", "pagedserve.bench.quantized_cpu", "--part", "matmul",
+        [sys.executable, "-m", "benchmarks.quantized_cpu", "--part", "matmul",
          "--rows", "1", "40", "--iters", "1", "--dtype", "float32"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

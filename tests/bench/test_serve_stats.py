@@ -1,13 +1,16 @@
 """`pagedserve bench serve`: its pure parts (statistics, SSE parsing, arrivals, prompt files, the
-plot), then a whole run against a real server of the dummy model."""
+model card's max_model_len, the plot), then a whole run against a real server of the dummy
+model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import statistics
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pagedserve.bench import serve as bench_serve
@@ -311,6 +314,26 @@ def test_build_request_bodies():
     assert path == "/v1/chat/completions"
     assert body["messages"] == [{"role": "user", "content": "hi"}]
     assert "ignore_eos" not in body and "prompt" not in body
+
+
+def test_bench_serve_reads_max_model_len_from_the_model_card():
+    """Token-id prompts need no tokenizer: the length check reads GET /v1/models, not
+    /tokenize (which a model without a tokenizer answers with 400)."""
+    from pagedserve.bench.serve import _max_model_len
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/models"
+        cards = [{"id": "a", "max_model_len": 128}, {"id": "b", "max_model_len": 4096}]
+        return httpx.Response(200, json={"object": "list", "data": cards + [{"id": "c"}]})
+
+    async def ask(model: str) -> int | None:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            return await _max_model_len(client, model)
+
+    assert asyncio.run(ask("b")) == 4096
+    assert asyncio.run(ask("c")) is None  # a card without the field: no check
+    assert asyncio.run(ask("missing")) is None
 
 
 # --- plot ------------------------------------------------------------------------------------
