@@ -52,7 +52,16 @@ def external_hash(block_hash: BlockHash) -> int:
     return int.from_bytes(block_hash.digest[:8], "big")
 
 
+def group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of KV-cache group `group`'s block of a prefix: the groups' blocks
+    hold different layers' KV of the same tokens, so each gets a key of its own (group 0 the
+    plain hash)."""
+    if group == 0:
+        return block_hash
+    return BlockHash(block_hash.digest + group.to_bytes(2, "little"), block_hash.token_ids)
+
+
 def group_index(block_hash: BlockHash) -> int:
     """The KV-cache group a prefix-cache key belongs to: group g > 0 appends g (2 bytes,
-    little-endian) to the group-0 digest (scheduler/kv_cache_manager.py `_group_hash`)."""
+    little-endian) to the group-0 digest (`group_hash`)."""
     return int.from_bytes(block_hash.digest[32:], "little")

@@ -39,7 +39,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0
     # In a step where some request decodes, prompt tokens (new prompts and prefill chunks) take at
     # most the prompts' per-request share of the budget, or this many if more, so a long prompt
-    # does not stall the streams (Scheduler._prefill_cap); 0: no cap beyond the budget. A step
+    # does not stall the streams (step_plan.prefill_cap); 0: no cap beyond the budget. A step
     # without decodes (a burst of arrivals) takes the whole budget.
     max_prefill_tokens_while_decoding: int = 0
     # Encoder-decoder models (Whisper): the blocks of cross-attention KV a request with an

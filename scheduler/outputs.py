@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagedserve.scheduler.lora_request import LoRARequest
-from pagedserve.scheduler.request import RequestStatus
+from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -120,3 +120,15 @@ class RequestDelta(NamedTuple):
     def finished(self) -> bool:
         """True when this is the request's last delta."""
         return self.status.is_finished
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: tuple[int, ...]) -> RequestDelta:
+        """The request's delta as it stands, with `new_token_ids` its new tokens."""
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            status=request.status,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )

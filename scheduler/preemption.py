@@ -9,26 +9,20 @@ from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.state import SchedulerState
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler.outputs import NewRequestData, SchedulerOutput
+    from pagedserve.scheduler.outputs import SchedulerOutput
+    from pagedserve.scheduler.step_plan import StepPlan
 
 
 class Preemption(SchedulerState):
     """Preemption and swap (a part of `Scheduler`)."""
 
-    def _swap_in(
-        self,
-        request: Request,
-        token_budget: int,
-        new_requests: list[NewRequestData],
-        num_scheduled: dict[str, int],
-        sampling: list[Request],
-    ) -> bool:
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
         """Resume a swapped request at the head of the queue: its KV comes back from the host
         pool into fresh device blocks, and it goes on from where it was preempted. Returns False
         when the device pool cannot take it yet. Should it never fit (nothing else runs, so no
         blocks will come free), its KV is dropped and it is recomputed like any other."""
         kv = self.kv_cache_manager
-        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
         if kv.num_swap_in_blocks(request, num_new_tokens) > kv.num_free_blocks:
             if not self.running:
                 kv.drop_swapped(request)
@@ -41,8 +35,8 @@ class Preemption(SchedulerState):
         self.num_swap_ins += 1
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        new_requests.append(self._new_request_data(request))
-        self._advance(request, num_new_tokens, num_scheduled, sampling)
+        plan.add_new(request, kv)
+        plan.advance(request, num_new_tokens)
         return True
 
     def _preempt_idle(self, preempted: list[Request]) -> bool:

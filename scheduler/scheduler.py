@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pagedserve.scheduler.block_pool import Block
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.forks import Forks
 from pagedserve.scheduler.kv_map import kv_map
@@ -16,6 +17,7 @@ from pagedserve.scheduler.outputs import (
 from pagedserve.scheduler.preemption import Preemption
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.speculation import Speculation
+from pagedserve.scheduler.step_plan import StepPlan, prefill_cap
 
 __all__ = [
     "CachedRequestData",
@@ -31,18 +33,11 @@ class Scheduler(Preemption, Speculation, Forks):
     """Decides, step by step, which tokens of which requests the model computes.
 
     Every request catches its `num_computed_tokens` up to `num_tokens`; there is no separate
-    prefill or decode path. One step (vLLM v1 style):
-
-    1. Running requests, oldest first, each get min(tokens left, token budget left). When
-       the pool cannot give one of them slots, the latest-admitted running request is
-       preempted (blocks freed, progress reset, put at the front of the waiting queue) and
-       the allocation retried; a request may end up preempting itself. In swap mode (a host
-       pool, `SchedulerConfig.num_host_blocks`) the victim's blocks move to the host pool
-       instead when it has room, and the victim keeps its progress.
-    2. Only if nothing was preempted, waiting requests are admitted in FIFO order while a
-       sequence slot and budget remain, reusing prefix-cache hits (a swapped request's blocks
-       come back from the host pool); admission stops at the first request that does not fit
-       (no overtaking).
+    prefill or decode path. A step (vLLM v1 style) has three phases, each a method saying what
+    it decides: the running requests get their tokens first, preempting the latest admitted
+    when the pool runs out (`_schedule_running`); only if nothing was preempted, waiting
+    requests are admitted in FIFO order, with no overtaking (`_schedule_waiting`); then the
+    output is built (`_step_output`).
 
     `num_computed_tokens` advances at schedule() time: the runner computes those tokens in
     this step. update_from_output() then appends sampled tokens and applies stop rules.
@@ -51,8 +46,8 @@ class Scheduler(Preemption, Speculation, Forks):
     is scheduled like any other; the runner fills its id in on the device.
 
     Its parts in files of their own: preemption and swap (scheduler/preemption.py), speculative
-    drafts (scheduler/speculation.py), forks and rewind (scheduler/forks.py), and the block map
-    it serves (scheduler/kv_map.py).
+    drafts (scheduler/speculation.py), forks and rewind (scheduler/forks.py), the step being
+    decided (scheduler/step_plan.py), and the block map it serves (scheduler/kv_map.py).
     """
 
     # --------------------------------------------------------------------- queries
@@ -132,25 +127,33 @@ class Scheduler(Preemption, Speculation, Forks):
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens, allocate their KV slots and advance progress."""
-        token_budget = self.config.max_num_batched_tokens
-        max_model_len = self.config.max_model_len
-        num_scheduled: dict[str, int] = {}
-        cached_ids: list[str] = []
-        cached_new_blocks: list[tuple[int, ...]] = []
-        cached_starts: list[int] = []
-        new_requests: list[NewRequestData] = []
-        sampling: list[Request] = []
-        preempted: list[Request] = []
+        config = self.config
+        plan = StepPlan(
+            config.max_num_batched_tokens,
+            prefill_cap(config, self.running, len(self.waiting)),
+        )
+        self._schedule_running(plan)
+        # Admitting while preempting would hand the blocks just freed to newer requests.
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._step_output(plan)
 
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Running requests, oldest first, each get min(tokens left, budget left), prompt
+        chunks within the step's prefill cap, and a decode step drafts where prompt lookup finds
+        some. One the pool cannot serve preempts others, or itself (`_preempt_until_fits`).
+        Skipped: requests awaiting a choice, and those whose token in flight is their last."""
         kv = self.kv_cache_manager
         running = self.running
+        max_model_len = self.config.max_model_len
         spec_k = self.config.num_speculative_tokens
-        spec_tokens: dict[str, tuple[int, ...]] = {}
-        # Prompt tokens this step may still take (None: only the token budget limits them).
-        prefill_left = self._prefill_cap(running)
+        token_budget, prefill_left = plan.token_budget, plan.prefill_left
+        cached_ids, cached_new_blocks = plan.cached_ids, plan.cached_new_blocks
+        cached_starts = plan.cached_starts
         index = 0
         # The hot loop of a decode step (one pass per running request): attribute reads are
-        # inlined rather than going through Request's properties.
+        # inlined rather than going through Request's properties, and the plan's budgets and
+        # lists are locals.
         while index < len(running) and token_budget > 0:
             request = running[index]
             if request.awaiting_choice:
@@ -183,139 +186,171 @@ class Scheduler(Preemption, Speculation, Forks):
                     if new_block_ids is None:
                         drafts = ()  # no room for them: a plain decode step (which may preempt)
             if not drafts:
-                while (new_block_ids := kv.allocate_slots(request, num_new_tokens)) is None:
-                    # Victims come from the tail, which lies after `index`: requests already
-                    # scheduled this step are never preempted.
-                    victim = running.pop()
-                    self._preempt(victim, swap=True)
-                    preempted.append(victim)
-                    if victim is request:
-                        break
+                new_block_ids = kv.allocate_slots(request, num_new_tokens)
                 if new_block_ids is None:
-                    continue  # it preempted itself
+                    new_block_ids = self._preempt_until_fits(request, num_new_tokens, plan)
+                    if new_block_ids is None:
+                        continue  # it preempted itself
             if request.send_in_full:  # forked, or rewound: the runner has no row for it
                 request.send_in_full = False
-                new_requests.append(self._new_request_data(request))
+                plan.add_new(request, kv)
             else:
                 cached_ids.append(request.request_id)
                 cached_new_blocks.append(tuple(new_block_ids) if new_block_ids else ())
                 cached_starts.append(request.num_computed_tokens)
-            self._advance(request, num_new_tokens, num_scheduled, sampling)
+            plan.advance(request, num_new_tokens)
             if drafts:
                 # The drafts are computed too; update_from_output takes back the rejected ones.
-                request.spec_token_ids = spec_tokens[request.request_id] = drafts
+                request.spec_token_ids = plan.spec_tokens[request.request_id] = drafts
                 request.num_computed_tokens += len(drafts)
                 num_new_tokens += len(drafts)
-                num_scheduled[request.request_id] = num_new_tokens
+                plan.num_scheduled[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             index += 1
+        plan.token_budget, plan.prefill_left = token_budget, prefill_left
 
-        # Admitting while preempting would hand the blocks just freed to newer requests.
-        num_encoded = encoder_charge = 0
-        if not preempted:
-            position = 0  # requests before it in the queue await a choice (beams): skipped
-            loras = self._running_loras() if self.config.max_loras else set()
-            while (
-                position < len(self.waiting)
-                and token_budget > 0
-                and len(self.running) < self.config.max_num_seqs
-            ):
-                request = self.waiting[position]
-                if request.awaiting_choice or request.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                    position += 1
+    def _preempt_until_fits(
+        self, request: Request, num_new_tokens: int, plan: StepPlan
+    ) -> list[int] | None:
+        """The pool cannot give a running request its slots: preempt the latest-admitted running
+        request (`_preempt`, swapping it out where the host pool has room) and retry until they
+        fit; returns the new block ids, None when the request had to preempt itself. Victims
+        come from the tail of `running`, which lies after the request: requests already
+        scheduled this step are never preempted."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim, swap=True)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in queue order while a sequence slot and budget remain: a
+        swapped one comes back from the host pool (`_swap_in`), any other starts after its
+        prefix-cache hit. Left in place for the ones behind: requests awaiting a choice or their
+        grammar, and those of an adapter with no free slot. Admission stops at the first request
+        that does not fit (no overtaking), unless preempting a request that awaits a choice
+        makes room."""
+        kv = self.kv_cache_manager
+        config = self.config
+        position = 0  # requests before it in the queue are skipped
+        loras = self._running_loras() if config.max_loras else set()
+        num_encoded = 0
+        while (
+            position < len(self.waiting)
+            and plan.token_budget > 0
+            and len(self.running) < config.max_num_seqs
+        ):
+            request = self.waiting[position]
+            if request.awaiting_choice or request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                position += 1
+                continue
+            lora = request.lora.lora_int_id if request.lora else 0
+            if lora and lora not in loras and len(loras) >= config.max_loras:
+                # Every adapter slot is held by running requests: it waits for one, and
+                # the requests behind it (other adapters, the base model) go first.
+                position += 1
+                continue
+            if request.num_output_placeholders:
+                # Preempted while its last token was being sampled: it resumes once that
+                # token is back (the next update_from_output), with all its tokens known.
+                break
+            if kv.is_swapped(request.request_id):
+                if self._swap_in(request, plan):
+                    plan.token_budget -= plan.num_scheduled[request.request_id]
+                    if lora:
+                        loras.add(lora)
                     continue
-                lora = request.lora.lora_int_id if request.lora else 0
-                if lora and lora not in loras and len(loras) >= self.config.max_loras:
-                    # Every adapter slot is held by running requests: it waits for one, and
-                    # the requests behind it (other adapters, the base model) go first.
-                    position += 1
-                    continue
-                if request.num_output_placeholders:
-                    # Preempted while its last token was being sampled: it resumes once that
-                    # token is back (the next update_from_output), with all its tokens known.
-                    break
                 if kv.is_swapped(request.request_id):
-                    if self._swap_in(request, token_budget, new_requests, num_scheduled, sampling):
-                        token_budget -= num_scheduled[request.request_id]
-                        if lora:
-                            loras.add(lora)
+                    if self._preempt_idle(plan.preempted):
                         continue
-                    if kv.is_swapped(request.request_id):
-                        if self._preempt_idle(preempted):
-                            continue
-                        break  # FIFO: it waits for room, and so does everyone behind it
-                    # Its KV was dropped (it could never fit back): admitted to recompute.
-                encode = request.encoder_input is not None
-                if encode and num_encoded and token_budget < self.config.encoder_tokens:
-                    break  # the step's encoder work is spent: it starts next step
-                if request.sampling_params.prompt_logprobs is None:
-                    computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(
-                        request
-                    )
-                else:
-                    # Prompt logprobs need the logits of every prompt position, but cached tokens
-                    # skip the forward pass: such a request never reads the prefix cache (as in
-                    # vLLM v1). Its own full blocks are still cached for later requests.
-                    computed_blocks, num_cached_tokens = [], 0
-                num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
-                if prefill_left is not None:
-                    if prefill_left == 0:
-                        break  # the streams decoding come first; it starts next step
-                    num_new_tokens = min(num_new_tokens, prefill_left)
-                if self.config.prefill_only and num_new_tokens < request.num_tokens:
-                    break  # its prompt runs whole, in a step with room for it
-                encoder_blocks = self.config.encoder_blocks
-                if (
-                    encode and not kv.allocate_encoder_blocks(request, encoder_blocks)
-                ) or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
-                    if encode:
-                        kv.free(request)  # its encoder blocks, when only its slots found no room
-                    if self._preempt_idle(preempted):
-                        continue  # room from a request awaiting a choice; try again
-                    break  # FIFO: nobody overtakes the head of the queue
-                del self.waiting[position]
-                if lora:
-                    loras.add(lora)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_cached_tokens
-                self.running.append(request)
-                new_requests.append(self._new_request_data(request, encode))
-                self._advance(request, num_new_tokens, num_scheduled, sampling)
-                token_budget -= num_new_tokens
-                if prefill_left is not None:
-                    prefill_left -= num_new_tokens
+                    break  # FIFO: it waits for room, and so does everyone behind it
+                # Its KV was dropped (it could never fit back): admitted to recompute.
+            encode = request.encoder_input is not None
+            if encode and num_encoded and plan.token_budget < config.encoder_tokens:
+                break  # the step's encoder work is spent: it starts next step
+            chunk = self._first_chunk(request, plan)
+            if chunk is None:
+                break  # it starts in a later step
+            computed_blocks, num_cached_tokens, num_new_tokens = chunk
+            if (
+                encode and not kv.allocate_encoder_blocks(request, config.encoder_blocks)
+            ) or kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 if encode:
-                    num_encoded += 1
-                    charge = min(token_budget, self.config.encoder_tokens)
-                    token_budget -= charge
-                    encoder_charge += charge
+                    kv.free(request)  # its encoder blocks, when only its slots found no room
+                if self._preempt_idle(plan.preempted):
+                    continue  # room from a request awaiting a choice; try again
+                break  # FIFO: nobody overtakes the head of the queue
+            del self.waiting[position]
+            if lora:
+                loras.add(lora)
+            self._start(request, num_cached_tokens, num_new_tokens, plan)
+            num_encoded += encode
 
+    def _first_chunk(
+        self, request: Request, plan: StepPlan
+    ) -> tuple[list[Block | None], int, int] | None:
+        """A request's prefix-cache hit and the tokens of its first chunk, as (cached blocks,
+        cached tokens, new tokens); None when it must wait for a later step: the decoding
+        streams took the step's prefill cap, or its prompt must run whole and does not fit."""
+        if request.sampling_params.prompt_logprobs is None:
+            computed_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        else:
+            # Prompt logprobs need the logits of every prompt position, but cached tokens
+            # skip the forward pass: such a request never reads the prefix cache (as in
+            # vLLM v1). Its own full blocks are still cached for later requests.
+            computed_blocks, num_cached_tokens = [], 0
+        num_new_tokens = min(request.num_tokens - num_cached_tokens, plan.token_budget)
+        if plan.prefill_left is not None:
+            if plan.prefill_left == 0:
+                return None
+            num_new_tokens = min(num_new_tokens, plan.prefill_left)
+        if self.config.prefill_only and num_new_tokens < request.num_tokens:
+            return None
+        return computed_blocks, num_cached_tokens, num_new_tokens
+
+    def _start(self, request: Request, num_cached: int, num_new: int, plan: StepPlan) -> None:
+        """Run a request taken off the queue with its slots granted: it is sent in full, and its
+        first chunk (and its encoder pass, for at most the budget left) charged to the step."""
+        encode = request.encoder_input is not None
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        self.running.append(request)
+        plan.add_new(request, self.kv_cache_manager, encode)
+        plan.advance(request, num_new)
+        plan.token_budget -= num_new
+        if plan.prefill_left is not None:
+            plan.prefill_left -= num_new
+        if encode:
+            charge = min(plan.token_budget, self.config.encoder_tokens)
+            plan.token_budget -= charge
+            plan.encoder_charge += charge
+
+    def _step_output(self, plan: StepPlan) -> SchedulerOutput:
+        """Close the step: number it, keep whom it samples for, and hand the runner what was
+        granted along with what changed since the last step (finished, preempted and rewound
+        requests, copy-on-write and swap copies)."""
         self._step_id += 1
-        if sampling:
-            self._sampling[self._step_id] = sampling
+        if plan.sampling:
+            self._sampling[self._step_id] = plan.sampling
         finished_ids = tuple(self._finished_since_schedule)
         self._finished_since_schedule.clear()
-        preempted_ids = (*self._preempted_since_schedule, *(r.request_id for r in preempted))
+        preempted_ids = (*self._preempted_since_schedule, *(r.request_id for r in plan.preempted))
         self._preempted_since_schedule.clear()
         swap_out, swap_in = tuple(self._swap_out_copies), tuple(self._swap_in_copies)
         self._swap_out_copies.clear()
         self._swap_in_copies.clear()
-        return SchedulerOutput(
-            step_id=self._step_id,
-            new_requests=tuple(new_requests),
-            cached_requests=CachedRequestData(
-                tuple(cached_ids), tuple(cached_new_blocks), tuple(cached_starts)
-            ),
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=(
-                self.config.max_num_batched_tokens - token_budget - encoder_charge
-            ),
-            preempted_request_ids=preempted_ids,
-            finished_request_ids=finished_ids,
-            spec_token_ids=spec_tokens,
-            block_copies=tuple(self.kv_cache_manager.take_block_copies()),
-            swap_out=swap_out,
-            swap_in=swap_in,
+        return plan.output(
+            self._step_id,
+            self.config.max_num_batched_tokens,
+            preempted_ids,
+            finished_ids,
+            tuple(self.kv_cache_manager.take_block_copies()),
+            swap_out,
+            swap_in,
         )
 
     def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -330,62 +365,6 @@ class Scheduler(Preemption, Speculation, Forks):
     def _running_loras(self) -> set[int]:
         """The adapters of the running requests: each holds a device slot this step."""
         return {request.lora.lora_int_id for request in self.running if request.lora}
-
-    def _new_request_data(self, request: Request, encode: bool = False) -> NewRequestData:
-        """The request in full, for a runner that has no state for it (before `_advance`);
-        `encode`: its encoder blocks are new, for the runner to fill from its encoder input."""
-        return NewRequestData(
-            request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
-            num_computed_tokens=request.num_computed_tokens,
-            sampling_params=request.sampling_params,
-            encoder_block_ids=tuple(self.kv_cache_manager.encoder_block_ids(request.request_id)),
-            encoder_input=request.encoder_input if encode else None,
-            lora=request.lora,
-        )
-
-    @staticmethod
-    def _advance(
-        request: Request,
-        num_new_tokens: int,
-        num_scheduled: dict[str, int],
-        sampling: list[Request],
-    ) -> None:
-        """Record the request's share of the step and advance its progress counter; a chunk
-        that reaches the end of its tokens samples the next one (a placeholder until
-        update_from_output brings it)."""
-        num_scheduled[request.request_id] = num_new_tokens
-        request.num_computed_tokens += num_new_tokens
-        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1
-            sampling.append(request)
-
-    def _prefill_cap(self, running: list[Request]) -> int | None:
-        """How many prompt tokens this step may take, when some running request decodes (one
-        token to compute) and `max_prefill_tokens_while_decoding` is set; else None.
-
-        The budget is shared per request: prompts get the waiting and prefilling requests' share
-        of it, and never less than the cap. So a stream or two decoding while a burst of prompts
-        arrives barely slows the burst (one stall for few streams), while many streams decoding
-        as one long prompt arrives stall for at most the cap's worth of prefill per step."""
-        cap = self.config.max_prefill_tokens_while_decoding
-        if not cap:
-            return None
-        decoding = prefilling = 0
-        for request in running:
-            left = len(request.all_token_ids) + request.num_output_placeholders
-            left -= request.num_computed_tokens
-            if left == 1:
-                decoding += 1
-            elif left > 1:
-                prefilling += 1
-        if not decoding:
-            return None
-        wanting = prefilling + len(self.waiting)
-        share = self.config.max_num_batched_tokens * wanting // (wanting + decoding)
-        return max(cap, share)
 
     # ------------------------------------------------------------------- results
 
@@ -460,7 +439,7 @@ class Scheduler(Preemption, Speculation, Forks):
             running = status == RequestStatus.RUNNING
             self._release(request, finished, remove_from_queues=not running)
             num_finished += running
-            deltas.append(self._delta(request, (token_id,)))
+            deltas.append(RequestDelta.of(request, (token_id,)))
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return deltas
@@ -479,7 +458,7 @@ class Scheduler(Preemption, Speculation, Forks):
         if request is None:
             return None
         self._release(request, status, remove_from_queues=True)
-        return self._delta(request, ())
+        return RequestDelta.of(request, ())
 
     def fail_request(self, request_id: str) -> list[int]:
         """End a request the engine could not serve (FINISHED_ERROR), as `finish_request`, except
@@ -514,14 +493,3 @@ class Scheduler(Preemption, Speculation, Forks):
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_since_schedule.append(request.request_id)
-
-    @staticmethod
-    def _delta(request: Request, new_token_ids: tuple[int, ...]) -> RequestDelta:
-        return RequestDelta(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            status=request.status,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-        )

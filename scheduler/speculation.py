@@ -4,14 +4,11 @@ before a decode step, and the accepted ones applied after it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.ngram import NgramIndex
+from pagedserve.scheduler.outputs import RequestDelta
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.state import SchedulerState
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler.outputs import RequestDelta
 
 
 class Speculation(SchedulerState):
@@ -85,6 +82,6 @@ class Speculation(SchedulerState):
                 break
         new_token_ids = tuple(tokens[:appended])
         if finished is None:
-            return self._delta(request, new_token_ids)
+            return RequestDelta.of(request, new_token_ids)
         self._release(request, finished, remove_from_queues=request.status != RequestStatus.RUNNING)
-        return self._delta(request, new_token_ids)
+        return RequestDelta.of(request, new_token_ids)

@@ -4,8 +4,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pagedserve.scheduler import KVCacheManager, Request, SamplingParams
-from pagedserve.scheduler import kv_cache_manager as kv_cache_manager_module
+from pagedserve.scheduler import KVCacheManager, Request, SamplingParams, kv_allocator
 from pagedserve.scheduler.block_hash import BlockHash
 
 BLOCK_SIZE = 4
@@ -188,7 +187,7 @@ def test_hash_collision_is_guarded_by_token_comparison(monkeypatch: pytest.Monke
     ) -> BlockHash:
         return BlockHash(b"every block collides", tuple(token_ids))
 
-    monkeypatch.setattr(kv_cache_manager_module, "hash_block_tokens", colliding_hash)
+    monkeypatch.setattr(kv_allocator, "hash_block_tokens", colliding_hash)
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     admit(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # Same digest everywhere: only blocks whose tokens match are hits.
