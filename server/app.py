@@ -24,7 +24,15 @@ from pagedserve.engine.models.whisper_config import (
     WhisperDecoding,
     whisper_config_of,
 )
+from pagedserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedserve.server.anthropic.serving_messages import count_tokens, create_message
+from pagedserve.server.audio.serving_transcriptions import (
+    TranscriptionState,
+    audio_seconds,
+    create_transcription,
+)
 from pagedserve.server.dashboard import dashboard_html
+from pagedserve.server.embeddings.serving_embeddings import add_embedding_routes
 from pagedserve.server.errors import (
     APIError,
     BodySizeLimit,
@@ -33,32 +41,24 @@ from pagedserve.server.errors import (
     install_error_handlers,
 )
 from pagedserve.server.limits import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
-from pagedserve.server.metrics import Metrics
-from pagedserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from pagedserve.server.protocol_anthropic import CountTokensRequest, MessagesRequest
-from pagedserve.server.protocol_responses import ResponsesRequest
-from pagedserve.server.serving_chat import chat_prompt_ids, create_chat_completion
-from pagedserve.server.serving_common import ServerState, check_model, check_model_name
-from pagedserve.server.serving_completions import create_completion
-from pagedserve.server.serving_embeddings import add_embedding_routes
-from pagedserve.server.serving_lora import (
+from pagedserve.server.lora.serving_lora import (
     LoRAAdapters,
     adapter_card,
     add_lora_routes,
     parse_lora_module,
 )
-from pagedserve.server.serving_messages import count_tokens, create_message
-from pagedserve.server.serving_responses import ResponsesAPI
-from pagedserve.server.serving_transcriptions import (
-    TranscriptionState,
-    audio_seconds,
-    create_transcription,
+from pagedserve.server.metrics.pagedserve_metrics import Metrics
+from pagedserve.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
+from pagedserve.server.openai.protocol_responses import ResponsesRequest
+from pagedserve.server.openai.serving_chat import chat_prompt_ids, create_chat_completion
+from pagedserve.server.openai.serving_completions import create_completion
+from pagedserve.server.openai.serving_responses import ResponsesAPI
+from pagedserve.server.serving_common import ServerState, check_model, check_model_name
 
 
 def version() -> str:
@@ -85,7 +85,7 @@ def build_app(
     """An app serving `engine`. With manage_engine, the app starts the engine loop on a
     background thread at startup and stops it at shutdown; otherwise the caller runs the loop
     (`pagedserve serve` runs it on the main thread). `lora_modules`: LoRA adapters to serve
-    from the start, `name=path` each (server/serving_lora.py; ValueError for one that does not
+    from the start, `name=path` each (server/lora/serving_lora.py; ValueError for one that does not
     fit the model)."""
     if not served_model_names:
         raise ValueError("served_model_names must name at least one model")
@@ -219,7 +219,7 @@ def _add_text_routes(v1: APIRouter, state: ServerState) -> None:
     async def messages_count_tokens(body: CountTokensRequest) -> dict:
         return count_tokens(state, body)
 
-    responses = ResponsesAPI(state)  # server/serving_responses.py, with its store
+    responses = ResponsesAPI(state)  # server/openai/serving_responses.py, with its store
 
     @v1.post("/responses")
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
@@ -250,7 +250,7 @@ def _add_text_routes(v1: APIRouter, state: ServerState) -> None:
 def _add_transcription_routes(
     v1: APIRouter, state: ServerState, whisper: WhisperConfig, decoding: WhisperDecoding
 ) -> None:
-    """A Whisper model: /v1/audio/transcriptions (server/serving_transcriptions.py); it
+    """A Whisper model: /v1/audio/transcriptions (server/audio/serving_transcriptions.py); it
     continues no text."""
     transcription = TranscriptionState(state, whisper, decoding, audio_seconds(state.metrics))
 

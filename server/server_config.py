@@ -11,8 +11,8 @@ from pagedserve.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
-from pagedserve.server.reasoning import REASONING_PARSERS
-from pagedserve.server.tool_calls import TOOL_CALL_PARSERS
+from pagedserve.server.openai.reasoning import REASONING_PARSERS
+from pagedserve.server.openai.tool_calls import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("scheduler", "kernels", "engine", "server", "bench", "tests")
-# The one import name of an installed pagedserve: the folders above are its subpackages.
+# The product's folders, then the checkout's own: the lab's benchmarks and the tests.
+PRODUCT = ("scheduler", "kernels", "engine", "server", "bench")
+PACKAGES = (*PRODUCT, "benchmarks", "tests")
+# The one import name of an installed pagedserve: the product's folders are its subpackages.
 NAMESPACE = "pagedserve"
 
 # ARCHITECTURE.md's table: the project packages each package may import.
@@ -23,6 +25,7 @@ ALLOWED = {
     "engine": {"scheduler", "kernels"},
     "server": {"scheduler", "engine"},
     "bench": {"scheduler", "kernels", "engine", "server"},
+    "benchmarks": {"scheduler", "kernels", "engine", "server", "bench"},
     "tests": {"scheduler", "kernels", "engine", "server"},
 }
 # The one lazy import of bench outside bench/: the `pagedserve bench` command.
@@ -89,6 +92,7 @@ def test_the_scan_sees_every_package_and_lazy_imports():
     cli = [i for i in ALL_IMPORTS["server"] if i.path == "server/cli.py"]
     assert any(i.project == "bench.cli" and i.lazy for i in cli)
     assert any(i.project == "engine.engine_config" and not i.lazy for i in cli)
+    assert any(i.top == "bench" for i in ALL_IMPORTS["benchmarks"])
     assert all(ALL_IMPORTS[p] for p in PACKAGES)
 
 
@@ -99,7 +103,7 @@ def test_the_project_is_imported_through_its_namespace():
         f"{i.path}:{i.line} imports {i.module}"
         for p in PACKAGES
         for i in ALL_IMPORTS[p]
-        if i.module.split(".")[0] in PACKAGES[:-1]
+        if i.module.split(".")[0] in PRODUCT
     ]
     assert bare == []
 
@@ -111,15 +115,70 @@ def test_imports_point_down_the_table(package):
         if imp.top not in PACKAGES or imp.top == package:
             continue
         allowed = imp.top in ALLOWED[package]
-        if imp.top == "bench":
+        if imp.top == "bench" and not allowed:
             allowed = (
                 (imp.lazy and imp.path in LAZY_BENCH_IMPORTERS)
                 or imp.path.startswith("tests/bench/")
                 or imp.path in BENCH_IMPORTERS_IN_TESTS
             )
+        if imp.top == "benchmarks":  # the checkout's, not the wheel's: only its tests take it
+            allowed = imp.path.startswith("tests/bench/")
         if not allowed:
             bad.append(f"{imp.path}:{imp.line} imports {imp.module}")
     assert bad == []
+
+
+@dataclass(frozen=True)
+class Rooms:
+    """A package's rooms and what each may import. A room is a subfolder, or a top-level module
+    that `top_level` names a room; the package's other top-level modules are shared: a room may
+    import those listed in `shared` (and its own room's modules), and they import only each other.
+    Beyond its row of `allowed`, a room may import the single modules `also` lists for it, and the
+    files in `unbound` import any room."""
+
+    package: str
+    allowed: dict[str, set[str]]  # room -> the rooms it may import
+    shared: set[str]
+    top_level: dict[str, str] = field(default_factory=dict)  # top-level module -> its room
+    also: dict[str, set[str]] = field(default_factory=dict)  # room -> modules of other rooms
+    unbound: set[str] = field(default_factory=set)  # paths
+
+    def room(self, path_or_module: str) -> str | None:
+        """The room of a file or module of the package (None: shared, or not in the package)."""
+        module = path_or_module.removesuffix(".py").replace("/", ".")
+        parts = module.split(".")
+        if parts[0] != self.package:
+            return None
+        return parts[1] if len(parts) > 2 else self.top_level.get(module)
+
+    def targets(self, imp: Import) -> set[str]:
+        """The package's modules an import takes: `from pagedserve.engine.models import x` (or
+        `from pagedserve.engine import models`) takes the module engine.models.x (engine.models)."""
+        folders = set(self.allowed) - set(self.top_level.values())
+        packages = {self.package, *(f"{self.package}.{room}" for room in folders)}
+        taken = {m for m in imp.modules if m != imp.project}
+        return taken if imp.project in packages and taken else {imp.project}
+
+    def may_import(self, path: str, target: str) -> bool:
+        room, target_room = self.room(path), self.room(target)
+        if target in self.shared or target_room == room:
+            return True
+        if room is None or target_room is None:  # shared modules import only shared ones
+            return False
+        return (
+            target_room in self.allowed[room]
+            or target in self.also.get(room, set())
+            or path in self.unbound
+        )
+
+    def bad_imports(self) -> list[str]:
+        return [
+            f"{imp.path}:{imp.line} imports {target}"
+            for imp in ALL_IMPORTS[self.package]
+            if imp.path != f"{self.package}/__init__.py" and imp.top == self.package
+            for target in self.targets(imp)
+            if not self.may_import(imp.path, target)
+        ]
 
 
 # engine/'s rooms (ARCHITECTURE.md): each may import the engine modules shared by all (at engine/'s
@@ -144,41 +203,23 @@ FRONT_END_MAY_IMPORT = {
     "engine.core.beam_search", "engine.lora.request", "engine.lora.adapter",
 }  # fmt: skip
 IN_PROCESS_FRONT_END = {"engine/frontend/llm_engine.py", "engine/frontend/async_engine.py"}
+ENGINE_ROOMS = Rooms(
+    "engine", ROOM_ALLOWED, ENGINE_SHARED,
+    also={"frontend": FRONT_END_MAY_IMPORT}, unbound=IN_PROCESS_FRONT_END,
+)  # fmt: skip
 
 
 def _room(path_or_module: str) -> str | None:
     """The room of an engine file or module (None: shared, or not in engine/)."""
-    parts = path_or_module.removesuffix(".py").replace("/", ".").split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == "engine" else None
-
-
-def _engine_targets(imp: Import) -> set[str]:
-    """The engine modules an import takes: `from pagedserve.engine.models import x` takes the
-    module engine.models.x."""
-    rooms = {f"engine.{room}" for room in ROOM_ALLOWED}
-    return {m for m in imp.modules if m != imp.project} if imp.project in rooms else {imp.project}
+    return ENGINE_ROOMS.room(path_or_module)
 
 
 def _may_import(path: str, target: str) -> bool:
-    room, target_room = _room(path), _room(target)
-    if target in ENGINE_SHARED or target_room == room:
-        return True
-    if room is None or target_room is None:  # shared modules import only shared ones
-        return False
-    if room == "frontend":
-        return target in FRONT_END_MAY_IMPORT or path in IN_PROCESS_FRONT_END
-    return target_room in ROOM_ALLOWED[room]
+    return ENGINE_ROOMS.may_import(path, target)
 
 
 def test_engine_rooms_import_down_their_table():
-    bad = [
-        f"{imp.path}:{imp.line} imports {target}"
-        for imp in ALL_IMPORTS["engine"]
-        if imp.path != "engine/__init__.py" and imp.top == "engine"
-        for target in _engine_targets(imp)
-        if not _may_import(imp.path, target)
-    ]
-    assert bad == []
+    assert ENGINE_ROOMS.bad_imports() == []
 
 
 def test_the_room_rule_refuses_what_it_should():
@@ -189,6 +230,62 @@ def test_the_room_rule_refuses_what_it_should():
     assert not _may_import("engine/messages.py", "engine.models.model_config")
     assert _may_import("engine/core/engine_core.py", "engine.worker.model_runner")
     assert _may_import("engine/frontend/llm_engine.py", "engine.core.engine_core")
+
+
+# server/'s rooms: a room per API family (openai, anthropic, audio, embeddings) and per
+# integration (metrics, lora, ray_serve), each a subfolder; at the top level the app (its
+# construction, process, command line and config: it imports the API rooms to register their
+# routes), what the handlers share (serving_common.py: the server's state, queueing, SSE) and
+# the edge every room may import (errors, limits, the request bodies' base). API rooms import
+# the shared handler code, not each other, except Anthropic's Messages, which run on OpenAI's
+# chat path.
+SERVER_ROOM_ALLOWED = {
+    "metrics": set(),
+    "lora": set(),
+    "common": {"metrics", "lora"},  # the handlers' state holds the metrics and the adapters
+    "openai": {"common"},
+    "embeddings": {"common"},
+    "audio": {"common", "metrics"},
+    "anthropic": {"common", "openai"},
+    "app": {"common", "metrics", "lora", "openai", "anthropic", "audio", "embeddings"},
+    "ray_serve": {"app"},  # replicas of the app, each running the process the CLI runs
+}
+SERVER_ROOMS = Rooms(
+    "server",
+    SERVER_ROOM_ALLOWED,
+    shared={"server.errors", "server.limits", "server.request_body"},
+    top_level={
+        "server.serving_common": "common",
+        **dict.fromkeys(
+            ("server.app", "server.api_server", "server.cli", "server.server_config",
+             "server.dashboard", "server.launch"),
+            "app",
+        ),
+    },
+)  # fmt: skip
+
+
+def test_server_rooms_import_down_their_table():
+    assert SERVER_ROOMS.bad_imports() == []
+    # Every top-level module is shared or in a room, and every room is in the table.
+    top = {f"server.{p.stem}" for p in (ROOT / "server").glob("*.py")} - {"server.__init__"}
+    assert top == SERVER_ROOMS.shared | set(SERVER_ROOMS.top_level)
+    rooms = {p.parent.name for p in (ROOT / "server").glob("*/__init__.py")}
+    assert rooms == set(SERVER_ROOM_ALLOWED) - set(SERVER_ROOMS.top_level.values())
+
+
+def test_the_server_room_rule_refuses_what_it_should():
+    may_import = SERVER_ROOMS.may_import
+    assert not may_import("server/audio/serving_transcriptions.py", "server.openai.protocol")
+    assert not may_import("server/openai/serving_chat.py", "server.anthropic.protocol")
+    assert not may_import("server/errors.py", "server.serving_common")
+    assert not may_import("server/serving_common.py", "server.app")
+    assert not may_import("server/app.py", "server.ray_serve")
+    assert not may_import("server/lora/serving_lora.py", "server.serving_common")
+    assert may_import("server/anthropic/serving_messages.py", "server.openai.serving_chat")
+    assert may_import("server/openai/serving_chat.py", "server.serving_common")
+    assert may_import("server/ray_serve/__init__.py", "server.api_server")
+    assert may_import("server/embeddings/serving_embeddings.py", "server.errors")
 
 
 # What the API server's process may load of engine/.
@@ -275,8 +372,8 @@ def test_only_entry_points_tune_the_allocator():
         "engine/core/process.py",  # the entry point of the engine core's own process
         "engine/worker/tp_worker.py",  # the entry point of a tensor-parallel rank's process
         "tests/conftest.py",
-        "bench/compare_serve.py",
-        "bench/compare_transformers.py",
-        "bench/host_step.py",
-        "bench/quantized_cpu.py",
+        "benchmarks/compare_serve.py",
+        "benchmarks/compare_transformers.py",
+        "benchmarks/host_step.py",
+        "benchmarks/quantized_cpu.py",
     }

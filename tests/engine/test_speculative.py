@@ -15,7 +15,8 @@ from prometheus_client import generate_latest
 from pagedserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from pagedserve.scheduler import Request, Scheduler, SchedulerConfig
 from pagedserve.scheduler.ngram import NgramIndex
-from pagedserve.server.metrics import Metrics
+from pagedserve.server.metrics.pagedserve_metrics import Metrics
+from tests.helpers import finish_all
 
 
 def _latest_match(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -126,14 +127,8 @@ def _generate(engine: LLMEngine, prompts, params) -> list[list[int]]:
 
 
 def _generate_each(engine: LLMEngine, prompts, params) -> list[list[int]]:
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
+    requests = {str(i): pair for i, pair in enumerate(zip(prompts, params, strict=True))}
+    done = {i: out.outputs[0].token_ids for i, out in finish_all(engine, requests).items()}
     return [done[str(i)] for i in range(len(prompts))]
 
 

@@ -6,32 +6,19 @@ import httpx
 import pytest
 
 from pagedserve.scheduler import SamplingParams
-from tests.server.util import client, sse_events, token_count
+from tests.server.util import client, sse_events, stream_choices, token_count
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _collect(chunks, num_choices: int = 1):
-    texts = [""] * num_choices
-    roles: list[str | None] = [None] * num_choices
-    finish: list[str | None] = [None] * num_choices
-    usage = None
-    for chunk in chunks:
-        assert chunk.object == "chat.completion.chunk"
-        if chunk.usage is not None:
-            assert chunk.choices == []
-            usage = chunk.usage.model_dump()
-            continue
-        (choice,) = chunk.choices
-        i = choice.index
-        assert finish[i] is None, "a chunk after the choice's finish_reason"
-        if roles[i] is None:
-            # The first chunk of each choice carries the role and no text yet.
-            assert choice.delta.role == "assistant"
-            assert not choice.delta.content
-            roles[i] = choice.delta.role
-        texts[i] += choice.delta.content or ""
-        finish[i] = choice.finish_reason
+    pieces, finish, usage = stream_choices(chunks, "chat.completion.chunk", num_choices)
+    for first in (choice[0] for choice in pieces if choice):
+        # The first chunk of each choice carries the role and no text yet.
+        assert first.delta.role == "assistant"
+        assert not first.delta.content
+    texts = ["".join(c.delta.content or "" for c in choice) for choice in pieces]
+    roles = [choice[0].delta.role if choice else None for choice in pieces]
     return texts, roles, finish, usage
 
 
@@ -121,14 +108,8 @@ def test_chat_stop_string(server):
 
 def test_chat_logprobs(server):
     c = client(server)
-    r = c.chat.completions.create(
-        model="smollm2-135m-instruct",
-        messages=MESSAGES,
-        max_tokens=6,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-    )
+    body = dict(model="smollm2-135m-instruct", messages=MESSAGES, max_tokens=6, temperature=0)
+    r = c.chat.completions.create(**body, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
     assert "".join(t.token for t in content) == r.choices[0].message.content
@@ -139,15 +120,7 @@ def test_chat_logprobs(server):
         assert t.top_logprobs[0].token == t.token
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
         assert t.bytes == list(t.token.encode())
-    streamed = c.chat.completions.create(
-        model="smollm2-135m-instruct",
-        messages=MESSAGES,
-        max_tokens=6,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        stream=True,
-    )
+    streamed = c.chat.completions.create(**body, logprobs=True, top_logprobs=2, stream=True)
     tokens = [
         t.token
         for ch in streamed

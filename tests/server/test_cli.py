@@ -23,16 +23,9 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def test_kv_plan_prints_the_formula_and_exact_numbers():
     res = _run(
-        "kv-plan",
-        "--model",
-        "smollm2-135m-instruct",
-        "--max-model-len",
-        "8192",
-        "--num-seqs",
-        "64",
-        "--dtype",
-        "bfloat16",
-    )
+        "kv-plan", "--model", "smollm2-135m-instruct", "--max-model-len", "8192",
+        "--num-seqs", "64", "--dtype", "bfloat16",
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     # 2 x 3 KV heads x 64 x 2 bytes per layer; x 30 layers; x 64 sequences x 8192 tokens.
     assert "per layer per token: 2 x 3 x 64 x 2 = 768 bytes" in res.stdout

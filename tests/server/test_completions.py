@@ -7,26 +7,14 @@ import httpx
 import pytest
 
 from pagedserve.scheduler import SamplingParams
-from tests.server.util import client, sse_events, token_count
+from tests.server.util import client, sse_events, stream_choices, token_count
 
 PROMPT = "The capital of France is"
 
 
 def _stream_text(chunks, num_choices: int = 1) -> tuple[list[str], list[str | None], dict | None]:
-    texts = [""] * num_choices
-    finish: list[str | None] = [None] * num_choices
-    usage = None
-    for chunk in chunks:
-        assert chunk.object == "text_completion"
-        if chunk.usage is not None:
-            assert chunk.choices == []
-            usage = chunk.usage.model_dump()
-            continue
-        (choice,) = chunk.choices  # one choice per chunk
-        assert finish[choice.index] is None, "a chunk after the choice's finish_reason"
-        texts[choice.index] += choice.text
-        finish[choice.index] = choice.finish_reason
-    return texts, finish, usage
+    pieces, finish, usage = stream_choices(chunks, "text_completion", num_choices)
+    return ["".join(c.text for c in choice) for choice in pieces], finish, usage
 
 
 def test_greedy_completion_equals_the_offline_engine(server, real_llm):
@@ -91,21 +79,13 @@ def test_several_prompts_in_one_request(server):
         c.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=6, temperature=0)
         for p in prompts
     ]
-    both = c.completions.create(
-        model="smollm2-135m-instruct", prompt=prompts, max_tokens=6, temperature=0
-    )
+    body = dict(model="smollm2-135m-instruct", prompt=prompts, max_tokens=6, temperature=0)
+    both = c.completions.create(**body)
     assert [ch.index for ch in both.choices] == [0, 1]
     assert [ch.text for ch in both.choices] == [a.choices[0].text for a in alone]
     assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert both.usage.completion_tokens == 12
-    streamed = c.completions.create(
-        model="smollm2-135m-instruct",
-        prompt=prompts,
-        max_tokens=6,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    streamed = c.completions.create(**body, stream=True, stream_options={"include_usage": True})
     texts, finish, usage = _stream_text(streamed, num_choices=2)
     assert texts == [ch.text for ch in both.choices]
     assert finish == ["length", "length"]

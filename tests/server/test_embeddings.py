@@ -12,7 +12,7 @@ import openai
 import pytest
 import sentence_transformers
 
-from pagedserve.server.serving_embeddings import embedding_vector
+from pagedserve.server.embeddings.serving_embeddings import embedding_vector
 from tests.server.util import client, metric
 
 TEXTS = [

@@ -17,7 +17,7 @@ from tests.server.conftest import (
     MAX_REQUEST_BODY_BYTES,
     REQUEST_TIMEOUT_S,
 )
-from tests.server.util import client, metric
+from tests.server.util import client, full_queue, metric
 
 GOOD = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 
@@ -253,46 +253,15 @@ def test_full_waiting_queue_gives_503(limited_server):
     """max_num_seqs=1 and max_queue_len=1: one request runs, one waits, the third is refused."""
     s = limited_server
     headers = {"Authorization": f"Bearer {s.api_key}"}
-    long_body = {
-        "prompt": "Count:",
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "temperature": 0,
-        "stream": True,
-    }
-    waiter_status: list[int] = []
-    with httpx.Client(headers=headers, timeout=120) as http:
-        with http.stream("POST", f"{s.v1}/completions", json=long_body) as running:
-            assert running.status_code == 200
-            # The first request holds the only batch slot. Keep the line iterator: a dropped one
-            # may close the response, and the server then aborts the request.
-            lines = running.iter_lines()
-            next(lines)
-
-            def wait_in_queue() -> None:
-                r = httpx.post(
-                    f"{s.v1}/completions",
-                    json={**long_body, "stream": False, "max_tokens": 2},
-                    headers=headers,
-                    timeout=120,
-                )
-                waiter_status.append(r.status_code)
-
-            waiter = threading.Thread(target=wait_in_queue)
-            waiter.start()
-            deadline = time.monotonic() + 30
-            while metric(s, "pagedserve_num_requests_waiting") < 1:
-                assert time.monotonic() < deadline, "second request never queued"
-                time.sleep(0.02)
-            err = _assert_error(
-                http.post(f"{s.v1}/completions", json={**GOOD}), 503, None, "queue is full"
-            )
-            assert err["code"] == "queue_full"
-            retry = http.post(f"{s.v1}/completions", json={**GOOD})
-            assert retry.status_code == 503 and retry.headers["retry-after"] == "1"
-        # Closing the first stream aborts it; the queued request then runs and succeeds.
-        waiter.join(timeout=60)
-    assert waiter_status == [200]
+    with httpx.Client(headers=headers, timeout=120) as http, full_queue(s) as waited:
+        err = _assert_error(
+            http.post(f"{s.v1}/completions", json={**GOOD}), 503, None, "queue is full"
+        )
+        assert err["code"] == "queue_full"
+        retry = http.post(f"{s.v1}/completions", json={**GOOD})
+        assert retry.status_code == 503 and retry.headers["retry-after"] == "1"
+    # Closing the first stream aborted it; the queued request then ran and succeeded.
+    assert waited == [200]
     _assert_healthy(s)
 
 

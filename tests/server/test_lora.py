@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from pagedserve.server.serving_lora import parse_lora_module
+from pagedserve.server.lora.serving_lora import parse_lora_module
 from tests.server.conftest import LORA_PROMPT, LORA_TOKENS
 from tests.server.test_readme_examples import LORA_PORT, serve_it_examples
 from tests.server.util import RunningServer, client

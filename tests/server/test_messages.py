@@ -8,7 +8,6 @@ opens a keyed server, and no KV block is held afterwards."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import anthropic
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import MAX_REQUEST_BODY_BYTES
-from tests.server.util import client, metric, token_count
+from tests.server.util import client, full_queue, metric, token_count
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a terse geography assistant."
@@ -253,31 +252,13 @@ def test_a_full_queue_is_overloaded_529(limited_server):
     """limited_server runs one sequence and queues one: a third request is Anthropic's
     overloaded_error (529, with Retry-After), which the SDK raises as OverloadedError."""
     s = limited_server
-    headers = {"Authorization": f"Bearer {s.api_key}"}
-    long_body = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    waited: list[int] = []
-    with httpx.stream("POST", f"{s.v1}/completions", json=long_body, headers=headers) as running:
-        lines = running.iter_lines()  # keep it: a dropped iterator may close the stream
-        next(lines)
-
-        def wait_in_queue() -> None:
-            body = {**long_body, "stream": False, "max_tokens": 2}
-            r = httpx.post(f"{s.v1}/completions", json=body, headers=headers, timeout=120)
-            waited.append(r.status_code)
-
-        waiter = threading.Thread(target=wait_in_queue)
-        waiter.start()
-        deadline = time.monotonic() + 30
-        while metric(s, "pagedserve_num_requests_waiting") < 1:
-            assert time.monotonic() < deadline, "the second request never queued"
-            time.sleep(0.02)
+    with full_queue(s) as waited:
         with pytest.raises(anthropic.OverloadedError) as e:
             _anthropic(s).messages.create(
                 model="smol", max_tokens=2, messages=[{"role": "user", "content": ASK}]
             )
         assert e.value.status_code == 529 and e.value.response.headers["retry-after"] == "1"
         _error(e.value, "overloaded_error", "queue is full")
-    waiter.join(timeout=60)
     assert waited == [200]
 
 

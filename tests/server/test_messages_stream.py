@@ -11,11 +11,11 @@ import anthropic
 import httpx2
 import pytest
 
-from pagedserve.server import messages_stream
+from pagedserve.server.anthropic import messages_stream
+from pagedserve.server.anthropic.protocol import MessagesRequest
+from pagedserve.server.anthropic.serving_messages import chat_request
 from pagedserve.server.errors import APIError
-from pagedserve.server.protocol_anthropic import MessagesRequest
-from pagedserve.server.serving_chat import ChatRun
-from pagedserve.server.serving_messages import chat_request
+from pagedserve.server.openai.chat_answer import ChatRun
 
 
 def test_a_conversation_becomes_the_chat_request_that_runs_it():

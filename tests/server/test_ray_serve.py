@@ -1,5 +1,4 @@
-"""pagedserve under Ray Serve (server/ray_serve.py, server/ray_serve_routing.py and
-server/ray_serve_router.py).
+"""pagedserve under Ray Serve (server/ray_serve/: __init__.py, routing.py and router.py).
 
 Pure parts, without a cluster: the placement bundles and deployment options, the application
 builder's arguments, the routing key and the prefix-affinity rule (exact replicas for made-up
@@ -48,8 +47,8 @@ from pagedserve.server.ray_serve import (
     replica_bundles,
     replica_options,
 )
-from pagedserve.server.ray_serve_router import PrefixAffinityRouter
-from pagedserve.server.ray_serve_routing import (
+from pagedserve.server.ray_serve.router import PrefixAffinityRouter
+from pagedserve.server.ray_serve.routing import (
     CHARS_PER_TOKEN,
     CHUNK_CHARS,
     DEFAULT_OUTPUT_TOKENS,
@@ -113,7 +112,7 @@ def test_tensor_parallel_replicas_get_their_gpus_packed_on_one_node():
     assert options["max_ongoing_requests"] == config.max_num_seqs == 256
     assert options["graceful_shutdown_timeout_s"] == server.shutdown_timeout + ENGINE_STOP_S
     router = options["request_router_config"].request_router_class
-    assert router == "pagedserve.server.ray_serve_router.PrefixAffinityRouter"
+    assert router == "pagedserve.server.ray_serve.router.PrefixAffinityRouter"
     with pytest.raises(ValueError, match="use --device cuda"):
         replica_options(*parse_args({"device": "cuda:1"}))
 
@@ -264,7 +263,7 @@ import asyncio, sys
 from types import SimpleNamespace
 import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
-from pagedserve.server.ray_serve_routing import ForwardedRequest, RoutingKey
+from pagedserve.server.ray_serve.routing import ForwardedRequest, RoutingKey
 
 router_class = cloudpickle.loads(open(sys.argv[1], "rb").read())
 deployment = DeploymentID(name="PagedServeReplica", app_name="app")

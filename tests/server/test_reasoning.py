@@ -1,4 +1,4 @@
-"""server/reasoning.py: the reasoning parsers, whole and streamed (pure, no server)."""
+"""server/openai/reasoning.py: the reasoning parsers, whole and streamed (pure, no server)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.scheduler import StructuredOutputs
-from pagedserve.server.reasoning import REASONING_PARSERS, ReasoningPlan, reasoning_plan
+from pagedserve.server.openai.reasoning import REASONING_PARSERS, ReasoningPlan, reasoning_plan
 
 STARTS = (None, "reasoning", "content")
 # Pieces that make tags, near-tags and their parts likely.

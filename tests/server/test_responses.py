@@ -20,8 +20,8 @@ from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from pagedserve.server.errors import APIError
-from pagedserve.server.responses_output import response_events
-from pagedserve.server.serving_responses import ResponseStore, StoredResponse
+from pagedserve.server.openai.responses_output import response_events
+from pagedserve.server.openai.serving_responses import ResponseStore, StoredResponse
 from tests.server.util import client, metric
 
 MODEL = "smollm2-135m-instruct"

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from pagedserve.engine.messages import EngineStats
-from pagedserve.server.metrics import Metrics, resident_memory_bytes
+from pagedserve.server.metrics.pagedserve_metrics import Metrics, resident_memory_bytes
 from tests.server.util import PAGEDSERVE
 
 NUM_REQUESTS = 100

@@ -18,7 +18,7 @@ import pydantic
 import pytest
 
 from pagedserve.server.errors import APIError
-from pagedserve.server.tool_calls import ToolCallStream, plan_tools
+from pagedserve.server.openai.tool_calls import ToolCallStream, plan_tools
 from tests.server.util import client
 
 MODEL = "smollm2-135m-instruct"

@@ -1,12 +1,12 @@
-"""The response formats of /v1/audio/transcriptions (server/transcription_formats.py): the exact
-bodies of json, text, verbose_json, SRT and WebVTT for a 65.5-second transcription in three
+"""The response formats of /v1/audio/transcriptions (server/audio/transcription_formats.py): the
+exact bodies of json, text, verbose_json, SRT and WebVTT for a 65.5-second transcription in three
 30-second windows."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.server.transcription_formats import format_transcription, window_segments
+from pagedserve.server.audio.transcription_formats import format_transcription, window_segments
 
 SEGMENTS = window_segments(
     [" Hello there.", " ", " General Kenobi!"], [[10, 11], [], [12, 13, 14]], 65.5, 30

@@ -25,7 +25,11 @@ from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.models.tokenizer import load_tokenizer
 from pagedserve.engine.models.whisper import greedy
 from pagedserve.engine.models.whisper_features import log_mel
-from pagedserve.server.transcription_formats import format_transcription, full_text, window_segments
+from pagedserve.server.audio.transcription_formats import (
+    format_transcription,
+    full_text,
+    window_segments,
+)
 from tests.server.util import client, metric, run_server, sse_events
 
 # The tiny model's decoder: 64 positions, decoder_start 3, end of text 2; windows of 3 s.

@@ -1,5 +1,6 @@
-"""vLLM's metric names in /metrics (server/metrics_vllm.py), as Kubernetes routers and vLLM's
-dashboards read them: present, labelled as vLLM labels them, and equal to pagedserve's own."""
+"""vLLM's metric names in /metrics (server/metrics/vllm_metrics.py), as Kubernetes routers and
+vLLM's dashboards read them: present, labelled as vLLM labels them, and equal to pagedserve's
+own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine.messages import EngineStats
-from pagedserve.server.metrics import Metrics
+from pagedserve.server.metrics.pagedserve_metrics import Metrics
 from tests.server.util import client
 
 MODEL = "smollm2-135m-instruct"

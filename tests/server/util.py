@@ -7,6 +7,8 @@ import contextlib
 import json
 import shutil
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +73,63 @@ def sse_events(response: httpx.Response) -> list[Any]:
         parsed.append(json.loads(event.removeprefix("data: ")))
     assert events[-2] == "data: [DONE]"
     return parsed
+
+
+def stream_choices(
+    chunks: Any, kind: str, num_choices: int = 1
+) -> tuple[list[list[Any]], list[str | None], dict | None]:
+    """A stream read through the official client: each choice's pieces in order, its
+    finish_reason, and the usage of the usage chunk (None without one). Checks the chunks' object
+    (`kind`), one choice per chunk, nothing after a choice's finish_reason, and that the usage
+    chunk carries no choice."""
+    pieces: list[list[Any]] = [[] for _ in range(num_choices)]
+    finish: list[str | None] = [None] * num_choices
+    usage = None
+    for chunk in chunks:
+        assert chunk.object == kind
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage.model_dump()
+            continue
+        (choice,) = chunk.choices
+        assert finish[choice.index] is None, "a chunk after the choice's finish_reason"
+        pieces[choice.index].append(choice)
+        finish[choice.index] = choice.finish_reason
+    return pieces, finish, usage
+
+
+@contextlib.contextmanager
+def full_queue(server) -> Iterator[list[int]]:
+    """On a server that runs one sequence and queues one (limited_server): a long stream holds
+    the batch slot and a second request waits, so a third is refused while this is open. On
+    leaving, the stream closes (the server aborts it) and the queued request runs; the list
+    yielded then holds its status."""
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    long_body = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    waited: list[int] = []
+    with httpx.stream(
+        "POST", f"{server.v1}/completions", json={**long_body, "stream": True}, headers=headers,
+        timeout=120,
+    ) as running:  # fmt: skip
+        assert running.status_code == 200
+        # Keep the line iterator: a dropped one may close the response, and the server then
+        # aborts the request.
+        lines = running.iter_lines()
+        next(lines)
+
+        def wait_in_queue() -> None:
+            body = {**long_body, "max_tokens": 2}
+            r = httpx.post(f"{server.v1}/completions", json=body, headers=headers, timeout=120)
+            waited.append(r.status_code)
+
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while metric(server, "pagedserve_num_requests_waiting") < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.02)
+        yield waited
+    waiter.join(timeout=60)
 
 
 def token_count(server, **body: Any) -> int:

@@ -1,5 +1,6 @@
-"""Request bodies of the HTTP API (pydantic). Responses are built as plain dicts in the serving
-modules: they are written once per token in streams, where pydantic would only add cost.
+"""Request bodies of the completions, chat and tokenizer routes (pydantic). Responses are built
+as plain dicts in the serving modules: they are written once per token in streams, where pydantic
+would only add cost.
 
 Field names and defaults follow the OpenAI API; the extra sampling fields (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, ...) follow vLLM, so `extra_body={...}` from the
@@ -10,21 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+from pagedserve.server.request_body import RequestBody
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     model: str | None = None
     n: int = 1
     temperature: float | None = None  # None -> 1.0, the OpenAI default
@@ -53,7 +49,7 @@ class SamplingFields(_Body):
     length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs ({"json" |
     # "regex" | "choice" | "grammar" | "json_object": ...}) and its older guided_* fields.
-    # Typed loosely here: server/structured_outputs.py checks them, naming the field.
+    # Typed loosely here: server/openai/structured_outputs.py checks them, naming the field.
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -82,23 +78,13 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the prompt's logprobs (this many alternatives), as `prompt_logprobs` in the body.
     prompt_logprobs: int | None = None
-    # Checked by server/tool_calls.py, which names the field of a bad one.
+    # Checked by server/openai/tool_calls.py, which names the field of a bad one.
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = True
 
 
-class EmbeddingRequest(_Body):
-    # A text, texts, token ids or lists of token ids (OpenAI's four shapes); checked by
-    # server/serving_embeddings.py, which names the field.
-    input: Any = None
-    model: str | None = None
-    encoding_format: Any = "float"
-    dimensions: Any = None
-    user: str | None = None
-
-
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -108,6 +94,6 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)

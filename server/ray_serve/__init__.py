@@ -10,7 +10,7 @@ Needs the `ray` extra (`pip install '.[ray]'`); nothing else imports this module
 
 Two deployments (`router="prefix"`, the default). Ray's proxy routes on headers alone: it hands
 a replica the request's scope and the replica pulls the body afterwards, so no router at the
-proxy sees a prompt (server/ray_serve_routing.py). The ingress therefore reads each body, computes
+proxy sees a prompt (server/ray_serve/routing.py). The ingress therefore reads each body, computes
 its routing key (prompt prefix digests and estimated cost) and forwards the whole request through
 a handle whose router, `PrefixAffinityRouter`, applies the data-parallel router's rule across
 replicas. The replica runs the request through its in-process FastAPI app (`asgi_messages`) and
@@ -56,8 +56,8 @@ from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.server.api_server import server_app, start_client
 from pagedserve.server.cli import build_parser
 from pagedserve.server.errors import APIError, BodySizeLimit, error_response
-from pagedserve.server.ray_serve_router import PrefixAffinityRouter
-from pagedserve.server.ray_serve_routing import REPLICA_HEADER, ForwardedRequest, routing_key
+from pagedserve.server.ray_serve.router import PrefixAffinityRouter
+from pagedserve.server.ray_serve.routing import REPLICA_HEADER, ForwardedRequest, routing_key
 from pagedserve.server.server_config import ServerConfig
 
 logger = logging.getLogger("pagedserve")
@@ -216,7 +216,7 @@ class PagedServeHTTPReplica(_Replica):
 
 
 class IngressApp:
-    """The ingress's ASGI app: each HTTP request read whole, keyed (server/ray_serve_routing.py
+    """The ingress's ASGI app: each HTTP request read whole, keyed (server/ray_serve/routing.py
     `routing_key`) and forwarded to a replica's `forward` through `replicas` (a streaming
     handle); the replica's ASGI messages are sent on as they come."""
 

@@ -4,11 +4,11 @@
 A Messages request becomes a ChatCompletionRequest (`chat_request`: the system prompt a system
 message, text blocks OpenAI text parts, `tool_use` blocks assistant `tool_calls`, `tool_result`
 blocks `role: "tool"` messages, tools OpenAI functions, tool_choice "any" "required" and
-"tool" a named function), runs through server/serving_chat.py (`start_chat`, `chat_body`,
-`chat_chunks`: the same checks, rendering, sampling and tool calls) and its output is reshaped:
-a `message` with text, `tool_use` and `thinking` blocks, or the stream of Anthropic's events
-(server/messages_stream.py). Errors under /v1/messages take Anthropic's shape
-(server/errors.py `error_response`).
+"tool" a named function), runs through the chat path (server/openai/serving_chat.py
+`start_chat`, chat_answer.py `chat_body` and `chat_chunks`: the same checks, rendering, sampling
+and tool calls) and its output is reshaped: a `message` with text, `tool_use` and `thinking`
+blocks, or the stream of Anthropic's events (server/anthropic/messages_stream.py). Errors under
+/v1/messages take Anthropic's shape (server/errors.py `error_response`).
 
 Not done: images and documents (a 400: the models served read text only), a final assistant
 turn continued as a prefill (it is rendered as a closed turn), thinking `budget_tokens`.
@@ -17,22 +17,24 @@ turn continued as a prefill (it is rendered as a closed turn), thinking `budget_
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.server.errors import APIError
-from pagedserve.server.messages_stream import message_events, stop_reason, tool_use_id
-from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.protocol_anthropic import (
+from pagedserve.server.anthropic.messages_stream import message_events, stop_reason, tool_use_id
+from pagedserve.server.anthropic.protocol import (
     AnthropicMessage,
     CountTokensRequest,
     MessagesRequest,
 )
-from pagedserve.server.serving_chat import chat_body, chat_prompt_ids, start_chat
+from pagedserve.server.errors import APIError
+from pagedserve.server.openai.chat_answer import chat_body
+from pagedserve.server.openai.protocol import ChatCompletionRequest
+from pagedserve.server.openai.serving_chat import chat_prompt_ids, start_chat
+from pagedserve.server.openai.tool_calls import plan_tools
 from pagedserve.server.serving_common import ServerState, check_model, warn_unknown_fields
-from pagedserve.server.tool_calls import plan_tools
 
 # The chat fields an error may name, by their name in a Messages request.
 _FIELD_NAMES = {
@@ -170,15 +172,21 @@ def _text_of_block(block: dict[str, Any], where: str) -> dict[str, str]:
     return {"type": "text", "text": text}
 
 
-def _text_parts(blocks: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
-    """Text blocks as OpenAI text parts (the chat path joins them with newlines)."""
-    parts = []
+def _blocks(blocks: list[dict[str, Any]], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(where, type, block) of each content block, a text block as its OpenAI text part."""
     for j, block in enumerate(blocks):
         at = f"{where}.{j}"
         kind = _block_type(block, at)
+        yield at, kind, _text_of_block(block, at) if kind == "text" else block
+
+
+def _text_parts(blocks: list[dict[str, Any]], where: str) -> list[dict[str, str]]:
+    """Text blocks as OpenAI text parts (the chat path joins them with newlines)."""
+    parts = []
+    for at, kind, part in _blocks(blocks, where):
         if kind != "text":
             raise APIError(400, f"{at}: expected a text block, got {kind!r}", param=at)
-        parts.append(_text_of_block(block, at))
+        parts.append(part)
     return parts
 
 
@@ -187,16 +195,14 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
     order they come."""
     out: list[dict[str, Any]] = []
     texts: list[dict[str, str]] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.{j}"
-        kind = _block_type(block, at)
-        if kind == "text":
-            texts.append(_text_of_block(block, at))
-        elif kind == "tool_result":
+    for at, kind, block in _blocks(blocks, where):
+        if kind == "tool_result":
             if texts:
                 out.append({"role": "user", "content": texts})
                 texts = []
             out.append(_tool_message(block, at))
+        elif kind == "text":
+            texts.append(block)
         else:
             raise APIError(400, f"{at}: a user turn holds no {kind!r} blocks", param=at)
     if texts or not out:
@@ -223,11 +229,9 @@ def _tool_message(block: dict[str, Any], where: str) -> dict[str, Any]:
 def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     texts: list[dict[str, str]] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}.{j}"
-        kind = _block_type(block, at)
+    for at, kind, block in _blocks(blocks, where):
         if kind == "text":
-            texts.append(_text_of_block(block, at))
+            texts.append(block)
         elif kind == "tool_use":
             call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(call_id, str) or not isinstance(name, str):

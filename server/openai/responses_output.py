@@ -24,6 +24,7 @@ from contextlib import aclosing
 from typing import Any
 
 from pagedserve.server.errors import as_api_error
+from pagedserve.server.openai.chat_answer import delta_events
 
 Event = tuple[str, dict[str, Any]]  # (type, fields other than type and sequence_number)
 
@@ -66,36 +67,27 @@ class OutputItems:
             fields["content_index"] = 0
         return fields
 
+    def _go_on(self, kind: str, id_prefix: str, fields: dict[str, Any]) -> list[Event]:
+        """Nothing while an item of `kind` is open; else the events that open a new one."""
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        item = {"id": item_id(id_prefix), "type": kind, **fields, "status": "in_progress"}
+        return self._start(item)
+
     def reasoning(self, text: str) -> list[Event]:
-        events = []
-        if self._open is None or self._open["type"] != "reasoning":
-            item = {
-                "id": item_id("rs"),
-                "type": "reasoning",
-                "summary": [],
-                "status": "in_progress",
-            }
-            events = self._start(item)
+        events = self._go_on("reasoning", "rs", {"summary": []})
         self._pieces.append(text)
         events.append(("response.reasoning_text.delta", {**self._where(), "delta": text}))
         return events
 
     def text(self, text: str) -> list[Event]:
-        events = []
-        if self._open is None or self._open["type"] != "message":
-            item = {
-                "id": item_id("msg"),
-                "type": "message",
-                "role": "assistant",
-                "status": "in_progress",
-            }
-            events = self._start(item)
+        events = self._go_on("message", "msg", {"role": "assistant"})
         self._pieces.append(text)
         delta = {**self._where(), "delta": text, "logprobs": []}
         events.append(("response.output_text.delta", delta))
         return events
 
-    def call(self, fragment: dict[str, Any]) -> list[Event]:
+    def tool_call(self, fragment: dict[str, Any]) -> list[Event]:
         """A chat `tool_calls` delta: the first of a call has its id and name, the later ones
         more of its arguments."""
         function = fragment.get("function") or {}
@@ -219,17 +211,9 @@ async def response_events(
             async for chunk in chunks:
                 chat_usage = chunk.get("usage") or chat_usage
                 for choice in chunk["choices"]:
-                    delta = choice["delta"]
-                    events: list[Event] = []
-                    if delta.get("reasoning_content"):
-                        events += out.reasoning(delta["reasoning_content"])
-                    if delta.get("content"):
-                        events += out.text(delta["content"])
-                    for fragment in delta.get("tool_calls") or ():
-                        events += out.call(fragment)
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                    for kind, fields in events:
+                    for kind, fields in delta_events(out, choice["delta"]):
                         yield _frame(kind, fields, next(numbers))
+                    finish_reason = choice.get("finish_reason") or finish_reason
     except Exception as e:  # the request failed or the engine died: tell the client in-band
         err = as_api_error(e)
         error = {"code": err.code or err.type, "message": err.message, "param": err.param}

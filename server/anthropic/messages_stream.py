@@ -18,7 +18,7 @@ from contextlib import aclosing
 from typing import Any
 
 from pagedserve.server.errors import anthropic_error, as_api_error
-from pagedserve.server.serving_chat import ChatRun, chat_chunks
+from pagedserve.server.openai.chat_answer import ChatRun, chat_chunks, delta_events
 from pagedserve.server.serving_common import ServerState
 
 
@@ -70,7 +70,7 @@ class _Blocks:
         frames = [] if self.kind == "text" else self._open({"type": "text", "text": ""})
         return [*frames, self._delta({"type": "text_delta", "text": text})]
 
-    def thinking(self, text: str) -> list[str]:
+    def reasoning(self, text: str) -> list[str]:
         frames = []
         if self.kind != "thinking":
             frames = self._open({"type": "thinking", "thinking": "", "signature": ""})
@@ -122,15 +122,7 @@ async def message_events(
                 if chunk.get("usage"):
                     output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk["choices"]:
-                    delta = choice["delta"]
-                    frames = []
-                    if delta.get("reasoning_content"):
-                        frames += blocks.thinking(delta["reasoning_content"])
-                    if delta.get("content"):
-                        frames += blocks.text(delta["content"])
-                    for fragment in delta.get("tool_calls") or ():
-                        frames += blocks.tool_call(fragment)
-                    for frame in frames:
+                    for frame in delta_events(blocks, choice["delta"]):
                         yield frame
                     if choice.get("finish_reason") is not None:
                         finish, stop = choice["finish_reason"], choice.get("stop_reason")

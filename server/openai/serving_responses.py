@@ -5,10 +5,11 @@ A Responses request becomes a ChatCompletionRequest (`chat_request`: instruction
 message first, the conversation of `previous_response_id` before the input, message items chat
 messages, `function_call` items assistant `tool_calls`, `function_call_output` items
 `role: "tool"` messages, reasoning items left out as chat templates leave earlier reasoning
-out, function tools OpenAI chat functions, `text.format` a `response_format`), runs through
-server/serving_chat.py (`start_chat`, `chat_body`, `chat_chunks`: the same checks, rendering,
-sampling, structured outputs and tool calls) and its output is reshaped into output items
-(server/responses_output.py), whole or streamed.
+out, function tools OpenAI chat functions, `text.format` a `response_format`), runs through the
+chat path (server/openai/serving_chat.py `start_chat`, chat_answer.py `chat_body` and
+`chat_chunks`: the same checks, rendering, sampling, structured outputs and tool calls) and its
+output is reshaped into output items
+(server/openai/responses_output.py), whole or streamed.
 
 Responses are kept (unless `store: false`) in a bounded in-memory store, least recently used
 first out, with the conversation that produced them, for `previous_response_id`, GET and DELETE.
@@ -30,14 +31,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.server.errors import APIError
-from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.protocol_responses import ResponsesRequest
-from pagedserve.server.responses_output import (
+from pagedserve.server.openai.chat_answer import chat_body, chat_chunks
+from pagedserve.server.openai.protocol import ChatCompletionRequest
+from pagedserve.server.openai.protocol_responses import ResponsesRequest
+from pagedserve.server.openai.responses_output import (
     OutputItems,
     finished_response,
     response_events,
 )
-from pagedserve.server.serving_chat import chat_body, chat_chunks, start_chat
+from pagedserve.server.openai.serving_chat import start_chat
 from pagedserve.server.serving_common import ServerState, warn_unknown_fields
 
 # Responses kept for previous_response_id, GET and DELETE; the least recently used go first.
@@ -163,7 +165,7 @@ def whole_output(choice: dict[str, Any]) -> list[dict[str, Any]]:
     if content is not None and (content or not calls):
         out.text(content)
     for i, call in enumerate(calls):
-        out.call({"index": i, **call})
+        out.tool_call({"index": i, **call})
     out.finish(choice["finish_reason"])
     return out.items
 

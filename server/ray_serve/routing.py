@@ -1,6 +1,6 @@
-"""Prefix affinity across Ray Serve replicas (server/ray_serve.py): the routing key the ingress
-computes from each request's body, and the state and rule with which the request router
-(server/ray_serve_router.py) sends a request to the engine replica that probably holds its
+"""Prefix affinity across Ray Serve replicas (server/ray_serve/__init__.py): the routing key the
+ingress computes from each request's body, and the state and rule with which the request router
+(server/ray_serve/router.py) sends a request to the engine replica that probably holds its
 prompt's beginning in its prefix cache. Pure Python: no Ray here.
 
 The rule is the data-parallel router's (engine/frontend/data_parallel.py `pick_by_rule`, the

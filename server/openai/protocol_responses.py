@@ -1,7 +1,7 @@
 """The request body of OpenAI's Responses API (`POST /v1/responses`), as a pydantic model.
 
 Input items, tools, tool_choice and text.format are typed loosely here:
-server/serving_responses.py checks them while translating them to the chat path's shapes, so
+server/openai/serving_responses.py checks them while translating them to the chat path's shapes, so
 that an unsupported item or tool gets a message naming it rather than a list of union
 mismatches. Unknown fields (`include`, `truncation`, `service_tier`, ...) are ignored and
 logged, as on the other endpoints.
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pagedserve.server.request_body import RequestBody
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ResponsesRequest(RequestBody):
     model: str | None = None
     # A user message's text, or a list of items: messages, function_call,
     # function_call_output and reasoning items (the last skipped when replayed).
@@ -35,6 +33,3 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     stream: bool = False
-
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())

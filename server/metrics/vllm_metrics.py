@@ -22,33 +22,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.messages import EngineStats
+from pagedserve.server.metrics.engine_families import ENGINE_FAMILIES
 
-_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("num_requests_running", "Number of requests in model execution batches",
-     lambda s: s.num_running),
-    ("num_requests_waiting", "Number of requests waiting to be processed",
-     lambda s: s.num_waiting),
-    ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage", lambda s: s.kv_usage),
-)  # fmt: skip
-_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("num_preemptions", "Cumulative number of preemptions from the engine",
-     lambda s: s.num_preemptions),
-    ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens",
-     lambda s: s.prefix_cache_queries),
-    ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens",
-     lambda s: s.prefix_cache_hits),
-)  # fmt: skip
 # pagedserve's label names where vLLM's differ.
 _LABELS = {"finish_reason": "finished_reason"}
 
 
 class VLLMCollector(Collector):
-    """The families above. `instruments`: (vLLM's name, pagedserve's counter or histogram)."""
+    """The families above (the engine-state ones: those of ENGINE_FAMILIES with a vLLM name).
+    `instruments`: (vLLM's name, pagedserve's counter or histogram)."""
 
     def __init__(
         self,
@@ -67,12 +54,14 @@ class VLLMCollector(Collector):
         cores = list(self._read_core_stats())
         model = self._model_name
         labels = ["model_name", "engine"]
-        for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
-            for name, doc, read in table:
-                family = kind(f"vllm:{name}", doc, labels=labels)
-                for index, stats in enumerate(cores):
-                    family.add_metric([model, str(index)], read(stats))
-                yield family
+        for family in ENGINE_FAMILIES:
+            if family.vllm is None:
+                continue
+            name, doc = family.vllm
+            metric = family.kind(f"vllm:{name}", doc, labels=labels)
+            for index, stats in enumerate(cores):
+                metric.add_metric([model, str(index)], family.read(stats))
+            yield metric
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the KV cache's configuration",

@@ -1,72 +1,33 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, answered in the
-`chat.completion` shape, or streamed as `chat.completion.chunk`s whose first chunk per choice
-carries the role."""
+"""A chat run's answer: the `chat.completion` object once every choice has finished, or the
+`chat.completion.chunk`s as its tokens come, whose first chunk per choice carries the role. The
+Responses and Messages APIs reshape the same answer (server/openai/responses_output.py,
+server/anthropic/messages_stream.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedserve.engine.models.tokenizer import apply_chat_template
 from pagedserve.scheduler import LoRARequest
-from pagedserve.scheduler.sampling_params import MAX_LOGPROBS
-from pagedserve.server.errors import APIError
-from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
-from pagedserve.server.reasoning import (
-    PROMPT_TAIL_TOKENS,
-    ReasoningPlan,
-    ReasoningStream,
-    reasoning_plan,
-)
+from pagedserve.server.openai.reasoning import ReasoningPlan, ReasoningStream
+from pagedserve.server.openai.sampling import prompt_logprobs_json, safe_logprob
+from pagedserve.server.openai.tool_calls import ToolCallStream, ToolPlan
 from pagedserve.server.serving_common import (
-    SSE_DONE,
     ServerState,
     accumulate,
-    add_requests,
-    check_max_tokens,
-    check_model,
     created,
     final_outputs,
     iterate_all,
-    new_id,
-    prompt_logprobs_json,
-    safe_logprob,
-    sampling_params,
-    sse,
-    sse_error,
-    unless_disconnected,
     usage,
-    warn_unknown_fields,
 )
-from pagedserve.server.structured_outputs import structured_outputs_of
-from pagedserve.server.tool_calls import ToolCallStream, ToolPlan, plan_tools
 
-
-def chat_prompt_ids(
-    state: ServerState,
-    req: ChatCompletionRequest | TokenizeRequest,
-    tools: ToolPlan | None = None,
-) -> list[int]:
-    """Token ids of the conversation (also used by /tokenize with messages), with the tools
-    shown to the model."""
-    messages, template_kwargs = req.messages, req.chat_template_kwargs
-    if tools is not None:
-        messages, extra = tools.render_messages(messages)
-        template_kwargs = {**(template_kwargs or {}), **extra}
-    return apply_chat_template(
-        state.engine.tokenizer,
-        messages,
-        add_generation_prompt=req.add_generation_prompt,
-        template_kwargs=template_kwargs,
-    )
+E = TypeVar("E")
 
 
 @dataclass(frozen=True)
@@ -90,92 +51,9 @@ class ChatRun:
         return {"id": self.request_id, "created": created(), "model": model}
 
 
-async def create_chat_completion(
-    state: ServerState, req: ChatCompletionRequest, raw_request: Request
-) -> JSONResponse | StreamingResponse:
-    warn_unknown_fields(req, "/v1/chat/completions")
-    run = start_chat(state, req)
-    if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(
-            _sse(chat_chunks(state, run, include_usage)), media_type="text/event-stream"
-        )
-    return JSONResponse(await chat_body(state, run, raw_request))
-
-
-def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
-    """Check the request (a 400 names the field), render the conversation and queue it."""
-    lora = check_model(state, req.model)
-    tokenizer = state.engine.tokenizer
-    tools = plan_tools(req, getattr(tokenizer, "chat_template", None), state.tool_call_parser)
-    forced = tools.constraint() if tools is not None else None
-    own = structured_outputs_of(req)
-    if forced is not None and own is not None:
-        raise APIError(
-            400,
-            f"tool_choice {tools.choice!r} constrains the output itself: drop response_format "
-            "and the other structured output fields",
-            param="tool_choice",
-        )
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                400,
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                param="top_logprobs",
-            )
-    prompt = state.engine.process_prompt(chat_prompt_ids(state, req, tools))
-    requested = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    max_tokens = check_max_tokens(requested, len(prompt.token_ids), state.engine.max_model_len)
-    top_k = req.top_logprobs or 0
-    reasoning = _reasoning_plan(state, prompt.token_ids)
-    constrain = forced or own
-    if reasoning is not None:  # the answer after the reasoning is what is constrained
-        constrain = reasoning.constrain(constrain)
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
-    params = sampling_params(
-        state,
-        req,
-        max_tokens,
-        logprobs=top_k if req.logprobs else None,
-        prompt_logprobs=req.prompt_logprobs,
-        constrain=constrain,
-    )
-    request_id = new_id("chatcmpl")
-    queued = add_requests(state, request_id, [prompt], [params], time.monotonic(), lora)
-    return ChatRun(
-        request_id,
-        queued,
-        req.n,
-        tools,
-        req.logprobs,
-        top_k,
-        len(prompt.token_ids),
-        reasoning=reasoning,
-        want_prompt_logprobs=req.prompt_logprobs is not None,
-        lora=lora,
-    )
-
-
-def _reasoning_plan(state: ServerState, prompt_ids: Sequence[int]) -> ReasoningPlan | None:
-    if state.reasoning_parser is None:
-        return None
-    tail = state.engine.tokenizer.decode(
-        list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False
-    )
-    return reasoning_plan(state.reasoning_parser, tail)
-
-
 async def chat_body(state: ServerState, run: ChatRun, raw_request: Request) -> dict[str, Any]:
     """The `chat.completion` object of a run, once every choice has finished."""
-    (final,) = await unless_disconnected(
-        raw_request, final_outputs(run.queued, state.request_timeout)
-    )
+    (final,) = await final_outputs(run.queued, raw_request, state.request_timeout)
     choices = []
     for sample in final.outputs:
         text: str | None = sample.text
@@ -241,16 +119,6 @@ def _logprobs(
             }
         )
     return {"content": content}
-
-
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    try:
-        async with aclosing(chunks):  # leaving early aborts the requests at once, not at GC
-            async for chunk in chunks:
-                yield sse(chunk)
-    except Exception as e:  # the request failed or the engine died: tell the client in-band
-        yield sse_error(e)
-    yield SSE_DONE
 
 
 async def chat_chunks(
@@ -344,3 +212,27 @@ def _tool_deltas(
             yield delta, None, None, None
         finish = "tool_calls" if called and sample.finish_reason == "stop" else sample.finish_reason
         yield {}, None, finish, sample.stop_reason
+
+
+class DeltaSink(Protocol[E]):
+    """What the chunks of a chat run are reshaped into (the Responses API's output items, the
+    Messages API's content blocks); each call returns the events (or frames) it makes."""
+
+    def reasoning(self, text: str) -> list[E]: ...
+
+    def text(self, text: str) -> list[E]: ...
+
+    def tool_call(self, fragment: dict[str, Any]) -> list[E]: ...
+
+
+def delta_events(sink: DeltaSink[E], delta: dict[str, Any]) -> list[E]:
+    """What `sink` makes of one choice's `delta` in a chunk: its reasoning, then its text, then
+    its tool call fragments."""
+    events: list[E] = []
+    if delta.get("reasoning_content"):
+        events += sink.reasoning(delta["reasoning_content"])
+    if delta.get("content"):
+        events += sink.text(delta["content"])
+    for fragment in delta.get("tool_calls") or ():
+        events += sink.tool_call(fragment)
+    return events

@@ -1,24 +1,20 @@
 """Request bodies of Anthropic's Messages API (`POST /v1/messages`,
 `POST /v1/messages/count_tokens`), as pydantic models.
 
-Content blocks, tools and tool_choice are typed loosely here: server/serving_messages.py checks
-them while translating them to the chat path's OpenAI shapes, so that an unsupported block
-(an image) gets a message saying so rather than a list of union mismatches. Unknown fields
-(`service_tier`, `container`, `cache_control` on blocks, ...) are ignored and logged.
+Content blocks, tools and tool_choice are typed loosely here:
+server/anthropic/serving_messages.py checks them while translating them to the chat path's OpenAI
+shapes, so that an unsupported block (an image) gets a message saying so rather than a list of
+union mismatches. Unknown fields (`service_tier`, `container`, `cache_control` on blocks, ...) are
+ignored and logged.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-
-class _AnthropicBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+from pagedserve.server.request_body import RequestBody
 
 
 class AnthropicMessage(BaseModel):
@@ -26,7 +22,7 @@ class AnthropicMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(_AnthropicBody):
+class CountTokensRequest(RequestBody):
     """What decides the prompt: the conversation and the tools shown to the model."""
 
     model: str

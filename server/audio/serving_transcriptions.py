@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from fastapi import Request
@@ -34,24 +34,22 @@ from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.frontend.inputs import AudioPrompt
 from pagedserve.engine.models.whisper_config import WhisperConfig, WhisperDecoding
 from pagedserve.scheduler import SamplingParams
+from pagedserve.server.audio.transcription_formats import (
+    RESPONSE_FORMATS,
+    format_transcription,
+    full_text,
+    window_segments,
+)
 from pagedserve.server.errors import APIError
-from pagedserve.server.metrics import Metrics
+from pagedserve.server.metrics.pagedserve_metrics import Metrics
 from pagedserve.server.serving_common import (
-    SSE_DONE,
     ServerState,
     add_requests,
     check_model_name,
     iterate_all,
     new_id,
-    sse,
-    sse_error,
+    sse_stream,
     unless_disconnected,
-)
-from pagedserve.server.transcription_formats import (
-    RESPONSE_FORMATS,
-    format_transcription,
-    full_text,
-    window_segments,
 )
 
 logger = logging.getLogger("pagedserve")
@@ -216,7 +214,7 @@ async def create_transcription(state: TranscriptionState, raw_request: Request) 
     queued = add_requests(server, new_id("trsc"), prompts, [params] * len(parts), arrival)
     request = _Transcription(state, queued, prompt, len(parts), seconds, language)
     if form.stream:
-        return StreamingResponse(request.events(), media_type="text/event-stream")
+        return StreamingResponse(sse_stream(request.events()), media_type="text/event-stream")
     await unless_disconnected(raw_request, request.collect())
     body, media_type = request.body(form.response_format)
     if isinstance(body, dict):
@@ -277,9 +275,9 @@ class _Transcription:
             language=LANGUAGES[self.language],
         )  # fmt: skip
 
-    async def events(self) -> AsyncIterator[str]:
-        """SSE: text deltas in window order (a later window's text waits for the earlier ones
-        to finish), then the done event and [DONE]; an error ends it with an error event."""
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's events: text deltas in window order (a later window's text waits for
+        the earlier ones to finish), then the done event (a failure raises)."""
         tokenizer = self.state.server.engine.tokenizer
         eos = self.state.whisper.eos_token_id
         num_windows = len(self.tokens)
@@ -287,33 +285,29 @@ class _Transcription:
         held: list[list[str]] = [[] for _ in range(num_windows)]
         front = 0  # the first window not finished
         started = False  # the text's leading space is dropped, as in the json response
-        try:
-            async for output in self.outputs():
-                w = output.window
-                ids = [t for t in output.token_ids if t != eos]
-                held[w].append(detokenizers[w].add_tokens(ids))
-                if output.finish_reason is not None:
-                    held[w].append(detokenizers[w].flush())
-                while front < num_windows:
-                    for delta in held[front]:
-                        if not started:
-                            delta = delta.lstrip()
-                        if delta:
-                            started = True
-                            yield sse({"type": "transcript.text.delta", "delta": delta})
-                    held[front] = []
-                    if self.finish_reasons[front] is None:
-                        break
-                    front += 1
-            output_tokens = sum(len(t) for t in self.tokens)
-            input_tokens = len(self.prompt) * num_windows
-            yield sse({
-                "type": "transcript.text.done",
-                "text": full_text(self.segments()),
-                "usage": {"type": "tokens", "input_tokens": input_tokens,
-                          "output_tokens": output_tokens,
-                          "total_tokens": input_tokens + output_tokens},
-            })  # fmt: skip
-        except Exception as e:  # the request failed or the engine died: tell the client in-band
-            yield sse_error(e)
-        yield SSE_DONE
+        async for output in self.outputs():
+            w = output.window
+            ids = [t for t in output.token_ids if t != eos]
+            held[w].append(detokenizers[w].add_tokens(ids))
+            if output.finish_reason is not None:
+                held[w].append(detokenizers[w].flush())
+            while front < num_windows:
+                for delta in held[front]:
+                    if not started:
+                        delta = delta.lstrip()
+                    if delta:
+                        started = True
+                        yield {"type": "transcript.text.delta", "delta": delta}
+                held[front] = []
+                if self.finish_reasons[front] is None:
+                    break
+                front += 1
+        output_tokens = sum(len(t) for t in self.tokens)
+        input_tokens = len(self.prompt) * num_windows
+        yield {
+            "type": "transcript.text.done",
+            "text": full_text(self.segments()),
+            "usage": {"type": "tokens", "input_tokens": input_tokens,
+                      "output_tokens": output_tokens,
+                      "total_tokens": input_tokens + output_tokens},
+        }  # fmt: skip

@@ -1,5 +1,5 @@
 """Prometheus metrics (`GET /metrics`), named `pagedserve_*`, and beside them vLLM's `vllm:*` names
-for Kubernetes routers and vLLM's dashboards (server/metrics_vllm.py).
+for Kubernetes routers and vLLM's dashboards (server/metrics/vllm_metrics.py).
 
 Three sources:
 - engine state (requests running/waiting, KV blocks, preemptions, prefix-cache counters) is read
@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.frontend.outputs import RequestOutput
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler import LoRARequest
-from pagedserve.server.metrics_vllm import VLLMCollector
+from pagedserve.server.metrics.engine_families import ENGINE_FAMILIES
+from pagedserve.server.metrics.vllm_metrics import VLLMCollector
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -42,38 +43,6 @@ _LATENCY_BUCKETS = (
 _ITL_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
     0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-)  # fmt: skip
-
-
-# The engine-state families: (name, help, the value in an EngineStats).
-_ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("num_requests_running", "Sequences in the running batch", lambda s: s.num_running),
-    ("num_requests_waiting", "Sequences waiting to be admitted", lambda s: s.num_waiting),
-    ("kv_blocks_used", "KV-cache blocks held by live requests", lambda s: s.kv_blocks_used),
-    ("kv_blocks_total", "KV-cache blocks in the pool", lambda s: s.kv_blocks_total),
-    ("kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)", lambda s: s.kv_usage),
-    ("kv_host_blocks_used", "Swap preemption: host-pool blocks holding swapped KV",
-     lambda s: s.kv_host_blocks_used),
-    ("kv_host_blocks_total", "Swap preemption: blocks in the host pool (0: recompute)",
-     lambda s: s.kv_host_blocks_total),
-)  # fmt: skip
-_ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("num_preemptions", "Requests preempted (swapped out or to recompute later)",
-     lambda s: s.num_preemptions),
-    ("num_swap_outs", "Preemptions that moved the request's KV to the host pool",
-     lambda s: s.num_swap_outs),
-    ("num_swap_ins", "Swapped requests resumed with their KV moved back",
-     lambda s: s.num_swap_ins),
-    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-     lambda s: s.prefix_cache_queries),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
-     lambda s: s.prefix_cache_hits),
-    ("engine_steps", "Engine steps run", lambda s: s.num_steps),
-    ("engine_step_seconds", "Time spent in engine steps", lambda s: s.step_seconds),
-    ("spec_decode_draft_tokens", "Speculative decoding: draft tokens proposed",
-     lambda s: s.spec_draft_tokens),
-    ("spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted",
-     lambda s: s.spec_accepted_tokens),
 )  # fmt: skip
 
 
@@ -93,18 +62,15 @@ class _EngineCollector(Collector):
         cores = list(self._read_core_stats()) if self._read_core_stats is not None else []
         per_core = len(cores) > 1
         stats = cores if per_core else [self._read_stats()]
-        for kind, table in (
-            (GaugeMetricFamily, _ENGINE_GAUGES),
-            (CounterMetricFamily, _ENGINE_COUNTERS),
-        ):
-            for name, doc, read in table:
-                if not per_core:
-                    yield kind(f"pagedserve_{name}", doc, value=read(stats[0]))
-                    continue
-                family = kind(f"pagedserve_{name}", doc, labels=["engine"])
-                for index, s in enumerate(stats):
-                    family.add_metric([str(index)], read(s))
-                yield family
+        for family in ENGINE_FAMILIES:
+            name = f"pagedserve_{family.name}"
+            if not per_core:
+                yield family.kind(name, family.doc, value=family.read(stats[0]))
+                continue
+            metric = family.kind(name, family.doc, labels=["engine"])
+            for index, s in enumerate(stats):
+                metric.add_metric([str(index)], family.read(s))
+            yield metric
 
 
 class _LoRACollector(Collector):
@@ -191,42 +157,34 @@ class Metrics:
         all_stats = read_core_stats or (lambda: [read_stats()])
         self.registry.register(_LoRACollector(all_stats))
         r = self.registry
-        self.prompt_tokens = Counter(
-            "pagedserve_prompt_tokens", "Prompt tokens of accepted requests", registry=r
-        )
-        self.generation_tokens = Counter(
-            "pagedserve_generation_tokens", "Tokens generated (all samples)", registry=r
-        )
-        self.requests_finished = Counter(
-            "pagedserve_request_success",
-            "Requests finished, by finish reason of their first sample",
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(f"pagedserve_{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(f"pagedserve_{name}", doc, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated (all samples)")
+        self.requests_finished = counter(
+            "request_success", "Requests finished, by finish reason of their first sample",
             ["finish_reason"],
-            registry=r,
+        )  # fmt: skip
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "From the request's arrival to its first generated token", _LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between successive tokens of a sample",
+            _ITL_BUCKETS,
+        )  # fmt: skip
+        self.lora_requests = counter(
+            "lora_requests", "Engine requests accepted per LoRA adapter", ["lora_name"]
         )
-        self.ttft = Histogram(
-            "pagedserve_time_to_first_token_seconds",
-            "From the request's arrival to its first generated token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pagedserve_inter_token_latency_seconds",
-            "Time between successive tokens of a sample",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.lora_requests = Counter(
-            "pagedserve_lora_requests",
-            "Engine requests accepted per LoRA adapter",
-            ["lora_name"],
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "pagedserve_e2e_request_latency_seconds",
-            "From the request's arrival to its last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "From the request's arrival to its last token",
+            _LATENCY_BUCKETS,
+        )  # fmt: skip
         instruments = (
             ("vllm:prompt_tokens", self.prompt_tokens),
             ("vllm:generation_tokens", self.generation_tokens),

@@ -1,7 +1,7 @@
 """The bodies of `/v1/audio/transcriptions` responses in each `response_format` OpenAI defines
 (json, text, verbose_json, srt, vtt), from a transcription's segments: one segment per
 30-second window of audio (engine/frontend/audio.py `windows`), as Whisper decodes long audio
-without timestamps. The endpoint is server/serving_transcriptions.py.
+without timestamps. The endpoint is server/audio/serving_transcriptions.py.
 """
 
 from __future__ import annotations

@@ -19,18 +19,29 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.engine.frontend.inputs import EMBEDDING_PARAMS, Prompt
 from pagedserve.server.errors import APIError
-from pagedserve.server.protocol import EmbeddingRequest
+from pagedserve.server.request_body import RequestBody
 from pagedserve.server.serving_common import (
     ServerState,
     add_requests,
     check_model,
     final_outputs,
     new_id,
-    unless_disconnected,
     warn_unknown_fields,
 )
 
 ENCODING_FORMATS = ("float", "base64")
+
+
+class EmbeddingRequest(RequestBody):
+    # A text, texts, token ids or lists of token ids (OpenAI's four shapes): checked here, the
+    # field named, rather than by pydantic.
+    input: Any = None
+    model: str | None = None
+    encoding_format: Any = "float"
+    dimensions: Any = None
+    user: str | None = None
+
+
 # What an embedding server refuses: it generates no text.
 GENERATION_PATHS = ("/completions", "/chat/completions", "/responses", "/messages")
 
@@ -138,7 +149,7 @@ async def create_embedding(
     queued = add_requests(
         state, new_id("embd"), prompts, [EMBEDDING_PARAMS] * len(prompts), arrival
     )
-    outputs = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
+    outputs = await final_outputs(queued, raw_request, state.request_timeout)
     data = []
     for index, output in enumerate(outputs):
         vector = embedding_vector(output.embedding, dimensions, inputs.pooling.normalize)

@@ -1,11 +1,11 @@
-"""The Ray Serve request router of the engine replicas (server/ray_serve.py): the
+"""The Ray Serve request router of the engine replicas (server/ray_serve/__init__.py): the
 data-parallel router's rule across replicas, with the routing keys the ingress computed
-(server/ray_serve_routing.py says what they are and where the router runs).
+(server/ray_serve/routing.py says what they are and where the router runs).
 
 Ray pickles a custom router's module by value (RequestRouterConfig) and loads that copy beside
 each caller of the handle: a class defined here would be another class there than the one the
 ingress builds its requests from. So this module holds the router alone; the requests' types and
-the routing state are imported from server/ray_serve_routing.py, by reference.
+the routing state are imported from server/ray_serve/routing.py, by reference.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.engine.frontend.data_parallel import DEFAULT_PREFIX_BLOCKS
-from pagedserve.server.ray_serve_routing import AffinityTable, ForwardedRequest, RoutingKey
+from pagedserve.server.ray_serve.routing import AffinityTable, ForwardedRequest, RoutingKey
 
 
 def _key_of(pending_request: PendingRequest | None) -> RoutingKey:

@@ -17,24 +17,19 @@ from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.scheduler import LoRARequest
 from pagedserve.server.errors import APIError
-from pagedserve.server.fill_in_middle import fim_prompts
-from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.openai.fill_in_middle import fim_prompts
+from pagedserve.server.openai.protocol import CompletionRequest
+from pagedserve.server.openai.sampling import check_max_tokens, safe_logprob, sampling_params
 from pagedserve.server.serving_common import (
-    SSE_DONE,
     ServerState,
     accumulate,
     add_requests,
-    check_max_tokens,
     check_model,
     created,
     final_outputs,
     iterate_all,
     new_id,
-    safe_logprob,
-    sampling_params,
-    sse,
-    sse_error,
-    unless_disconnected,
+    sse_stream,
     usage,
     warn_unknown_fields,
 )
@@ -74,9 +69,10 @@ async def create_completion(
     writer = _ChoiceWriter(state, req, prompts, echo_only)
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, queued, writer, lora), media_type="text/event-stream"
+            sse_stream(_chunks(state, req, request_id, queued, writer, lora)),
+            media_type="text/event-stream",
         )
-    finals = await unless_disconnected(raw_request, final_outputs(queued, state.request_timeout))
+    finals = await final_outputs(queued, raw_request, state.request_timeout)
     choices = []
     for prompt_index, output in enumerate(finals):
         for sample in output.outputs:
@@ -251,14 +247,15 @@ class _LogprobWriter:
         }
 
 
-async def _stream(
+async def _chunks(
     state: ServerState,
     req: CompletionRequest,
     request_id: str,
     queued,
     writer: _ChoiceWriter,
     lora: LoRARequest | None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[dict[str, Any]]:
+    """The `text_completion` chunks as the tokens come (a failure raises)."""
     base = {
         "id": request_id,
         "object": "text_completion",
@@ -266,17 +263,13 @@ async def _stream(
         "model": state.answering_model(lora),
     }
     wholes: dict[int, RequestOutput] = {}
-    try:
-        async for prompt_index, output in iterate_all(queued, state.request_timeout):
-            for choice in writer.delta_choices(prompt_index, output):
-                yield sse({**base, "choices": [choice]})
-            accumulate(wholes, prompt_index, output)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            counts = usage([wholes[i] for i in sorted(wholes)])
-            if writer.echo_only:
-                counts["completion_tokens"] = 0
-                counts["total_tokens"] = counts["prompt_tokens"]
-            yield sse({**base, "choices": [], "usage": counts})
-    except Exception as e:  # the request failed or the engine died: tell the client in-band
-        yield sse_error(e)
-    yield SSE_DONE
+    async for prompt_index, output in iterate_all(queued, state.request_timeout):
+        for choice in writer.delta_choices(prompt_index, output):
+            yield {**base, "choices": [choice]}
+        accumulate(wholes, prompt_index, output)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        counts = usage([wholes[i] for i in sorted(wholes)])
+        if writer.echo_only:
+            counts["completion_tokens"] = 0
+            counts["total_tokens"] = counts["prompt_tokens"]
+        yield {**base, "choices": [], "usage": counts}

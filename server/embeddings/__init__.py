@@ -1,0 +1,1 @@
+"""`POST /v1/embeddings`: an embedding model's endpoint."""

@@ -1,0 +1,1 @@
+"""`GET /metrics`: pagedserve's Prometheus families and vLLM's names beside them."""
