@@ -30,6 +30,20 @@ def record_calls(monkeypatch, module: object, names: tuple[str, ...]) -> list[st
     return calls
 
 
+def finish_all(engine, requests=None) -> dict:
+    """Queue `requests` ({request id: (prompt, params)}) on an LLMEngine and step it until nothing
+    is left: each request's final RequestOutput by id. Every KV block is back in the pool then."""
+    for request_id, (prompt, params) in (requests or {}).items():
+        engine.add_request(request_id, prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
+    return finished
+
+
 def cpu_engine_config(model_dir: Path | str, **changes) -> EngineConfig:
     """The engine tests' usual options for a tiny model on CPU: float32, blocks of 4 tokens, 512
     of them, 512 positions; `changes` override any option."""

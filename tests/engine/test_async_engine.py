@@ -11,7 +11,7 @@ import pytest
 from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.frontend.async_engine import AsyncEngine
 from pagedserve.engine.frontend.client import EngineDeadError, QueueFullError
-from tests.helpers import cpu_engine_config, stream_with_rewind
+from tests.helpers import cpu_engine_config, finish_all, stream_with_rewind
 
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 9][: 1 + i % 4] + list(range(40, 40 + i)) for i in range(8)]
 
@@ -25,14 +25,8 @@ def _sync_tokens(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
 
 
 def _sync_tokens_of(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.outputs[0].token_ids
-    return [finished[str(i)] for i in range(len(prompts))]
+    finished = finish_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    return [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def _run(async_engine: AsyncEngine, main):

@@ -21,7 +21,7 @@ from tests.helpers import hf_greedy, record_calls
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the "
+    "machines without a GPU; on a GPU, `python -m benchmarks.gpu_kernels` checks the "
     "compiled kernels",
 )
 

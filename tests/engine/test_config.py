@@ -648,7 +648,7 @@ def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():
 
 def test_prefill_while_decoding_is_capped_only_when_told():
     # No cap by default, offline and served: on CPU the cap cost served throughput and TTFT more
-    # than it bought in inter-token latency (BENCHMARKS.md, "Aligned tiles and the vector softmax").
+    # than it bought in inter-token latency (BENCHMARKS.md, "Online serving").
     cpu = EngineConfig(device="cpu")
     assert cpu.max_prefill_tokens_while_decoding is None
     assert cpu.step_token_budget == 2048

@@ -3,7 +3,7 @@
 CI has no GPU, so nothing here captures a graph: `DecodeGraphs(capture=False)` runs every decode
 step through the same persistent buffers and padding as a replay would and runs the model eagerly
 on them. That checks what a replay computes (padding rows, stale buffer contents, batch buckets);
-the capture itself runs on the H200 in `bench/gpu_engine/` (its decode step).
+the capture itself runs on the H200 in `benchmarks/gpu_engine/` (its decode step).
 """
 
 from __future__ import annotations

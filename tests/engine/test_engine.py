@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.helpers import finish_all
 
 
 def _engine(tiny_llama_dir, **changes) -> LLMEngine:
@@ -15,15 +16,6 @@ def _engine(tiny_llama_dir, **changes) -> LLMEngine:
 @pytest.fixture
 def engine(tiny_llama_dir) -> LLMEngine:
     return _engine(tiny_llama_dir)
-
-
-def _run(engine: LLMEngine) -> dict:
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    return finished
 
 
 def test_abort_frees_blocks_in_every_state(engine):
@@ -44,7 +36,7 @@ def test_abort_frees_blocks_in_every_state(engine):
     engine.add_request("c", list(range(30, 40)), params)  # waiting: never scheduled
     assert engine.abort("c").outputs[0].token_ids == []
     assert engine.abort("missing") is None
-    done = _run(engine)
+    done = finish_all(engine)
     assert list(done) == ["b"]
     assert len(done["b"].outputs[0].token_ids) == 20
     assert kv.num_used_blocks == 0
@@ -52,7 +44,7 @@ def test_abort_frees_blocks_in_every_state(engine):
 
 def test_n_samples_share_the_prompt(engine):
     engine.add_request("g", [5, 6, 7, 8, 9], SamplingParams(temperature=0, n=3, max_tokens=6))
-    out = _run(engine)["g"]
+    out = finish_all(engine)["g"]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     tokens = [c.token_ids for c in out.outputs]
     assert tokens[0] == tokens[1] == tokens[2]  # greedy: identical samples
@@ -72,11 +64,11 @@ def test_shared_samples_equal_separate_requests(tiny_llama_dir, backend):
     engine.add_request("group", prompt, params)
     engine.step()  # sample 0's prompt; with its token back, the others fork its blocks
     assert kv.num_used_blocks == 3 and kv.ref_counts("1:group") == [4, 4, 4]
-    shared = _run(engine)["group"]
+    shared = finish_all(engine)["group"]
     assert kv.num_block_copies == 3 and kv.num_used_blocks == 0
     for k in range(4):
         engine.add_request(f"alone{k}", prompt, params.clone(n=1, seed=11 + k))
-    alone = _run(engine)
+    alone = finish_all(engine)
     assert kv.num_block_copies == 3  # separate requests share only through the prefix cache
     tokens = [c.token_ids for c in shared.outputs]
     assert tokens == [alone[f"alone{k}"].outputs[0].token_ids for k in range(4)]
@@ -91,14 +83,14 @@ def test_stop_token_id_ends_the_sample(engine):
     engine.add_request(
         "free", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     )
-    free = _run(engine)["free"].outputs[0].token_ids
+    free = finish_all(engine)["free"].outputs[0].token_ids
     stop = free[4]
     engine.add_request(
         "stopped",
         prompt,
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop]),
     )
-    out = _run(engine)["stopped"].outputs[0]
+    out = finish_all(engine)["stopped"].outputs[0]
     first = free.index(stop)
     assert out.token_ids == free[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -109,7 +101,7 @@ def test_max_model_len_ends_with_length(engine):
     engine.add_request(
         "long", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     )
-    out = _run(engine)["long"].outputs[0]
+    out = finish_all(engine)["long"].outputs[0]
     assert len(out.token_ids) == 128 - 120 and out.finish_reason == "length"
 
 
@@ -245,7 +237,7 @@ def test_rewind_continues_like_a_fresh_request_with_the_kept_tokens(
     # 19 tokens left, 18 of them kept in the cache (the 19th is computed again): 5 blocks.
     assert kv.num_used_blocks == 5
     steps_before = engine.core.num_steps
-    done = _run(engine)["r"].outputs[0]
+    done = finish_all(engine)["r"].outputs[0]
     # One step per token (the kept 18 were not computed again); greedy: the same tokens again.
     assert engine.core.num_steps - steps_before == 16 + async_scheduling
     assert done.token_ids == first + _continue(engine, prompt + first, 8)
@@ -267,7 +259,7 @@ def _continue(engine: LLMEngine, prompt: list[int], num_tokens: int) -> list[int
     engine.add_request(
         "fresh", prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     )
-    return _run(engine)["fresh"].outputs[0].token_ids
+    return finish_all(engine)["fresh"].outputs[0].token_ids
 
 
 def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(engine):
@@ -276,7 +268,7 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(engin
     engine.add_request("best", prompt, params)
     # The same 5 samples (sample k draws with seed + k), all returned, with their logprobs.
     engine.add_request("all", prompt, params.clone(n=5, best_of=None, logprobs=0))
-    done = _run(engine)
+    done = finish_all(engine)
     every = sorted(done["all"].outputs, key=lambda c: -c.cumulative_logprob)
     assert len({tuple(c.token_ids) for c in every}) == 5
     best = done["best"].outputs

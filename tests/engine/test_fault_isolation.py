@@ -17,7 +17,7 @@ from pagedserve.engine import LLMEngine, SamplingParams
 from pagedserve.engine.frontend.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.worker.worker import is_out_of_memory
 from tests.helpers import NAN_TOKEN as BAD_TOKEN
-from tests.helpers import cpu_engine_config
+from tests.helpers import cpu_engine_config, finish_all
 
 GOOD_PROMPTS = {"a": list(range(3, 13)), "b": list(range(40, 47))}
 # BAD_TOKEN early in a 12-token prompt: with block_size 4 a prefix-cache hit would cover it.
@@ -28,18 +28,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def _engine(model_dir: Path, **changes) -> LLMEngine:
     changes = {"num_kv_blocks": 32, "max_model_len": 128, **changes}
     return LLMEngine(cpu_engine_config(model_dir, **changes))
-
-
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
-    return finished
 
 
 def _good(params: SamplingParams = GREEDY) -> dict:
@@ -53,7 +41,7 @@ def _tokens(outputs: dict, request_ids) -> dict:
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir) -> dict:
     """The good prompts' greedy tokens, run alone."""
-    return _tokens(_run(_engine(tiny_llama_dir), _good()), GOOD_PROMPTS)
+    return _tokens(finish_all(_engine(tiny_llama_dir), _good()), GOOD_PROMPTS)
 
 
 @pytest.mark.parametrize(
@@ -69,7 +57,7 @@ def test_nan_logits_fail_their_request_alone(nan_llama_dir, reference, backend, 
     engine = _engine(nan_llama_dir, attention_backend=backend)
     # First, so that it holds block 0 (which shorter sequences' padding once read) in the step
     # that writes NaN into its blocks.
-    out = _run(engine, {"bad": (BAD_PROMPT, bad_params), **_good()})
+    out = finish_all(engine, {"bad": (BAD_PROMPT, bad_params), **_good()})
     (failed,) = out["bad"].outputs
     assert failed.finish_reason == "error" and failed.token_ids == []
     assert out["bad"].error.startswith("the model produced non-finite logits")
@@ -79,7 +67,9 @@ def test_nan_logits_fail_their_request_alone(nan_llama_dir, reference, backend, 
     for k_cache, v_cache in engine.core.worker.runner.kv_caches:
         assert torch.isfinite(k_cache).all() and torch.isfinite(v_cache).all()
     # ...and left the prefix cache: the same prompt fails again rather than reading zeros.
-    again = _run(engine, {"bad-again": (BAD_PROMPT, GREEDY), "a": (GOOD_PROMPTS["a"], GREEDY)})
+    again = finish_all(
+        engine, {"bad-again": (BAD_PROMPT, GREEDY), "a": (GOOD_PROMPTS["a"], GREEDY)}
+    )
     assert again["bad-again"].outputs[0].finish_reason == "error"
     assert _tokens(again, ["a"]) == {"a": reference["a"]}
 
@@ -102,7 +92,7 @@ def test_an_exception_while_detokenizing_fails_its_request_alone(
         return IncrementalDetokenizer.add_tokens(detokenizer, token_ids)
 
     monkeypatch.setattr(detokenizer, "add_tokens", failing_add_tokens)
-    out = _run(engine, {})
+    out = finish_all(engine, {})
     assert [(c.index, c.finish_reason) for c in out["bad"].outputs] == [(0, "abort"), (1, "error")]
     assert out["bad"].error == (
         "processing the output failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff "
@@ -136,7 +126,7 @@ def test_running_out_of_memory_in_a_large_prefill_fails_that_request_alone(
         engine.step()
     engine.add_request("large", list(range(100, 150)), GREEDY)
     preemptions = engine.core.scheduler.num_preemptions
-    out = _run(engine, {})
+    out = finish_all(engine, {})
     (failed,) = out["large"].outputs
     assert failed.finish_reason == "error" and failed.token_ids == []
     assert out["large"].error.startswith("the server ran out of memory computing 50 tokens")

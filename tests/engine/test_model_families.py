@@ -86,7 +86,7 @@ def test_a_request_alone_gives_its_batched_tokens_on_the_compiled_kernel(name, b
 @pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, bench/gpu_engine.sh checks the compiled kernels",
+    "machines without a GPU; on a GPU, benchmarks/gpu_engine.sh checks the compiled kernels",
 )
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_equals_transformers_on_the_triton_backend(name, built):

@@ -341,7 +341,7 @@ def _core_tokens(core, prompts, params) -> dict[str, list[int]]:
 
 
 def test_one_rank_through_the_distributed_path_equals_the_plain_engine(tiny_llama_dir):
-    """What the H200 check measures at one rank (bench/gpu_engine.sh ONLY=tp): the same engine
+    """What the H200 check measures at one rank (benchmarks/gpu_engine.sh ONLY=tp): the same engine
     with its collectives, the logits' gather and the ids' broadcast over a group of one."""
     config = EngineConfig(
         str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256

@@ -12,6 +12,7 @@ from pagedserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedserve.engine.frontend.inputs import bad_words_token_ids
 from pagedserve.engine.worker.sampler import Sampler, SamplingRow
 from pagedserve.engine.worker.token_rules import TokenRules
+from tests.helpers import finish_all
 
 NEG = float("-inf")
 
@@ -153,16 +154,11 @@ def _engine(model_dir, **changes) -> LLMEngine:
     return LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=96, **{**config, **changes}))
 
 
-def _generate(engine: LLMEngine, prompts, params) -> dict[str, list[list[int]]]:
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [c.token_ids for c in out.outputs]
-    assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
-    return [done[str(i)] for i in range(len(prompts))]
+def _generate(engine: LLMEngine, prompts, params) -> list[list[list[int]]]:
+    done = finish_all(
+        engine, {str(i): pair for i, pair in enumerate(zip(prompts, params, strict=True))}
+    )
+    return [[c.token_ids for c in done[str(i)].outputs] for i in range(len(prompts))]
 
 
 def test_rules_hold_on_every_sampling_path(tiny_llama_dir):

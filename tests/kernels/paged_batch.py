@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
 from pagedserve.kernels import reference
@@ -28,6 +29,41 @@ class Batch:
     keys: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], every position
     values: list[torch.Tensor]
     q_lens: list[int]
+
+
+def attend(ops, batch: Batch, scale: float, **kwargs) -> torch.Tensor:
+    """`ops.paged_attention` (a backend module, or `kernels` itself) of the batch's step."""
+    return ops.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, scale, **kwargs,
+    )  # fmt: skip
+
+
+def check_empty_step_and_int64_seq_lens(ops) -> Batch:
+    """What every backend's wrapper shares: a step of no sequences gives an empty result, and the
+    shared validation runs first, with the reference's messages. Returns the one-sequence batch
+    for the backend's own argument checks."""
+    batch = make_batch([(4, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
+    empty = ops.paged_attention(
+        batch.q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0], batch.seq_lens[:0],
+        batch.query_start_loc[:1], 0.125,
+    )  # fmt: skip
+    assert empty.shape == (0, 2, 64)
+    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
+        attend(ops, replace(batch, seq_lens=batch.seq_lens.long()), 0.125)
+    return batch
+
+
+def check_close_to_float64(run, seqs, dtype: torch.dtype, tol: float) -> None:
+    """`run(batch, scale)` at GQA 3 and head_dim 128 in `dtype` against float64 attention, within
+    `tol` absolute and relative: the rounding of q, K, V, P and the output in that dtype."""
+    batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=128, block_size=16, dtype=dtype)
+    scale = 1 / math.sqrt(128)
+    got = run(batch, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(
+        got.float(), dense_attention(batch, scale).float(), atol=tol, rtol=tol
+    )
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:

@@ -29,7 +29,14 @@ from hypothesis import strategies as st
 
 from pagedserve import kernels
 from pagedserve.kernels import cpu_features, cpu_ops, reference
-from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
+from tests.kernels.paged_batch import (
+    MIXED,
+    Batch,
+    attend,
+    check_empty_step_and_int64_seq_lens,
+    dense_attention,
+    make_batch,
+)
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # GQA groups of 1, 2, 3, 4, 7 and 8 query heads: the kernel takes a group's rows together, up to
@@ -45,19 +52,13 @@ def kernel_only(monkeypatch):
 
 
 def run(batch: Batch, scale: float, **kwargs) -> torch.Tensor:
-    return cpu_ops.paged_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, scale, **kwargs,
-    )  # fmt: skip
+    return attend(cpu_ops, batch, scale, **kwargs)
 
 
 def check(got: torch.Tensor, batch: Batch, scale: float, sliding_window=None, softcap=None) -> None:
     want = dense_attention(batch, scale, sliding_window, softcap).float()
     torch.testing.assert_close(got, want, **TOL)
-    ref = reference.paged_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, scale, sliding_window=sliding_window, softcap=softcap,
-    )  # fmt: skip
+    ref = attend(reference, batch, scale, sliding_window=sliding_window, softcap=softcap)
     torch.testing.assert_close(got, ref, **TOL)
 
 
@@ -362,18 +363,7 @@ def test_fp8_caches_use_the_reference():
 
 
 def test_empty_batch_and_bad_arguments():
-    batch = make_batch([(4, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
-    empty = cpu_ops.paged_attention(
-        batch.q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0], batch.seq_lens[:0],
-        batch.query_start_loc[:1], 0.125,
-    )  # fmt: skip
-    assert empty.shape == (0, 2, 64)
-    # The shared validation runs first, with the reference's messages.
-    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
-        cpu_ops.paged_attention(
-            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens.long(),
-            batch.query_start_loc, 0.125,
-        )  # fmt: skip
+    batch = check_empty_step_and_int64_seq_lens(cpu_ops)
     with pytest.raises(ValueError, match="sequence 0 has seq_len 99, but a block-table row holds"):
         cpu_ops.paged_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.block_tables,

@@ -3,7 +3,7 @@ fp8 caches, and the Triton kernels against the reference on the same fp8 caches.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). q is float32 here (float16 once): the interpreter cannot compute a bf16
-tl.dot, and it rounds float32 to bfloat16 by truncation; `python -m pagedserve.bench.gpu_kernels`
+tl.dot, and it rounds float32 to bfloat16 by truncation; `python -m benchmarks.gpu_kernels`
 checks bf16 q over an fp8 cache on the GPU.
 
 Exactness: the cache writes are bit-equal to torch's cast for both formats (e4m3 and e5m2). The
@@ -25,12 +25,12 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.kernels import fp8, reference, triton_attention, triton_fused, triton_ops
-from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
+from tests.kernels.paged_batch import MIXED, Batch, attend, dense_attention, make_batch
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the kernels",
+    "machines without a GPU; on a GPU, `python -m benchmarks.gpu_kernels` checks the kernels",
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -65,13 +65,6 @@ def fp8_batch(
               for k in batch.keys],
         values=[fp8.dequantize_kv(fp8.quantize_kv(v, v_scale, dtype), v_scale, v.dtype)
                 for v in batch.values],
-    )  # fmt: skip
-
-
-def attend(ops, batch: Batch, scale_: float, **kwargs) -> torch.Tensor:
-    return ops.paged_attention(
-        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, scale_, **kwargs,
     )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ changing a token.
 
 Without a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in
 tests/conftest.py). Dtypes: float32 and float16. bfloat16 is checked on the GPU by
-`python -m pagedserve.bench.gpu_kernels --only fused`: the interpreter converts float32 to
+`python -m benchmarks.gpu_kernels --only fused`: the interpreter converts float32 to
 bfloat16 by truncation, not to nearest, so its bf16 results differ from torch's by an ulp at
 every rounding.
 
@@ -29,7 +29,7 @@ from pagedserve.kernels import reference, triton_attention, triton_fused
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only fused` "
+    "machines without a GPU; on a GPU, `python -m benchmarks.gpu_kernels --only fused` "
     "checks the kernels",
 )
 

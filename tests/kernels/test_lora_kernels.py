@@ -110,6 +110,17 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------ group_tokens
 
 
+def assert_cpu_result(got: torch.Tensor, want: torch.Tensor, y: torch.Tensor) -> None:
+    """The CPU path's y against the reference's: close in its dtype, the base tokens' rows
+    untouched and the adapters' rows changed."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert_bf16_close(got, want)
+    assert torch.equal(got[BASE_TOKENS], y[BASE_TOKENS])
+    assert not torch.equal(got[LORA_TOKENS], y[LORA_TOKENS])
+
+
 def assert_groups(got: list[LoRAGroup], want: list[tuple]) -> None:
     assert len(got) == len(want)
     for group, (slot, rank, tokens) in zip(got, want, strict=True):
@@ -172,12 +183,7 @@ def test_cpu_matches_reference(dtype: torch.dtype) -> None:
     groups = group_tokens(slots.numpy(), SLOT_RANKS)
     assert any(isinstance(g.tokens, torch.Tensor) for g in groups)  # the index path runs
     lora_add_cpu(got, x, groups, a, b, part_sizes)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    else:
-        assert_bf16_close(got, want)
-    assert torch.equal(got[BASE_TOKENS], y[BASE_TOKENS])
-    assert not torch.equal(got[LORA_TOKENS], y[LORA_TOKENS])
+    assert_cpu_result(got, want, y)
 
 
 def test_cpu_reads_only_the_actual_rank() -> None:
@@ -241,12 +247,7 @@ def test_cpu_masked_path_matches_reference(dtype: torch.dtype, layout: str) -> N
         layout == "out-major"
     )
     lora_add_cpu_dense(got, x, mask, a_flat, b_parts)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    else:
-        assert_bf16_close(got, want)
-    assert torch.equal(got[BASE_TOKENS], y[BASE_TOKENS])
-    assert not torch.equal(got[LORA_TOKENS], y[LORA_TOKENS])
+    assert_cpu_result(got, want, y)
 
 
 # ------------------------------------------------------------------------- the Triton path

@@ -30,7 +30,7 @@ from pagedserve.kernels.triton_moe import MoeConfig
 needs_interpreter = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels --only moe` "
+    "machines without a GPU; on a GPU, `python -m benchmarks.gpu_kernels --only moe` "
     "checks the kernels",
 )
 
@@ -211,15 +211,8 @@ def test_no_tokens_and_no_host_sync():
     def sync(*args, **kwargs):
         raise AssertionError("host sync")
 
-    with unittest.mock.patch.multiple(
-        torch.Tensor,
-        item=sync,
-        tolist=sync,
-        __bool__=sync,
-        __int__=sync,
-        __float__=sync,
-        __index__=sync,
-    ):
+    host_reads = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    with unittest.mock.patch.multiple(torch.Tensor, **dict.fromkeys(host_reads, sync)):
         got = triton_moe.fused_moe(x, gate_up, down, weights, ids)
     assert_matches(got, want)
 

@@ -13,20 +13,18 @@ import torch
 from pagedserve import kernels
 from pagedserve.kernels import reference, validation
 from pagedserve.kernels.validation import CHECK_ARGS_ENV
-from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
+from tests.kernels.paged_batch import (
+    MIXED,
+    Batch,
+    attend,
+    check_close_to_float64,
+    dense_attention,
+    make_batch,
+)
 
 
 def run(batch: Batch, scale: float, **kwargs) -> torch.Tensor:
-    return reference.paged_attention(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-        scale,
-        **kwargs,
-    )
+    return attend(reference, batch, scale, **kwargs)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -130,15 +128,7 @@ def test_scale_is_applied_as_given():
 def test_bfloat16_close_to_float64():
     # bf16 keeps 8 significant bits (relative step 2**-8 ~ 4e-3); outputs are weighted means of
     # N(0, 1) values, so 2e-2 absolute/relative bounds the rounding of q, K, V, P and the output.
-    batch = make_batch(
-        MIXED, num_heads=9, num_kv_heads=3, head_dim=128, block_size=16, dtype=torch.bfloat16
-    )
-    scale = 1 / math.sqrt(128)
-    got = run(batch, scale)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(
-        got.float(), dense_attention(batch, scale).float(), atol=2e-2, rtol=2e-2
-    )
+    check_close_to_float64(run, MIXED, torch.bfloat16, 2e-2)
 
 
 def test_out_is_filled_and_returned():
@@ -202,15 +192,7 @@ def test_module_functions_dispatch_to_reference(monkeypatch):
     for env in ("torch", "TORCH "):
         monkeypatch.setenv(kernels.BACKEND_ENV, env)
         assert kernels.select_backend(batch.q.device) == "torch"
-        got = kernels.paged_attention(
-            batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            0.125,
-        )
+        got = attend(kernels, batch, 0.125)
         assert torch.equal(got, want)
 
 

@@ -5,7 +5,7 @@ Without a GPU (CI) these run the real Triton kernels under Triton's interpreter
 (TRITON_INTERPRET=1, set in tests/conftest.py), which executes every program of the grid with
 numpy: same kernel code, same index arithmetic, same masks; only the compiler and the hardware are
 left out. The coverage list's dtypes: float32 throughout, float16 once; bfloat16 only on the
-GPU (`python -m pagedserve.bench.gpu_kernels`), as the interpreter cannot compute a bf16 tl.dot.
+GPU (`python -m benchmarks.gpu_kernels`), as the interpreter cannot compute a bf16 tl.dot.
 
 Tolerance: float32 against float64 dense attention, atol = rtol = 1e-5, as for the reference (the
 observed error is about 2e-6: softmax rounding summed over a few hundred keys).
@@ -27,12 +27,19 @@ from hypothesis import strategies as st
 from pagedserve import kernels
 from pagedserve.kernels import reference, triton_attention, triton_ops
 from tests.helpers import record_calls
-from tests.kernels.paged_batch import MIXED, Batch, dense_attention, make_batch
+from tests.kernels.paged_batch import (
+    MIXED,
+    Batch,
+    check_close_to_float64,
+    check_empty_step_and_int64_seq_lens,
+    dense_attention,
+    make_batch,
+)
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `python -m pagedserve.bench.gpu_kernels` checks the "
+    "machines without a GPU; on a GPU, `python -m benchmarks.gpu_kernels` checks the "
     "compiled kernels",
 )
 
@@ -217,17 +224,9 @@ def test_num_decode_splits_fills_the_machine_from_shapes():
 @pytest.mark.parametrize("seqs", [MIXED, [(0, 1), (40, 1), (300, 1)]], ids=["extend", "decode"])
 def test_float16_close_to_float64(seqs):
     # The interpreter runs fp16 tl.dot for real (not bf16: it would multiply raw bit patterns,
-    # triton-lang/triton#11584, so bf16 is checked on the GPU by bench.gpu_kernels). fp16 keeps 11
-    # significant bits; 5e-3 bounds the rounding of q, K, V, P and the output.
-    batch = make_batch(
-        seqs, num_heads=9, num_kv_heads=3, head_dim=128, block_size=16, dtype=torch.float16
-    )
-    scale = 1 / math.sqrt(128)
-    got = triton_run(batch, scale)
-    assert got.dtype == torch.float16
-    torch.testing.assert_close(
-        got.float(), dense_attention(batch, scale).float(), atol=5e-3, rtol=5e-3
-    )
+    # triton-lang/triton#11584, so bf16 is checked on the GPU by benchmarks.gpu_kernels). fp16
+    # keeps 11 significant bits; 5e-3 bounds the rounding of q, K, V, P and the output.
+    check_close_to_float64(triton_run, seqs, torch.float16, 5e-3)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
@@ -332,17 +331,7 @@ def test_out_and_non_contiguous_q():
 
 
 def test_empty_batch_and_bad_arguments():
-    batch = make_batch([(4, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
-    empty = triton_attention.paged_attention(
-        batch.q[:0], batch.k_cache, batch.v_cache, batch.block_tables[:0], batch.seq_lens[:0],
-        batch.query_start_loc[:1], 0.125,
-    )  # fmt: skip
-    assert empty.shape == (0, 2, 64)
-    # The shared validation runs first, with the reference's messages.
-    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
-        triton_attention.paged_attention(
-            *args(batch)[:4], batch.seq_lens.long(), batch.query_start_loc, 0.125
-        )
+    batch = check_empty_step_and_int64_seq_lens(triton_attention)
     with pytest.raises(ValueError, match="k_cache must be contiguous along head_dim"):
         strided = torch.zeros(4, 4, 1, 128)[..., ::2]
         triton_attention.paged_attention(

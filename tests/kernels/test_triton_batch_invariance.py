@@ -5,7 +5,7 @@ the last token of a prefill chunk, its prompt in one chunk or in chunks of 1, 5 
 decodes mixed with prefills and extends (`triton_attention.invariant_config`).
 
 Under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py), as tests/kernels/test_triton.py;
-on a GPU, `bash bench/gpu_kernels.sh` with ONLY=invariance checks the compiled kernels. The
+on a GPU, `bash benchmarks/gpu_kernels.sh` with ONLY=invariance checks the compiled kernels. The
 interpreter computes a bfloat16 tl.dot on raw bit patterns (triton-lang/triton#11584): its
 bfloat16 outputs are wrong, but the same wrong bits must come out of every batch, which is what
 is checked here; float16 and float32 are also right (tests/kernels/test_triton.py).
@@ -25,7 +25,7 @@ from tests.kernels.paged_batch import Stream, random_stream, step_of
 pytestmark = pytest.mark.skipif(
     not triton_attention.INTERPRETED,
     reason="CPU tensors need Triton's interpreter, which tests/conftest.py turns on only on "
-    "machines without a GPU; on a GPU, `ONLY=invariance bash bench/gpu_kernels.sh` checks the "
+    "machines without a GPU; on a GPU, `ONLY=invariance bash benchmarks/gpu_kernels.sh` checks the "
     "compiled kernels",
 )
 
