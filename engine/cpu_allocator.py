@@ -3,8 +3,8 @@
 glibc's malloc serves big requests (the activations of a prefill step are megabytes) with a fresh
 mmap and returns them to the kernel on free, so every temporary tensor pays page faults and page
 zeroing again on first touch. Raising the mmap and trim thresholds keeps those allocations in the
-reused heap (measured: BENCHMARKS.md, "What moved the numbers"). vLLM's CPU backend gets the same
-effect by preloading tcmalloc.
+reused heap (measured: docs/benchmarks-history.md, "What moved the numbers"). vLLM's CPU backend
+gets the same effect by preloading tcmalloc.
 
 A thread other than the main one would get its own arena, whose heaps are capped at 64 MiB and
 trimmed eagerly, and so pay the page faults again. Limiting malloc to one arena keeps every

@@ -164,8 +164,8 @@ def cpu_features() -> CPUFeatures:
 
 def bf16_is_native(features: CPUFeatures | None = None) -> bool:
     """Whether the CPU computes bf16 in hardware (level avx512_bf16: dot products or AMX tiles):
-    there bf16 is faster than float32 (BENCHMARKS.md) and the default dtype; elsewhere oneDNN
-    emulates it and float32 is the better default."""
+    there bf16 is faster than float32 (docs/benchmarks-history.md) and the default dtype; elsewhere
+    oneDNN emulates it and float32 is the better default."""
     features = features or cpu_features()
     return features.at_least("avx512_bf16")
 
@@ -213,14 +213,14 @@ def batch_variant() -> bool:
     """Whether the CPU kernels may take their faster paths whose results depend on what else
     shares a step: PAGEDSERVE_BATCH_VARIANT=1, off by default.
 
-    By default a row's arithmetic is a function of its own inputs and position alone: the kept
-    GGUF weights multiply every step by the blocks' integer dot products (no dense or AMX route
-    for long steps), the attention kernel takes every sequence (no SDPA for long prompts) with
-    one reduction order per query (no split of one stream's keys across threads, no AMX tiles),
-    so temperature 0 is a function of the prompt, whether it is batched, cached, chunked or
-    streamed (BENCHMARKS.md, "One request, one answer", says what the faster paths gain). The
-    Triton attention reads it too (`triton_attention.paged_attention`): by default one kernel in
-    one configuration for every step; with it, the split-context decode kernel for decode steps,
+    By default a row's arithmetic is a function of its own inputs and position alone: the kept GGUF
+    weights multiply every step by the blocks' integer dot products (no dense or AMX route for long
+    steps), the attention kernel takes every sequence (no SDPA for long prompts) with one reduction
+    order per query (no split of one stream's keys across threads, no AMX tiles), so temperature 0
+    is a function of the prompt, whether it is batched, cached, chunked or streamed
+    (docs/benchmarks-history.md, "One request, one answer", says what the faster paths gain). The
+    Triton attention reads it too (`triton_attention.paged_attention`): by default one kernel in one
+    configuration for every step; with it, the split-context decode kernel for decode steps,
     its splits from the batch and the SM count."""
     value = os.environ.get(BATCH_VARIANT_ENV, "").strip().lower()
     if value not in ("", "0", "1", "false", "true", "no", "yes"):

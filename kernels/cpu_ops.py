@@ -100,23 +100,24 @@ PREBUILT_DIR = Path(__file__).parent / "prebuilt"
 COMPILED_OPS = (
     "paged attention, RMSNorm, residual add + RMSNorm, SiLU-and-multiply and rotary + KV write"
 )
-# Which sequences the kernel attends to (`kernel_attends`), the others going to the reference's
-# SDPA one call each: decodes and extends of up to KERNEL_MAX_NEW_TOKENS always (1.6-4x faster
-# than SDPA, still even at 4 new tokens over a 1k context), and longer ones while the pairs of
-# (new token, key it sees) stay within KERNEL_MAX_PAIRS for the dtype: a 128-token prompt takes
-# 0.8x SDPA's time in bf16 and 0.5x in float32; SDPA's GEMMs win from about 256 new tokens in
-# bf16 and 512 in float32 (measured on the 2-core dev VMs: BENCHMARKS.md, "CPU attention kernel"
-# and "The decode step as one call").
+# Which sequences the kernel attends to (`kernel_attends`), the others going to the reference's SDPA
+# one call each: decodes and extends of up to KERNEL_MAX_NEW_TOKENS always (1.6-4x faster than SDPA,
+# still even at 4 new tokens over a 1k context), and longer ones while the pairs of (new token, key
+# it sees) stay within KERNEL_MAX_PAIRS for the dtype: a 128-token prompt takes 0.8x SDPA's time in
+# bf16 and 0.5x in float32; SDPA's GEMMs win from about 256 new tokens in bf16 and 512 in float32
+# (measured on the 2-core dev VMs: docs/benchmarks-history.md, "CPU attention kernel" and "The
+# decode step as one call").
 KERNEL_MAX_NEW_TOKENS = 4
 KERNEL_MAX_PAIRS = {torch.float32: 65536, torch.bfloat16: 16384, torch.float16: 16384}
 # Where the library has AMX (`amx_tiles`), bfloat16 sequences of these head_dims go through the
 # kernel's tile products whatever their length: about 2x faster than SDPA one call per sequence,
-# from 16 prompts of 128 tokens to one of 2048 (BENCHMARKS.md, "Prefill attention on AMX tiles").
+# from 16 prompts of 128 tokens to one of 2048 (docs/benchmarks-history.md, "Prefill attention on
+# AMX tiles").
 AMX_HEAD_DIMS = (64, 128)
-# Every build's flags but the instruction set (`cpu_features.kernel_flags` / `march_flags`).
-# No -ffast-math: the kernel's -inf handling needs IEEE infinities. 512-bit vectors where the level
-# has them (GCC's loops otherwise stay at 256 bits on AVX-512 CPUs): the bf16 layer ops of a
-# 2048-token prefill took 0.68x the time (BENCHMARKS.md, "The decode step as one call").
+# Every build's flags but the instruction set (`cpu_features.kernel_flags` / `march_flags`). No
+# -ffast-math: the kernel's -inf handling needs IEEE infinities. 512-bit vectors where the level has
+# them (GCC's loops otherwise stay at 256 bits on AVX-512 CPUs): the bf16 layer ops of a 2048-token
+# prefill took 0.68x the time (docs/benchmarks-history.md, "The decode step as one call").
 CXX_FLAGS = (
     "-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-fPIC", "-w",
     "-mprefer-vector-width=512",

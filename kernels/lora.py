@@ -244,7 +244,7 @@ def lora_add_cpu_dense(
     the number of adapters, on `dense_weights`' matrices (through `linear`: the engine passes
     its oneDNN-packed one). For steps of few tokens (decode), where each small matmul costs a
     library call more than its arithmetic and the grouped path's calls grow with the adapters
-    (BENCHMARKS.md, "Multi-LoRA on CPU")."""
+    (docs/benchmarks-history.md, "Multi-LoRA on CPU")."""
     num_tokens, num_slots = slot_mask.shape
     num_parts = len(b_parts)
     max_rank = a_flat.shape[0] // (num_slots * num_parts)

@@ -1025,7 +1025,7 @@ def invariant_config(head_dim: int, group: int) -> KernelConfig:
     the head layout alone, never from the batch. 16 query rows per tile (block_m // group
     tokens; more for a group above 16), as in vLLM's unified kernel, so that a decode token,
     alone in its tile, computes few padding rows; 64-key tiles, every one masked. The cost against
-    the batch-variant kernels is what `bench.gpu_kernels --invariance` measures."""
+    the batch-variant kernels is what `benchmarks.gpu_kernels --invariance` measures."""
     block_m = max(16, triton.next_power_of_2(group))
     return KernelConfig(tile=64, num_warps=4, num_stages=2, block_m=block_m, mask_every_tile=True)
 

@@ -81,7 +81,7 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     Untuned starting points, after vLLM's fallback for shapes it has no tuned table for: 16-row
     tiles while the tokens are no more than the experts (decode: most experts get a few rows
     or none, and padding a run to 64 rows would multiply wasted work), 64-row tiles above. The
-    H200 sweep is what should set them (`python -m pagedserve.bench.gpu_kernels --only moe` times
+    H200 sweep is what should set them (`python -m benchmarks.gpu_kernels --only moe` times
     this default; tl.dot needs every block dim >= 16).
     """
     if num_tokens <= num_experts:

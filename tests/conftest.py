@@ -65,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # time, single-threaded work on toy shapes (the Triton interpreter, the scheduler's Python, `--help`
 # interpreters), at the lowest priority: it runs on the core that the heavy part leaves idle about
 # half the time, and never slows the heavy part's two-thread steps, which wait for their slower
-# thread (BENCHMARKS.md, "the suite in two lanes").
+# thread (docs/benchmarks-history.md, "the suite in two lanes").
 LIGHT_MODULES = (
     "tests/kernels/",
     "tests/scheduler/",

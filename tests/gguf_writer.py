@@ -14,7 +14,7 @@ converter changes in the tensors:
 In place of a vocabulary (`SentencePieceVocabulary` writes one) the file carries
 `{arch}.vocab_size` and the bos/eos ids, so pagedserve serves it with its synthetic tokenizer.
 `python -m tests.llama_cpp_gguf` checks these files against llama.cpp's own converter on the
-tiny checkpoints of tests/families.py (BENCHMARKS.md, "GGUF files of every family").
+tiny checkpoints of tests/families.py (docs/benchmarks-history.md, "GGUF files of every family").
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def run_engine_core(
             return
         # What the start built lives as long as this process (about 240K objects for SmolLM2:
         # modules, tokenizer, block pool): out of the cycle collector's scans, each of which
-        # otherwise walks them all (2-3% of a single stream's time; BENCHMARKS.md, "Rows
-        # interleaved by 8"). As vLLM's engine core does; this process ends with the core.
+        # otherwise walks them all (2-3% of a single stream's time; docs/benchmarks-history.md,
+        # "Rows interleaved by 8"). As vLLM's engine core does; this process ends with the core.
         gc.collect()
         gc.freeze()
         outputs.send(encoder.encode(CoreReady(core.max_model_len, core.describe(), core.stats())))

@@ -1,5 +1,5 @@
-"""The engine as the server sees it: `EngineClient` (request streams, ids, the queue limit, failure
-state), and `AsyncEngine`, which runs an LLMEngine's step loop on a thread of the server's process.
+"""`AsyncEngine`: the `EngineClient` (engine/frontend/client.py: request streams, ids, the queue
+limit, failure state) that runs an LLMEngine's step loop on a thread of the server's process.
 The other clients and what they share: engine/frontend/client.py.
 
     event loop thread (HTTP handlers)          engine loop thread (`run`)
@@ -8,13 +8,11 @@ The other clients and what they share: engine/frontend/client.py.
     iterate the RequestStream (asyncio.Queue) <── LLMEngine.step() ─> outputs, one
                                                   call_soon_threadsafe per step for all of them
 
-Why a thread on CPU (`pagedserve serve`'s default there): the model's matmuls release the GIL, so
-the HTTP side runs while the engine computes, and the model's threads need both cores, which a
-second process only competes for (BENCHMARKS.md, "The engine core in its own process").
-`pagedserve serve` runs this loop on the *main* thread and uvicorn on a second one: on CPU,
-oneDNN/OpenMP work started from a non-main thread runs markedly slower (measured: BENCHMARKS.md,
-"What changed on the way"). `start()` runs the loop on a background thread instead, for tests and
-embedding.
+Why a thread will do (`pagedserve serve --no-core-process`): the model's matmuls release the GIL,
+so the HTTP side runs while the engine computes. There `pagedserve serve` runs this loop on the
+*main* thread and uvicorn on a second one: on CPU, oneDNN/OpenMP work started from a non-main
+thread runs markedly slower (measured: docs/benchmarks-history.md, "What changed on the way").
+`start()` runs the loop on a background thread instead, for tests and embedding.
 
 Only the loop touches LLMEngine (it is not thread-safe); handlers only read immutable things (the
 tokenizer, the config) and the stats snapshot the loop publishes after every iteration.

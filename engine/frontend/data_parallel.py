@@ -36,7 +36,7 @@ hold): a collision could only misroute a request, never give it another's KV.
 
 What the server shows: `stats` is the sum over the cores (what the queue limit and a single-core
 reading of /metrics mean: the whole server), `core_stats` each one's; with M > 1 /metrics labels
-every engine-state family `engine="0"`..`"M-1"` (server/metrics.py); `GET /v1/kv?engine=i` is
+every engine-state family `engine="0"`..`"M-1"` (server/metrics/); `GET /v1/kv?engine=i` is
 core i's block map (default 0).
 
 A core that dies fails the whole server, as one core does: its own streams end with
@@ -44,8 +44,8 @@ EngineDeadError, the other cores' open requests too (they are aborted there), `i
 false and `on_dead` is called (server/api_server.py then exits with status 1).
 
 On CPU each core runs torch with its share of the CPUs (`core_threads`): M processes each with a
-thread per CPU would only fight over them. (On CUDA every core uses the configured device; one
-device per core is not arranged here.)
+thread per CPU would only fight over them. On CUDA core i gets GPUs i*N .. i*N + N-1 from the
+configured one, N being the tensor-parallel size (`core_configs`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ DEFAULT_PREFIX_BLOCKS = 1 << 16
 def pick_by_rule(loads: Sequence[float], cached: Sequence[int]) -> int:
     """The routing rule (this module's docstring) on bare numbers: the index it picks, given
     each target's load and its cached prefix (in any unit, the same for all). Shared with
-    server/ray_serve_router.py, which routes over Ray Serve replicas instead of cores."""
+    server/ray_serve/routing.py, which routes over Ray Serve replicas instead of cores."""
     least = min(loads)
     limit = least + max(BALANCE_MIN_TOKENS, BALANCE_FRACTION * least)
     candidates = [i for i, load in enumerate(loads) if load <= limit]

@@ -27,7 +27,7 @@ NO_SLOT = -1
 # weights, whose rows are each token's alone): a token's delta is the same whatever else shares
 # the step. With PAGEDSERVE_BATCH_VARIANT=1 only steps of (fewest, most) tokens do; the others
 # group the tokens by slot (1 + J per adapter, at its own rank). Where the two cross, by dtype:
-# BENCHMARKS.md, "Multi-LoRA on CPU".
+# docs/benchmarks-history.md, "Multi-LoRA on CPU".
 DENSE_TOKENS = {torch.bfloat16: (2, 128), torch.float32: (8, 32)}
 
 

@@ -2,8 +2,8 @@
 
 A decode step of one stream on CPU is some 450 small ops dispatched from Python; on the 2-core dev
 VM the gaps between them took as long as the ops and slowed the matmuls themselves, whose weights
-went cold in the caches meanwhile (BENCHMARKS.md, "The decode step as one call"). For the models
-and steps below, `CausalLM.forward` hands all its layers to one C++ call instead
+went cold in the caches meanwhile (docs/benchmarks-history.md, "The decode step as one call"). For
+the models and steps below, `CausalLM.forward` hands all its layers to one C++ call instead
 (`kernels/csrc/cpu_decoder.cpp`): the same kernels, in the same order, on the same values, so the
 hidden states are the Python path's bit for bit (tests/engine/test_compiled_step.py).
 

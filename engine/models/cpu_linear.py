@@ -1,14 +1,15 @@
 """Linear layers with weights pre-packed for oneDNN, for bfloat16 and float32 on CPU.
 
-`F.linear` in bf16 on CPU reorders the weight into oneDNN's blocked layout on every call; for
-the small row counts of decode steps that reorder costs as much as the matmul, so the weights
-are packed once at load time (measured: BENCHMARKS.md, "What changed on the way"). In float32,
-oneDNN's packed kernels run a decode step's matmuls 2-4x faster than `F.linear`'s (BENCHMARKS.md,
-"CPU attention kernel"); they accumulate in another order, a few ulps apart, and the parity
-tests' greedy tokens still equal transformers'. The packed copy lives next to the parameter (as
-an attribute), so the plain weight stays usable for embeddings and references. bf16 weights are
-packed only where oneDNN has bf16 kernels for the CPU (`kernels/cpu_features.py` `onednn_bf16`;
-not on AVX2-only CPUs, where its reorder raises): elsewhere they stay plain, for F.linear.
+`F.linear` in bf16 on CPU reorders the weight into oneDNN's blocked layout on every call; for the
+small row counts of decode steps that reorder costs as much as the matmul, so the weights are packed
+once at load time (measured: docs/benchmarks-history.md, "What changed on the way"). In float32,
+oneDNN's packed kernels run a decode step's matmuls 2-4x faster than `F.linear`'s
+(docs/benchmarks-history.md, "CPU attention kernel"); they accumulate in another order, a few ulps
+apart, and the parity tests' greedy tokens still equal transformers'. The packed copy lives next to
+the parameter (as an attribute), so the plain weight stays usable for embeddings and references.
+bf16 weights are packed only where oneDNN has bf16 kernels for the CPU (`kernels/cpu_features.py`
+`onednn_bf16`; not on AVX2-only CPUs, where its reorder raises): elsewhere they stay plain, for
+F.linear.
 """
 
 from __future__ import annotations

@@ -40,11 +40,11 @@ ModelKind = Literal["hf_dir", "gguf", "dummy"]
 class GGUFFile(gguf.GGUFReader):
     """`gguf.GGUFReader` over a plain ndarray view of its memory map.
 
-    The reader slices its data once or more for every metadata value, and a GGUF file holds one
-    per tokenizer string and merge (about 150,000 for SmolLM2). Slices of an `np.memmap` run the
-    subclass's `__array_finalize__`, which made up most of the parse time (BENCHMARKS.md,
-    "Start-up"); slices of a plain view of the same mapping do not. The view keeps the mapping
-    alive, and tensors are the same zero-copy views of the file.
+    The reader slices its data once or more for every metadata value, and a GGUF file holds one per
+    tokenizer string and merge (about 150,000 for SmolLM2). Slices of an `np.memmap` run the
+    subclass's `__array_finalize__`, which made up most of the parse time
+    (docs/benchmarks-history.md, "Start-up"); slices of a plain view of the same mapping do not. The
+    view keeps the mapping alive, and tensors are the same zero-copy views of the file.
     """
 
     @property

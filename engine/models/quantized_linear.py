@@ -16,7 +16,7 @@ rows. `PAGEDSERVE_BATCH_VARIANT=1` (kernels/cpu_features.py) brings back the fas
 results depend on the step's rows: bfloat16 steps of more rows on CPUs with AMX multiply tiles
 of weight rows dequantized in the core's caches by AMX's bf16 tiles (`AMX_MIN_ROWS`,
 `AMX_MAX_ROWS`), and other long steps dequantize each weight into a scratch buffer, a slab of rows
-at a time, for oneDNN / MKL (BENCHMARKS.md, "One request, one answer").
+at a time, for oneDNN / MKL (docs/benchmarks-history.md, "One request, one answer").
 
 A fused weight (q/k/v, gate/up) whose parts come in different block types (llama.cpp's Q4_K_M
 files store some layers' v in Q8_0 beside q and k in Q5_0) keeps each run of one type as a part
@@ -52,14 +52,16 @@ _Q = gguf.GGMLQuantizationType
 # gguf.GGML_QUANT_SIZES[type][0] values (32, or a K-quant's 256).
 KEPT_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-# Steps of at most this many rows multiply by the blocks, more rows dequantize and run a dense
-# GEMM: where the two cross on the 2-core dev VMs, by activation dtype (BENCHMARKS.md, "Quantized
-# weights on every x86 CPU"). Interleaved rows would cross later (float32: past 128 rows), but
-# longer steps keep their activations unquantized (BENCHMARKS.md, "Rows interleaved by 8").
+# Steps of at most this many rows multiply by the blocks, more rows dequantize and run a dense GEMM:
+# where the two cross on the 2-core dev VMs, by activation dtype (docs/benchmarks-history.md,
+# "Quantized weights on every x86 CPU"). Interleaved rows would cross later (float32: past 128
+# rows), but longer steps keep their activations unquantized (docs/benchmarks-history.md, "Rows
+# interleaved by 8").
 BLOCK_DOT_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 32}
 # With AMX, bfloat16 steps of more than AMX_MIN_ROWS (weights of interleaved rows: more than
 # INTERLEAVED_AMX_MIN_ROWS, where their block dot products cross) and up to AMX_MAX_ROWS rows take
-# the AMX tiles (where they beat the block dot products and the dense route: BENCHMARKS.md).
+# the AMX tiles (where they beat the block dot products and the dense route:
+# docs/benchmarks-history.md).
 AMX_MIN_ROWS = 6
 INTERLEAVED_AMX_MIN_ROWS = 12
 AMX_MAX_ROWS = 512
@@ -71,11 +73,11 @@ _QUANTIZED = "_pagedserve_quantized"
 logger = logging.getLogger(__name__)
 
 
-# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights of whole groups of 8 rows are kept with their
-# rows interleaved by 8 (`QuantizedRows.interleave`): the block dot products then take 8 rows per
+# Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K weights of whole groups of 8 rows are kept with their rows
+# interleaved by 8 (`QuantizedRows.interleave`): the block dot products then take 8 rows per
 # instruction, about a third of the instructions per row and block of the file's layout
-# (BENCHMARKS.md, "Rows interleaved by 8"). The kernels know such a weight by its type id plus
-# ROWS8 (kRows8 in cpu_gguf.cpp).
+# (docs/benchmarks-history.md, "Rows interleaved by 8"). The kernels know such a weight by its type
+# id plus ROWS8 (kRows8 in cpu_gguf.cpp).
 INTERLEAVED_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K)
 ROWS8 = 1000
 

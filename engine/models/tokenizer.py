@@ -89,8 +89,8 @@ def _gguf_tokenizer(path: Path, options: dict[str, Any]) -> PreTrainedTokenizerB
 
     transformers rebuilds a GGUF file's tokenizer from its metadata in Python, which is slow for
     large vocabularies and was paid by the API server and by the engine core at every start; the
-    folder it saves loads many times faster (BENCHMARKS.md, "Start-up"). The cache key is the
-    file (path, size, modification time) and the versions of the code that converted it.
+    folder it saves loads many times faster (docs/benchmarks-history.md, "Start-up"). The cache key
+    is the file (path, size, modification time) and the versions of the code that converted it.
     """
     root = cache_dir()
     if root is None:

@@ -89,8 +89,8 @@ class SamplingPlan:
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, the first index of its largest value as argmax gives it, through
-    max(dim): on CPU 2.5-4x faster than argmax at [64-256, 49152] (BENCHMARKS.md, "The decode step
-    as one call")."""
+    max(dim): on CPU 2.5-4x faster than argmax at [64-256, 49152] (docs/benchmarks-history.md, "The
+    decode step as one call")."""
     return logits.max(dim=-1).indices
 
 
@@ -180,11 +180,11 @@ class Sampler:
         rows = plan.rows
         raw_logits = logits
         logits = logits.float()
-        # A row with a NaN or an infinity (a broken model or an overflow on this input) samples
-        # an arbitrary index, maybe past the vocabulary; the next step may read it on the device
-        # before the host sees it, so it becomes token 0 below, and `finite` tells the host.
-        # Checked through each row's max and min (both NaN when the row holds a NaN): on CPU two
-        # reductions take 0.2 ms at [64, 49152], isfinite(logits).all() 5.6 ms (BENCHMARKS.md).
+        # A row with a NaN or an infinity (a broken model or an overflow on this input) samples an
+        # arbitrary index, maybe past the vocabulary; the next step may read it on the device before
+        # the host sees it, so it becomes token 0 below, and `finite` tells the host. Checked
+        # through each row's max and min (both NaN when the row holds a NaN): on CPU two reductions
+        # take 0.2 ms at [64, 49152], isfinite(logits).all() 5.6 ms (docs/benchmarks-history.md).
         finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
         if plan.rules is not None:  # before penalties, as vLLM
             if logits is raw_logits:
@@ -282,7 +282,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Te
     [len(logits), words] int32: bit i % 32 of word i // 32 allows token i). One masked fill for
     the batch on the logits' device, by the grammar library's kernel (C++ on CPU, Triton on
     CUDA); three times faster on CPU than unpacking the bits with torch ops
-    (BENCHMARKS.md, "Structured outputs")."""
+    (docs/benchmarks-history.md, "Structured outputs")."""
     import xgrammar
 
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

@@ -27,7 +27,7 @@
 //
 // `take`, when given, names the sequences to attend to (bool [sequences]); the others are left to
 // the caller: for long prefills the reference's SDPA (oneDNN GEMMs) is faster than these dot
-// products (`kernels.cpu_ops.kernel_attends`, BENCHMARKS.md).
+// products (`kernels.cpu_ops.kernel_attends`, docs/benchmarks-history.md).
 
 // The Tensor class alone, not <ATen/ATen.h> (every op's declaration): each source then compiles
 // in about two thirds of the time, which a user waits through on first start.
@@ -94,9 +94,9 @@ struct Geometry {
 // them, else AVX2's 8): each key and value is loaded once for up to 4 rows, four keys' dot products
 // are reduced together, and the rows' accumulators stay in registers across the block's values.
 // Written out because the compiler's versions of these loops chain each key's multiply-adds, keep
-// the accumulator on the stack and stay at 8 lanes: in-cache decode attention at 64 sequences
-// took 0.8x the time this way, and 0.75x from memory (BENCHMARKS.md, "The decode step as one
-// call"). Other builds and head_dims take the plain loops of `attend_row`.
+// the accumulator on the stack and stay at 8 lanes: in-cache decode attention at 64 sequences took
+// 0.8x the time this way, and 0.75x from memory (docs/benchmarks-history.md, "The decode step as
+// one call"). Other builds and head_dims take the plain loops of `attend_row`.
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kVectorRows = true;
 #if defined(__AVX512F__)
@@ -255,14 +255,14 @@ inline void prefetch_block(const T* keys, const T* values, const Geometry& g, in
   for (int64_t i = start; i < end; ++i) prefetch_slot(keys, values, g, heads, i);
 }
 
-// Slots start..end-1 of a block's keys and values for `heads` KV heads (`keys` and `values` at
-// the first one) as float32 rows of `kbuf` and `vbuf` ([heads][B][D]), read slot by slot, keys
-// and values side by side: two streams in address order, which the hardware prefetcher follows
-// and keeps in flight together; the same slot of the sequence's next block (`next_keys`,
-// `next_values`, or null) is fetched meanwhile. Read a head at a time, keys then values, each
-// block was crossed once per head, every third 128-byte run: decode attention from memory (64
-// sequences x 160 keys) took 1.4x the time, in float32 too, where this is a copy (BENCHMARKS.md,
-// "Prefill attention on AMX tiles").
+// Slots start..end-1 of a block's keys and values for `heads` KV heads (`keys` and `values` at the
+// first one) as float32 rows of `kbuf` and `vbuf` ([heads][B][D]), read slot by slot, keys and
+// values side by side: two streams in address order, which the hardware prefetcher follows and
+// keeps in flight together; the same slot of the sequence's next block (`next_keys`, `next_values`,
+// or null) is fetched meanwhile. Read a head at a time, keys then values, each block was crossed
+// once per head, every third 128-byte run: decode attention from memory (64 sequences x 160 keys)
+// took 1.4x the time, in float32 too, where this is a copy (docs/benchmarks-history.md, "Prefill
+// attention on AMX tiles").
 template <typename T, int64_t kD>
 inline void block_as_float(const T* keys, const T* values, const Geometry& g, int64_t heads,
                            int64_t start, int64_t end, float* kbuf, float* vbuf,
@@ -383,9 +383,9 @@ void attend_row(const float* qr, float* accr, float& row_max, float& row_sum, fl
 //   float32 (masks by position: causal, window), P^T rounded to bf16 (the sums add the rounded
 //   values, so each row's weights sum to 1), O^T = V^T P^T into head_dim / 16 product tiles, and
 //   the accumulator (dimensions by row) rescaled by row and added to.
-// The vector path spends 2 x head_dim / 16 multiply-adds per (row, key); here a (row, key) costs
-// a share of its key vector's softmax and of the tile products. Measured in BENCHMARKS.md
-// ("Prefill attention on AMX tiles").
+// The vector path spends 2 x head_dim / 16 multiply-adds per (row, key); here a (row, key) costs a
+// share of its key vector's softmax and of the tile products. Measured in
+// docs/benchmarks-history.md ("Prefill attention on AMX tiles").
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kAmxAttention = true;
@@ -659,11 +659,11 @@ void attend_item(const Item& item, const Geometry& g, const T* q, const T* k_cac
   const int64_t last_key = std::min<int64_t>(last_pos, item.key_hi);
   const int64_t last_block = last_key / B;
   // One token whose group's rows fit one pass (a decode): its keys and values are read straight
-  // from the cache, converted to float32 as they are loaded, instead of through kbuf and vbuf
-  // (the same floats in the same order; the buffers pay a store and a reload per row, and serve
-  // to convert once for more rows or tokens). That reads a head at a time, which block_as_float
-  // avoids; fetching the whole next block ahead kept decode from memory level (BENCHMARKS.md,
-  // "Decode attention reads the cache in place").
+  // from the cache, converted to float32 as they are loaded, instead of through kbuf and vbuf (the
+  // same floats in the same order; the buffers pay a store and a reload per row, and serve to
+  // convert once for more rows or tokens). That reads a head at a time, which block_as_float
+  // avoids; fetching the whole next block ahead kept decode from memory level
+  // (docs/benchmarks-history.md, "Decode attention reads the cache in place").
   constexpr bool kDirect = kVectorRows && kD > 0 && kD % 16 == 0 &&
                            (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   bool direct = false;

@@ -5,10 +5,10 @@
 //
 // Why: run layer by layer from Python, a decode step of one stream on a 2-core VM spent as long
 // between the ops as in them, and the weights' cache lines and the cores went cold in the gaps,
-// slowing the matmuls themselves by 1.7x (BENCHMARKS.md, "The decode step as one call"). Here the
-// ops are the same functions the torch ops run (cpu_kernels.h), called back to back in C++, in
-// the same order on the same buffers as `engine/models/model.py` calls them: the hidden states
-// equal the Python path's bit for bit.
+// slowing the matmuls themselves by 1.7x (docs/benchmarks-history.md, "The decode step as one
+// call"). Here the ops are the same functions the torch ops run (cpu_kernels.h), called back to
+// back in C++, in the same order on the same buffers as `engine/models/model.py` calls them: the
+// hidden states equal the Python path's bit for bit.
 //
 // A layer (the Llama family's, with Qwen2's q/k/v bias and Mistral's window):
 //   h, r = add_rms_norm(h, r)            (layer 0: r = h, h = rms_norm(h))

@@ -4,15 +4,15 @@
 // of 32 with 6-bit scales and mins; Q6_K 16 of 16 with int8 scales), what llama.cpp's Q4_K_M and
 // Q5_K_M files hold (with Q5_0 / Q8_0 where a row is not a multiple of 256).
 //
-// The activations are quantized too, each row in blocks of 32, so that a block's product is
-// integer dot products of 32 bytes by 32 bytes (c the activation's codes, q the weight's). Unlike
-// llama.cpp's int8 codes (dx = max|x| / 127), each value is a 15-bit code c = round(x / dx) with
-// dx = max|x| / 32512, held as two int8 codes c = 255 h + l (|h|, |l| <= 127), and a block's sum is
+// The activations are quantized too, each row in blocks of 32, so that a block's product is integer
+// dot products of 32 bytes by 32 bytes (c the activation's codes, q the weight's). Unlike
+// llama.cpp's int8 codes (dx = max|x| / 127), each value is a 15-bit code c = round(x / dx) with dx
+// = max|x| / 32512, held as two int8 codes c = 255 h + l (|h|, |l| <= 127), and a block's sum is
 // 255 * sum q h + sum q l: exact in int32, so a row's result is the same whatever rows share the
 // step and however they are tiled. int8 codes cost 1.5 points of top-1 agreement with the model's
-// float32 values on SmolLM2 (BENCHMARKS.md, "One request, one answer"); 15 bits are as close as
-// bfloat16 activations multiplied by the dequantized weights. sx = dx * sum(c) is what a Q4
-// block's offset multiplies:
+// float32 values on SmolLM2 (docs/benchmarks-history.md, "One request, one answer"); 15 bits are as
+// close as bfloat16 activations multiplied by the dequantized weights. sx = dx * sum(c) is what a
+// Q4 block's offset multiplies:
 //
 //   Q8_0   w = d * q (q int8)              sum_i w_i x_i = d * dx * sum_i q_i c_i
 //   Q4_1   w = d * q + m (q 0..15)         sum_i w_i x_i = d * dx * sum_i q_i c_i + m * sx
@@ -76,21 +76,21 @@ constexpr int64_t block_bytes(int64_t qtype) {
 }
 
 // A Q4_0, Q4_1, Q5_0 or Q8_0 weight whose rows come interleaved by groups of 8
-// (`QuantizedRows.interleave` on the Python side, which passes its type id plus kRows8). Per
-// group and block of 32 values: the 8 rows' float16 d (Q4_1: then their 8 m; Q5_0: then 32
-// bytes of fifth bits, byte 4 r + p holding in bit g row r's of value 4 g + p), then runs of 32
-// bytes, run g holding each row's code bytes 4 g .. 4 g + 3 in row order (4 runs of Q4 nibbles,
-// 8 of Q8_0 codes stored plus 128, as unsigned bytes). Q4_K per group and super-block of 256
-// values: the 8 rows' float16 d, their float16 dmin, per block j of 32 the 8 rows' 6-bit scales
-// sc_j and mins m_j as bytes, then per block Q4_0's 4 runs (value i's nibble low, i + 16's high):
-// 1184 bytes against the file's 1152. Q6_K per group and super-block: the 8 rows' float16 d, per
-// block j the rows' int8 scales of its two half blocks (8 + 8), then per block 4 runs of the
-// codes' low 4 bits as Q4_0's and 64 bytes of their top 2 bits, byte 4 r + p holding in bits
-// 2 g, 2 g + 1 row r's of value 4 g + p (values 0-15, then 16-31): the file's 210 bytes a row. One 256-bit load is then 4 codes of 8 rows
-// (and, in a Q4 block's high nibbles, 4 more), so that vpdpbusd sums the 8 rows at once, each in
-// its own lane, and a block's 8 scales are one conversion: about a third of the instructions per
-// (row, block) of the file's layout (rows8_linear; BENCHMARKS.md, "Rows interleaved by 8"). Same
-// size as the file's blocks.
+// (`QuantizedRows.interleave` on the Python side, which passes its type id plus kRows8). Per group
+// and block of 32 values: the 8 rows' float16 d (Q4_1: then their 8 m; Q5_0: then 32 bytes of fifth
+// bits, byte 4 r + p holding in bit g row r's of value 4 g + p), then runs of 32 bytes, run g
+// holding each row's code bytes 4 g .. 4 g + 3 in row order (4 runs of Q4 nibbles, 8 of Q8_0 codes
+// stored plus 128, as unsigned bytes). Q4_K per group and super-block of 256 values: the 8 rows'
+// float16 d, their float16 dmin, per block j of 32 the 8 rows' 6-bit scales sc_j and mins m_j as
+// bytes, then per block Q4_0's 4 runs (value i's nibble low, i + 16's high): 1184 bytes against the
+// file's 1152. Q6_K per group and super-block: the 8 rows' float16 d, per block j the rows' int8
+// scales of its two half blocks (8 + 8), then per block 4 runs of the codes' low 4 bits as Q4_0's
+// and 64 bytes of their top 2 bits, byte 4 r + p holding in bits 2 g, 2 g + 1 row r's of value 4 g
+// + p (values 0-15, then 16-31): the file's 210 bytes a row. One 256-bit load is then 4 codes of 8
+// rows (and, in a Q4 block's high nibbles, 4 more), so that vpdpbusd sums the 8 rows at once, each
+// in its own lane, and a block's 8 scales are one conversion: about a third of the instructions per
+// (row, block) of the file's layout (rows8_linear; docs/benchmarks-history.md, "Rows interleaved by
+// 8"). Same size as the file's blocks.
 constexpr int64_t kRows8 = 1000, kGroupRows = 8;
 constexpr bool is_rows8(int64_t qtype) {
   return qtype == kQ4_0 + kRows8 || qtype == kQ4_1 + kRows8 || qtype == kQ5_0 + kRows8 ||
@@ -372,18 +372,18 @@ struct QuantizedActivations {
   }
 };
 
-// How far ahead of the block it reads each weight row's stream is fetched: one stream per tile
-// row outruns the hardware prefetcher, and a step of few rows is bound by how many bytes are in
-// flight from memory (about bandwidth x latency: 4 KiB on the dev VMs). 4 KiB made a decode step
-// of one stream, lm_head included, 1.6x faster than 512 bytes did (BENCHMARKS.md, "The decode
+// How far ahead of the block it reads each weight row's stream is fetched: one stream per tile row
+// outruns the hardware prefetcher, and a step of few rows is bound by how many bytes are in flight
+// from memory (about bandwidth x latency: 4 KiB on the dev VMs). 4 KiB made a decode step of one
+// stream, lm_head included, 1.6x faster than 512 bytes did (docs/benchmarks-history.md, "The decode
 // step as one call").
 constexpr int kPrefetchBytes = 4096;
 
 // Q4_0 and Q4_1 where the integer dot is vpdpbusd: its sums of 4 products do not saturate, so a
 // block's high nibbles can be multiplied where they are (16 x the value) instead of shifted down
 // and moved into place. Fewer instructions per block: the decode GEMV is bound by them, not by
-// memory (as fast with the weights in L2 as from L3: BENCHMARKS.md, "Fewer instructions per Q4
-// block").
+// memory (as fast with the weights in L2 as from L3: docs/benchmarks-history.md, "Fewer
+// instructions per Q4 block").
 template <int64_t QType>
 constexpr bool kNibbleDot = (QType == kQ4_0 || QType == kQ4_1) &&
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -520,7 +520,7 @@ void dot_tile(const uint8_t* const* rows, const QuantizedActivations& x, int64_t
 
 // Tiles: 4 weight rows by up to 4 activation rows (16 accumulators: AVX2's 16 vector
 // registers hold them with the codes in flight only at RX <= 2 for RW = 4; measured either way
-// in BENCHMARKS.md, "Quantized weights on every x86 CPU").
+// in docs/benchmarks-history.md, "Quantized weights on every x86 CPU").
 constexpr int kTileRows = 4;  // weight rows per tile
 constexpr int kTileCols = 4;  // activation rows per tile
 
@@ -580,8 +580,8 @@ inline const uint8_t* group_runs(const uint8_t* group, int64_t b) {
 // The cache lines of block b of a group (and, at a super-block's first, its scales): into L1, or
 // `Far` into L2. A step of few rows reads each weight once, at memory's pace: fetched into L1 a
 // pair ahead, its lines held L1's few miss buffers (a thread pulled 12 GB/s); into L2 two pairs
-// ahead, 20 (BENCHMARKS.md, "One request, one answer", second sitting). A step of more rows
-// multiplies a pair's blocks by tile after tile of them, from L1.
+// ahead, 20 (docs/benchmarks-history.md, "One request, one answer", second sitting). A step of more
+// rows multiplies a pair's blocks by tile after tile of them, from L1.
 template <int64_t QType, bool Far>
 inline void prefetch_group_block(const uint8_t* group, int64_t b) {
   const auto fetch = [](const uint8_t* p) {
@@ -1199,7 +1199,7 @@ void with_rows8_qtype(int64_t qtype, F&& f) {
 // weight tiles into its core's caches (64 KB at K = 1024) and multiplies them there by AMX's bf16
 // tiles, so that the weights are read as blocks once per step and no dequantized weight goes
 // through memory (the dense route writes and reads back every weight in bf16; measured:
-// BENCHMARKS.md).
+// docs/benchmarks-history.md).
 //
 // The roles are swapped to fit AMX's layouts without a transpose of the weights: a product tile
 // is out^T, 16 weight rows by 16 activation rows, C += A B with A a weight tile (16 rows x 32

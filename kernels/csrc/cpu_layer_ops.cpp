@@ -1,9 +1,9 @@
 // The decoder layer's ops besides attention and the matmuls, for pagedserve's cpu backend
 // (`kernels.cpu_ops`): RMSNorm, residual add + RMSNorm, SiLU-and-multiply, and rotary embedding +
 // KV-cache write (and, at the end, the sampler's greedy pick). Same contracts and the same
-// roundings as `kernels/reference.py`, the oracle (its docstrings say where each rounds); one
-// call each instead of the reference's 3 to 20 torch ops, whose per-op cost (~5 us each on the
-// dev VM) made up a large share of a decode step of one stream (BENCHMARKS.md, "Quantized
+// roundings as `kernels/reference.py`, the oracle (its docstrings say where each rounds); one call
+// each instead of the reference's 3 to 20 torch ops, whose per-op cost (~5 us each on the dev VM)
+// made up a large share of a decode step of one stream (docs/benchmarks-history.md, "Quantized
 // weights on CPU").
 //
 // Rows (tokens) are split over torch's threads only when a call holds more than kGrainElements
@@ -273,12 +273,12 @@ inline bool max_and_finite(const float* row, int64_t vocab, float& top) {
   return zero == 0.0f;
 }
 
-// The sampler's greedy pick over float32 logits [rows, vocab] (rows contiguous): each row's
-// first index of its largest value, and whether the row is all finite (a NaN or an infinity
-// anywhere: false, and id 0, as the sampler's torch path gives). One pass finds the max and
-// checks (x * 0 is NaN only for a NaN or an infinity), a second stops at the max's first index:
-// torch's max(dim), amax and amin read a decode step's [64, 49152] three times (BENCHMARKS.md,
-// "Prefill attention on AMX tiles").
+// The sampler's greedy pick over float32 logits [rows, vocab] (rows contiguous): each row's first
+// index of its largest value, and whether the row is all finite (a NaN or an infinity anywhere:
+// false, and id 0, as the sampler's torch path gives). One pass finds the max and checks (x * 0 is
+// NaN only for a NaN or an infinity), a second stops at the max's first index: torch's max(dim),
+// amax and amin read a decode step's [64, 49152] three times (docs/benchmarks-history.md, "Prefill
+// attention on AMX tiles").
 void greedy_pick(const at::Tensor& logits, at::Tensor& ids, at::Tensor& finite) {
   check_rows(logits, "logits");
   const int64_t n = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
@@ -309,8 +309,9 @@ void greedy_pick(const at::Tensor& logits, at::Tensor& ids, at::Tensor& finite) 
 // running weight passes u times the row's total, the weights exp((x - max) / T), summed per chunk
 // of 1024 in float32, the chunks' sums in double, then the chosen chunk's tokens in double. Its
 // passes: the max and finite check, the chunk sums, the chunk; torch's path makes the
-// probabilities, their chunk sums and cumulative sums, and two searches (0.3 ms of a decode
-// token of one stream: BENCHMARKS.md, "Rows interleaved by 8"). A row not all finite gets id 0.
+// probabilities, their chunk sums and cumulative sums, and two searches (0.3 ms of a decode token
+// of one stream: docs/benchmarks-history.md, "Rows interleaved by 8"). A row not all finite
+// gets id 0.
 void temperature_pick(const at::Tensor& logits, const at::Tensor& temperatures,
                       const at::Tensor& uniforms, at::Tensor& ids, at::Tensor& finite) {
   check_rows(logits, "logits");

@@ -20,8 +20,8 @@ namespace pagedserve_cpu {
 
 // Allocations on whole cache lines, for what AMX tiles load and store: a tile's 64-byte rows each
 // on one line (malloc's 16-byte alignment put every row across two in some processes and not in
-// others: BENCHMARKS.md, "Aligned tiles"). Elements are default-initialized (a resize leaves them
-// as they come): every user writes before it reads.
+// others: docs/benchmarks-history.md, "Aligned tiles"). Elements are default-initialized (a resize
+// leaves them as they come): every user writes before it reads.
 template <typename T>
 struct LineAllocator {
   using value_type = T;
