@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     ranged = args.input_len_range is not None or args.output_len_range is not None
     result = {
-        "model": config.model,
+        "model": config.model.model,
         "dtype": str(engine.core.worker.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(engine.core.worker.kv_cache_dtype).removeprefix("torch."),
         "kv_blocks": engine.core.worker.kv_plan.num_blocks,

@@ -116,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="bench serve's PNG for the online run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
-        "--max-num-seqs", type=int, default=EngineConfig().max_num_seqs, help=argparse.SUPPRESS
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig().scheduler.max_num_seqs,
+        help=argparse.SUPPRESS,
     )
     return p
 
@@ -150,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             # repeats, and the same prompts again would skip their prefill.
             rep = argparse.Namespace(**{**vars(args), "seed": args.seed + r})
             run: dict[str, Any] = {"seed": rep.seed}
-            run["offline"] = _run_offline(rep, EngineConfig().max_num_seqs)["output_throughput"]
+            run["offline"] = _run_offline(rep, EngineConfig().scheduler.max_num_seqs)[
+                "output_throughput"
+            ]
             before = _run_offline(rep, max_num_seqs=args.max_concurrency)["output_throughput"]
             for mode, base in bases.items():
                 plot = f"{args.plot.removesuffix('.png')}_{mode}.png" if args.plot else None

@@ -1,365 +1,138 @@
-"""Engine options: each defined once, as an `EngineConfig` field with its default, help and
-`--help` group (engine/options.py: the command line's flags are generated from the fields, so
-adding an option is one new field). Validation happens on construction; there is no I/O here.
+"""Everything an engine needs besides requests: the option groups of engine/config_groups.py, one
+per concern, composed into one frozen `EngineConfig`, as vLLM composes `ModelConfig`,
+`CacheConfig`, ... into `VllmConfig`.
+
+Each option is defined once, as a field of its group; the command line's flags and the flat
+keyword arguments (`EngineConfig(model=..., block_size=8)`, `LLM(...)`) are generated from those
+fields, so adding an option is one new field. What spans groups is checked here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+from pagedserve.engine.config_groups import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+    CacheOptions,
+    LoRAOptions,
+    ModelOptions,
+    ObservabilityOptions,
+    ParallelOptions,
+    SchedulerOptions,
+    SpeculativeOptions,
+)
+from pagedserve.engine.options import Options
 
-from pagedserve.engine.kv_events_config import KVEventsConfig, parse_kv_events_config
-from pagedserve.engine.options import GiB, Options, gib_to_bytes, option
-from pagedserve.kernels import BACKENDS, FP8_KV_DTYPES, cpu_features
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-PREEMPTION_MODES = ("recompute", "swap")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# The choices of --quantization (engine/models/quantized_linear.py acts on them).
-QUANTIZATIONS = ("auto", "none", "gguf")
+__all__ = [
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DTYPES",
+    "LOAD_FORMATS",
+    "PREEMPTION_MODES",
+    "QUANTIZATIONS",
+    "CacheOptions",
+    "EngineConfig",
+    "LoRAOptions",
+    "ModelOptions",
+    "ObservabilityOptions",
+    "ParallelOptions",
+    "SchedulerOptions",
+    "SpeculativeOptions",
+]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EngineConfig(Options):
-    """Everything LLMEngine needs besides requests. None means "derive from the model/machine"."""
+    """The engine's options, one frozen group per concern. Built from flat keyword arguments, one
+    per option (`EngineConfig(model="x", block_size=8)`, as the command line gives them), from
+    whole groups by their field name (`EngineConfig(cache=CacheOptions(...))`), or both (the
+    options then change the groups'). `model=` is the model's name as a string, its group as a
+    ModelOptions."""
 
-    model: str = option(
-        "smollm2-135m-instruct",
-        "local Hugging Face folder, .gguf file, smollm2-135m-instruct (embedded), or for random "
-        "weights a config.json file or a built-in shape (llama-3.2-1b, llama-3.1-8b, "
-        "qwen2.5-0.5b, smollm2-135m)",
-        group="model",
-    )
-    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)", group="model")
-    task: str = option(
-        "auto",
-        "generate (text) or embed (pooled hidden states: POST /v1/embeddings); auto = embed for "
-        "an encoder-only model (BertModel) or a sentence-transformers folder (modules.json), "
-        "else generate",
-        choices=("auto", "generate", "embed"),
-        group="model",
-    )
-    load_format: str = option(
-        "auto",
-        "how to read the weights; dummy = random weights of the model's shapes",
-        choices=LOAD_FORMATS,
-        group="model",
-    )
-    quantization: str = option(
-        "auto",
-        "a GGUF file's quantized matmul weights (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q4_K/Q5_K/Q6_K): gguf "
-        "= kept as the file's blocks (about 3x "
-        "fewer bytes than bfloat16, 6x than float32, to hold and to read per step; on CPU, in "
-        "float32 or bfloat16), none = dequantized to the dtype at load (the reference), auto = "
-        "gguf where it can be (an x86 CPU with AVX2 and the compiled kernels), else none",
-        choices=QUANTIZATIONS,
-        group="model",
-    )
-    device: str = option(
-        "auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N", group="model"
-    )
-    dtype: str = option(
-        "auto",
-        "weights, activations and KV cache; auto = bfloat16 on CUDA and on CPUs that compute "
-        "it natively (AVX512-BF16 or AMX), float32 on other CPUs",
-        choices=("auto", *DTYPES),
-        group="model",
-    )
-    kv_cache_dtype: str = option(
-        "auto",
-        "KV-cache element type: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 keep one "
-        "byte per value, half of bf16's, so a memory budget holds twice the blocks; values are "
-        "divided by a per-layer K and V scale (1.0, the checkpoint's k_scale/v_scale, or "
-        "--calculate-kv-scales) on write and multiplied back on read",
-        choices=("auto", *FP8_KV_DTYPES),
-        group="cache",
-    )
-    calculate_kv_scales: bool = option(
-        False,
-        "fp8 KV cache: set each layer's K and V scales from the first step's values (largest "
-        "magnitude x 2 / the format's largest value) instead of the checkpoint's or 1.0",
-        group="cache",
-    )
-    block_size: int = option(16, "tokens per KV-cache block", group="cache")
-    max_num_seqs: int = option(256, "most sequences in one step", group="scheduler")
-    max_num_batched_tokens: int | None = option(
-        None,
-        "most tokens in one step; longer prompts are prefilled in chunks "
-        f"(default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, max_num_seqs))",
-        group="scheduler",
-    )
-    max_prefill_tokens_while_decoding: int | None = option(
-        None,
-        "in a step where streams decode, prompt tokens (new prompts and prefill chunks) take at "
-        "most the prompts' per-request share of the token budget, or this many if more, so long "
-        "prompts do not stall the streams; a step without decodes takes the whole budget "
-        "(default: no cap: every step may take the whole budget, as vLLM's scheduler does)",
-        group="scheduler",
-    )
-    max_model_len: int | None = option(
-        None,
-        "longest prompt + output in tokens (default: the model's context length)",
-        group="model",
-    )
-    kv_cache_memory: int | None = option(
-        None,
-        "KV-cache budget: GiB on the command line, bytes in EngineConfig (default: on CPU "
-        "min(4 GiB, RAM / 4); on CUDA what gpu_memory_utilization leaves)",
-        cli_type=gib_to_bytes,
-        metavar="GiB",
-        group="cache",
-    )
-    num_kv_blocks: int | None = option(
-        None,
-        "exact number of KV-cache blocks; overrides kv_cache_memory (reproducible plans)",
-        group="cache",
-    )
-    preemption_mode: str = option(
-        "recompute",
-        "what a request preempted for room loses: recompute (its blocks are freed and its tokens "
-        "computed again when it resumes) or swap (its blocks move to a host-memory pool of "
-        "--swap-space GiB and back; recompute when that pool is full)",
-        choices=PREEMPTION_MODES,
-        group="cache",
-    )
-    swap_space: int = option(
-        4 * GiB,
-        "swap preemption's host pool: GiB on the command line, bytes in EngineConfig (pinned "
-        "memory on CUDA; only allocated with --preemption-mode swap)",
-        cli_type=gib_to_bytes,
-        metavar="GiB",
-        group="cache",
-    )
-    enable_prefix_caching: bool = option(
-        True,
-        "reuse the KV blocks of prompt prefixes seen before",
-        aliases=("--prefix-caching",),
-        group="cache",
-    )
-    kv_events_config: str | None = option(
-        None,
-        "publish the prefix cache's changes (KV events) for KV-aware routers: vLLM's JSON, e.g. "
-        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
-        '"tcp://*:5558", "topic": "kv-events"}\' (engine/kv_events_config.py)',
-        metavar="JSON",
-        group="cache",
-    )
-    attention_backend: str = option(
-        "auto",
-        "paged-attention kernels: triton (default on CUDA), cpu (compiled for this CPU on first "
-        "use; default on CPU), or torch (the reference; CPU's default without a C++ compiler); "
-        "auto also reads $PAGEDSERVE_ATTENTION_BACKEND",
-        choices=("auto", *BACKENDS),
-        group="model",
-    )
-    gpu_memory_utilization: float = option(
-        0.9,
-        "CUDA: share of GPU memory for weights, activations at the largest step, CUDA graphs and "
-        "the KV cache, which gets whatever is left; ignored on CPU",
-        group="cache",
-    )
-    enforce_eager: bool = option(
-        False,
-        "run decode steps layer by layer: on CUDA instead of replaying captured CUDA graphs, on "
-        "CPU instead of one compiled call per step (GGUF weights kept quantized)",
-        group="model",
-    )
-    max_cuda_graph_batch_size: int | None = option(
-        None,
-        "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 512)",
-        group="model",
-    )
-    async_scheduling: bool | None = option(
-        None,
-        "schedule and prepare step N+1 while step N runs, its new tokens filled in on the device "
-        "(default: on with CUDA; off on CPU, where the host's own cores run the model); outputs "
-        "are the same either way, --no-async-scheduling is for debugging",
-        group="scheduler",
-    )
-    speculative_ngram: int = option(
-        0,
-        "speculative decoding by prompt lookup: draft up to this many tokens per step from an "
-        "earlier occurrence of the sequence's last tokens (in its prompt or output) and verify "
-        "them in the same forward pass; greedy requests without logprobs or penalties only; "
-        "0 = off",
-        group="speculative",
-    )
-    speculative_ngram_min: int = option(
-        2, "shortest n-gram matched for speculative drafts", group="speculative"
-    )
-    speculative_ngram_max: int = option(
-        4, "longest n-gram matched for speculative drafts", group="speculative"
-    )
-    json_any_whitespace: bool = option(
-        False,
-        "structured outputs: let JSON outputs put any whitespace between their tokens (xgrammar's "
-        "default) instead of one space after ':' and ','; small models can loop on whitespace",
-        group="model",
-    )
-    seed: int = option(0, "seed of the sampler for requests without their own", group="model")
-    tensor_parallel_size: int = option(
-        1,
-        "split the model over this many ranks (processes; GPUs on CUDA), each holding its share "
-        "of the heads, MLP and vocabulary and of the KV cache; rank 0 starts the others on this "
-        "node, or torchrun starts them across nodes (README)",
-        group="parallel",
-    )
-    data_parallel_rank: int = option(
-        0,
-        "the data-parallel rank of this server's first engine core, for servers started apart "
-        "behind one router: KV events carry it and their ports are offset by it",
-        group="parallel",
-    )
-    enable_lora: bool = option(
-        False,
-        "serve LoRA adapters of this model (implied by the server's --lora-modules): requests "
-        "name one in `model`, and the adapters of a step are applied together",
-        group="lora",
-    )
-    max_loras: int = option(
-        4, "adapters on the device at once (its slots); more wait for a free slot", group="lora"
-    )
-    max_lora_rank: int = option(
-        64, "largest adapter rank accepted (the slots are sized for it)", group="lora"
-    )
-    max_cpu_loras: int | None = option(
-        None,
-        "adapters kept loaded in host memory, least recently used dropped first (default: "
-        "max_loras); a dropped one is read from its path again when next used",
-        group="lora",
-    )
+    model: ModelOptions
+    cache: CacheOptions
+    scheduler: SchedulerOptions
+    parallel: ParallelOptions
+    speculative: SpeculativeOptions
+    lora: LoRAOptions
+    observability: ObservabilityOptions
 
-    def __post_init__(self) -> None:
-        super().__post_init__()  # every field's type and choices
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                "gpu_memory_utilization must be in (0, 1], the share of GPU memory to use, "
-                f"got {self.gpu_memory_utilization!r}"
-            )
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_prefill_tokens_while_decoding",
-            "max_model_len",
-            "kv_cache_memory",
-            "num_kv_blocks",
-            "swap_space",
-            "max_cuda_graph_batch_size",
-            "tensor_parallel_size",
-            "max_loras",
-            "max_lora_rank",
-            "max_cpu_loras",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.speculative_ngram < 0:
-            raise ValueError(
-                f"speculative_ngram must be >= 0 (0 = off), got {self.speculative_ngram!r}"
-            )
-        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
-            raise ValueError(
-                "need 1 <= speculative_ngram_min <= speculative_ngram_max, got "
-                f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
-            )
-        if self.calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_DTYPES:
-            raise ValueError(
-                "calculate_kv_scales scales an fp8 KV cache: add --kv-cache-dtype fp8 "
-                f"(kv_cache_dtype is {self.kv_cache_dtype!r})"
-            )
-        if self.speculative_ngram and self.async_scheduling:
+    def __init__(self, **options: Any) -> None:
+        groups, option_group = _groups_of(type(self))
+        given = {}
+        for name, cls in groups.items():
+            if isinstance(options.get(name), cls):
+                given[name] = options.pop(name)
+        unknown = sorted(set(options) - option_group.keys())
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unknown options {unknown}")
+        for name, cls in groups.items():
+            mine = {k: v for k, v in options.items() if option_group[k] == name}
+            group = dataclasses.replace(given[name], **mine) if name in given else cls(**mine)
+            object.__setattr__(self, name, group)
+        self._check_across_groups()
+
+    def _check_across_groups(self) -> None:
+        if self.speculative.speculative_ngram and self.scheduler.async_scheduling:
             raise ValueError(
                 "speculative_ngram needs synchronous scheduling (each step's drafts come from "
                 "the tokens the previous step accepted): drop --async-scheduling"
             )
-
-        if self.data_parallel_rank < 0:
-            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
-        if self.kv_events_config is not None:
-            self._check_kv_events()
-        if self.enable_lora:
-            self._check_lora()
-
-    def _check_kv_events(self) -> None:
-        events = parse_kv_events_config(self.kv_events_config)
-        if events.enabled and not self.enable_prefix_caching:
+        if self.observability.kv_events and not self.cache.enable_prefix_caching:
             raise ValueError(
                 "KV events report the prefix cache's blocks: drop --no-enable-prefix-caching "
                 "or the kv_events_config"
             )
-
-    @property
-    def kv_events(self) -> KVEventsConfig | None:
-        """The parsed kv_events_config when it enables events, else None."""
-        if self.kv_events_config is None:
-            return None
-        events = parse_kv_events_config(self.kv_events_config)
-        return events if events.enabled else None
-
-    def _check_lora(self) -> None:
-        if self.task == "embed":
+        if self.lora.enable_lora and self.model.task == "embed":
             raise ValueError(
                 "LoRA adapters apply to generation: drop --enable-lora with --task embed"
             )
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
-                "every adapter in a device slot is also kept in host memory"
-            )
 
-    @property
-    def num_cpu_loras(self) -> int:
-        """Adapters kept in host memory: max_cpu_loras, or max_loras when unset."""
-        return self.max_cpu_loras or self.max_loras
+    def check_encoder_model(self, family: str) -> None:
+        """ValueError, naming the options to drop, for what an encoder-decoder model ("Whisper")
+        or an encoder-only one ("BERT") is not served with here."""
+        refused = {
+            "--tensor-parallel-size > 1": self.parallel.tensor_parallel_size > 1,
+            "--speculative-ngram": bool(self.speculative.speculative_ngram),
+            "--quantization gguf": self.model.quantization == "gguf",
+        }
+        if family == "Whisper":
+            refused["an fp8 --kv-cache-dtype"] = self.cache.kv_cache_dtype != "auto"
+        else:
+            refused["--preemption-mode swap"] = self.cache.preemption_mode == "swap"
+        named = [option for option, given in refused.items() if given]
+        if named:
+            raise ValueError(f"a {family} model is served without {', '.join(named)}: drop them")
 
-    @property
-    def step_token_budget(self) -> int:
-        """max_num_batched_tokens, or its default when unset."""
-        return self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+    def options(self) -> dict[str, Any]:
+        """Every option by its flat name, as `EngineConfig(**options)` takes them back."""
+        return {
+            f.name: getattr(getattr(self, group), f.name) for group, f, _ in self.option_fields()
+        }
 
-    def model_len(self, context_length: int) -> int:
-        """max_model_len, or when unset the model's `context_length`; ValueError beyond it."""
-        max_model_len = self.max_model_len or context_length
-        if max_model_len > context_length:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's context length {context_length}"
-            )
-        return max_model_len
+    @classmethod
+    def option_fields(cls) -> list[tuple[str, dataclasses.Field, Any]]:
+        """Its groups' options, each in the `--help` section named as its group here."""
+        return [
+            (name, f, hint)
+            for name, group in _groups_of(cls)[0].items()
+            for _, f, hint in group.option_fields()
+        ]
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                "device 'cuda' was requested but torch sees no CUDA device; use --device cpu"
-            )
-        return device
 
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            native = device.type == "cuda" or cpu_features.bf16_is_native()
-            return torch.bfloat16 if native else torch.float32
-        dtype = DTYPES[self.dtype]
-        if device.type == "cpu" and dtype == torch.float16:
-            raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
-        return dtype
-
-    def torch_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV cache's element type: the model's dtype, or the fp8 type asked for."""
-        if self.kv_cache_dtype == "auto":
-            return model_dtype
-        return FP8_KV_DTYPES[self.kv_cache_dtype]
+@functools.cache
+def _groups_of(cls: type[EngineConfig]) -> tuple[dict[str, type[Options]], dict[str, str]]:
+    """A config class's group classes by field name (a subclass may extend a group with options
+    of its own), and the group of each option by its name."""
+    hints = typing.get_type_hints(cls)
+    groups = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return groups, {
+        f.name: name for name, group in groups.items() for f in dataclasses.fields(group)
+    }

@@ -19,7 +19,16 @@ from typing import Any
 GiB = 1 << 30
 
 # The groups of `--help`, in this order.
-GROUPS = ("model", "cache", "scheduler", "parallel", "speculative", "lora", "server")
+GROUPS = (
+    "model",
+    "cache",
+    "scheduler",
+    "parallel",
+    "speculative",
+    "lora",
+    "observability",
+    "server",
+)
 
 
 def gib_to_bytes(text: str) -> int:
@@ -31,7 +40,7 @@ def option(
     default: Any,
     doc: str,
     *,
-    group: str,
+    group: str | None = None,
     choices: Sequence[str] | None = None,
     cli_type: Callable[[str], Any] | None = None,
     metavar: str | None = None,
@@ -41,11 +50,12 @@ def option(
     """A field with what the command line needs to offer it.
 
     `doc` is the field's documentation and the flag's help text; `group` its section of `--help`
-    (GROUPS). `cli_type` parses the flag's text when it differs from the field's type
+    (GROUPS; none for an option of an engine group, whose section is the group's name in
+    EngineConfig). `cli_type` parses the flag's text when it differs from the field's type
     (kv_cache_memory: GiB on the command line, bytes in the field); `aliases` are further
     spellings of the flag; `env` names an environment variable whose value is the flag's default
     (the field's own default stays `default`)."""
-    if group not in GROUPS:
+    if group is not None and group not in GROUPS:
         raise ValueError(f"option group must be one of {list(GROUPS)}, got {group!r}")
     metadata = {"help": doc, "choices": choices, "cli_type": cli_type, "metavar": metavar}
     metadata.update(group=group, aliases=tuple(aliases), env=env)
@@ -76,6 +86,13 @@ class Options:
                     raise ValueError(f"{f.name} must be one of {list(choices)}, got {item!r}")
 
     @classmethod
+    def option_fields(cls) -> list[tuple[str, dataclasses.Field, Any]]:
+        """(its `--help` section, the field, its type) of each option: here each field of the
+        class, in the section its `option()` names (EngineConfig gives its groups' fields)."""
+        hints = typing.get_type_hints(cls)
+        return [(f.metadata["group"], f, hints[f.name]) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
     def add_cli_args(
         cls,
         parser: argparse.ArgumentParser,
@@ -86,13 +103,12 @@ class Options:
         gets `--flag` and `--no-flag`. Types, defaults, choices and help come from the field,
         each in its group's section (`groups`: sections made already, shared between configs);
         returns the sections."""
-        hints = typing.get_type_hints(cls)
         groups = {} if groups is None else groups
-        fields = [f for f in dataclasses.fields(cls) if names is None or f.name in names]  # type: ignore[arg-type]
+        fields = [o for o in cls.option_fields() if names is None or o[1].name in names]
         for name in GROUPS:  # the sections in GROUPS' order, whichever config adds them first
-            if name not in groups and any(f.metadata["group"] == name for f in fields):
+            if name not in groups and any(section == name for section, _, _ in fields):
                 groups[name] = parser.add_argument_group(f"{name} options")
-        for f in fields:
+        for section, f, hint in fields:
             meta = f.metadata
             flags = [f"--{f.name.replace('_', '-')}", *meta["aliases"]]
             default = f.default if meta["env"] is None else os.environ.get(meta["env"], f.default)
@@ -102,8 +118,8 @@ class Options:
                 if meta["cli_type"] is gib_to_bytes:
                     shown = f"{f.default / GiB:g}"  # in the flag's unit
                 help_text += f" (default: {shown})"
-            kind, many = _scalar_type(hints[f.name])
-            group = groups[meta["group"]]
+            kind, many = _scalar_type(hint)
+            group = groups[section]
             if kind is bool:
                 group.add_argument(
                     *flags,
@@ -129,7 +145,7 @@ class Options:
     def from_cli_args(cls, args: argparse.Namespace) -> typing.Self:
         """The config the parsed flags describe (raises ValueError for invalid values)."""
         values = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for _, f, _ in cls.option_fields():
             value = getattr(args, f.name)
             values[f.name] = tuple(value) if isinstance(value, list) else value
         return cls(**values)

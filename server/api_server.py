@@ -21,7 +21,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
-from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.engine_config import EngineConfig, ModelOptions
 from pagedserve.engine.frontend.client import EngineClient
 from pagedserve.engine.frontend.data_parallel import DataParallelEngine
 from pagedserve.engine.frontend.process_client import ProcessEngine
@@ -63,10 +63,10 @@ def run_server(config: EngineConfig, server: ServerConfig, log_level: str = "inf
     ways."""
     host, port = server.host, server.port
     _check_port_free(host, port)  # before loading: a model can take minutes to load
-    names = list(server.served_model_name or [config.model])
+    names = list(server.served_model_name or [config.model.model])
     client, description, core_process = start_client(config, server, loop_thread=False)
     try:
-        app = server_app(client, config, server)
+        app = server_app(client, config.model, server)
         logger.info(
             "serving %s on http://%s:%d/v1 (%s, %s%s)",
             names[0],
@@ -136,11 +136,11 @@ def start_client(
     requests accepted), its description, and whether its core runs in a process of its own.
     An in-process engine's loop runs on a thread of its own with `loop_thread`, else the caller
     runs it (`client.run()`, as `run_server` does on its main thread)."""
-    if server.lora_modules and not config.enable_lora:  # adapters to serve: LoRA is on
+    if server.lora_modules and not config.lora.enable_lora:  # adapters to serve: LoRA is on
         config = dataclasses.replace(config, enable_lora=True)
     core_process = server.core_process
     if core_process is None:
-        core_process = DEFAULT_CORE_PROCESS[config.torch_device().type]
+        core_process = DEFAULT_CORE_PROCESS[config.model.torch_device().type]
     if server.data_parallel_size > 1:
         client = DataParallelEngine(config, server.data_parallel_size, server.max_queue_len)
         client.start()  # loads the model in every core process at once
@@ -160,16 +160,17 @@ def start_client(
     return client, engine.describe(), False
 
 
-def server_app(client: EngineClient, config: EngineConfig, server: ServerConfig) -> FastAPI:
-    """The FastAPI app over `client` with the server's options (the caller runs the engine)."""
+def server_app(client: EngineClient, model: ModelOptions, server: ServerConfig) -> FastAPI:
+    """The FastAPI app over `client` serving `model` with the server's options (the caller runs
+    the engine)."""
     # Imported here: the routes import transformers (a second), which `serve` does after it
     # launched the engine core, so that the two processes' start-ups overlap.
     from pagedserve.server.app import build_app
 
     return build_app(
         client,
-        list(server.served_model_name or [config.model]),
-        model_root=config.model,
+        list(server.served_model_name or [model.model]),
+        model_root=model.model,
         api_key=server.api_key,
         manage_engine=False,
         request_timeout=server.request_timeout,

@@ -50,34 +50,35 @@ def _cmd_kv_plan(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
     )
-    config = resolve_model(options.model).config
+    config = resolve_model(options.model.model).config
     # A plan is arithmetic: lengths past the model's context are planned too, with a note (a
     # server refuses them).
-    max_model_len = options.max_model_len or config.max_position_embeddings
+    max_model_len = options.model.max_model_len or config.max_position_embeddings
     report = kv_plan_report(
-        options.model,
+        options.model.model,
         config,
-        options.torch_kv_cache_dtype(DTYPES[args.dtype]),
+        options.cache.torch_kv_cache_dtype(DTYPES[args.dtype]),
         args.num_seqs,
         max_model_len,
         args.block_size,
-        options.tensor_parallel_size,
+        options.parallel.tensor_parallel_size,
     )
     print(report)
-    if options.enable_lora:
+    if options.lora.enable_lora:
         from pagedserve.engine.lora.adapter import lora_slot_bytes
         from pagedserve.engine.models.parallel import plan_shards
 
         itemsize = DTYPES[args.dtype].itemsize
-        tp = options.tensor_parallel_size
+        tp = options.parallel.tensor_parallel_size
         # With tensor parallelism each rank holds its slice's slots; rank 0's is the largest.
         rank_config = config if tp == 1 else plan_shards(config, tp)[0].local_config(config)
         lora_bytes = lora_slot_bytes(
-            rank_config, options.max_loras, options.max_lora_rank, itemsize
+            rank_config, options.lora.max_loras, options.lora.max_lora_rank, itemsize
         )
         per_rank = "" if tp == 1 else " per rank"
+        lora = options.lora
         print(
-            f"LoRA slots: {options.max_loras} adapters up to rank {options.max_lora_rank}, "
+            f"LoRA slots: {lora.max_loras} adapters up to rank {lora.max_lora_rank}, "
             f"{lora_bytes} bytes ({lora_bytes / 2**20:.1f} MiB){per_rank} in {args.dtype} "
             "beside the weights (on a GPU the KV cache gets what they leave)"
         )

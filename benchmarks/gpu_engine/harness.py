@@ -230,7 +230,7 @@ def kv_blocks_for(seq_lens: Sequence[int], max_model_len: int) -> int:
     explicitly rather than letting every engine take --gpu-memory-utilization of the GPU."""
     from pagedserve.engine.engine_config import EngineConfig
 
-    block_size = EngineConfig().block_size
+    block_size = EngineConfig().cache.block_size
     need = sum(cdiv(n, block_size) for n in seq_lens)
     return max(need, cdiv(max_model_len, block_size)) + 16
 

@@ -46,7 +46,7 @@ def step_spec(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Si
 
     model = harness.model_path(args.model, args.scratch)
     vocab = resolve_model(model).config.vocab_size
-    block_size = EngineConfig().block_size
+    block_size = EngineConfig().cache.block_size
     # The samples share the prompt's KV but the last prompt token's: prompt_len - 1 tokens, 2
     # whole blocks and a partial one, which each sample must copy before its first write.
     shared_prompt_len = 2 * block_size + block_size // 2

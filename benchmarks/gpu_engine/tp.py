@@ -21,7 +21,7 @@ def step_tp(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Size
     from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
 
     def build(distributed: bool, model: str, **kwargs) -> LLM:
-        config = EngineConfig(model, device=sizes.device, load_format="dummy", **kwargs)
+        config = EngineConfig(model=model, device=sizes.device, load_format="dummy", **kwargs)
         endpoint = TPEndpoint(0, 1, "127.0.0.1", free_port(), 0) if distributed else None
         return LLM.from_config(config, endpoint)
 

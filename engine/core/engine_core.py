@@ -16,7 +16,8 @@ import msgspec
 
 from pagedserve.engine.core.beam_search import BeamSearches
 from pagedserve.engine.core.kv_events import KVEventPublisher
-from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.core.scheduler_limits import scheduler_config
+from pagedserve.engine.engine_config import EngineConfig, ObservabilityOptions, ParallelOptions
 from pagedserve.engine.messages import CoreRequest, EngineStats, SampleOutput
 from pagedserve.engine.models.bert_config import context_length, embedding_pooling
 from pagedserve.engine.models.model_source import ModelSource, resolve_model
@@ -32,7 +33,6 @@ from pagedserve.scheduler import (
     Request,
     RequestStatus,
     Scheduler,
-    SchedulerConfig,
     SchedulerOutput,
 )
 from pagedserve.scheduler.kv_events import AllBlocksCleared, KVEventLog
@@ -53,12 +53,12 @@ class EngineCore:
                 "(engine/worker/tp_worker.py `run_worker`)"
             )
         self.config = config
-        self.source: ModelSource = resolve_model(config.model)
+        self.source: ModelSource = resolve_model(config.model.model)
         mc = self.model_config = self.source.config
         # An embedding model pools each prompt's hidden states (engine/worker/pooler.py).
-        self.pooling = embedding_pooling(self.source, config.task)
-        self.max_model_len = config.model_len(context_length(mc, self.pooling))
-        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        self.pooling = embedding_pooling(self.source, config.model.task)
+        self.max_model_len = config.model.model_len(context_length(mc, self.pooling))
+        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc)
         self.worker = Worker(config, self.source, self.max_model_len, endpoint)
         try:
@@ -69,7 +69,7 @@ class EngineCore:
 
     def _build(self, config: EngineConfig) -> None:
         mc = self.model_config
-        self.max_num_batched_tokens = config.step_token_budget
+        self.max_num_batched_tokens = config.scheduler.step_token_budget
         embeds = self.pooling is not None
         if embeds:  # a prompt runs whole in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
@@ -77,33 +77,23 @@ class EngineCore:
         # Asynchronous scheduling: the step launched last, whose outputs the next step() reads.
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=plan.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
+            scheduler_config(
+                config.scheduler,
+                config.cache,
+                config.speculative,
+                config.lora,
+                plan,
+                num_host_blocks=self.worker.num_host_blocks,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                # (off for an encoder-decoder: its KV depends on the audio, not only the tokens)
-                # (nor for embeddings: a pooled vector needs every token's hidden state)
-                enable_prefix_caching=(
-                    config.enable_prefix_caching and not plan.encoder_blocks and not embeds
-                ),
-                num_speculative_tokens=config.speculative_ngram,
-                ngram_min=config.speculative_ngram_min,
-                ngram_max=config.speculative_ngram_max,
-                kv_group_windows=plan.windows,
-                num_host_blocks=self.worker.num_host_blocks,
-                max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding or 0,
-                encoder_blocks=plan.encoder_blocks,
-                encoder_tokens=mc.whisper.max_source_positions if mc.is_encoder_decoder else 0,
-                prefill_only=embeds,
-                max_loras=config.max_loras if config.enable_lora else 0,
+                model_config=mc,
+                embeds=embeds,
             )
         )
         # Structured outputs: the grammars compiling (their samples wait in the scheduler,
         # passed by until then) and the matchers of the constrained samples.
         self.structured = StructuredOutputManager(
-            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.json_any_whitespace
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.model.json_any_whitespace
         )
         self.worker.use_sampling_rules(self.structured, frozenset(self.eos_token_ids))
         self.num_steps = 0
@@ -111,22 +101,24 @@ class EngineCore:
         self.num_requests_added = 0  # requests (not samples) add_samples took (see EngineStats)
         self._rejected: list[SampleOutput] = []  # failed in add_samples, reported by the next step
         self.beams = BeamSearches(self.scheduler, self.eos_token_ids)
-        self.kv_events = self._start_kv_events(config)
+        self.kv_events = self._start_kv_events(config.observability, config.parallel)
 
-    def _start_kv_events(self, config: EngineConfig) -> KVEventPublisher | None:
+    def _start_kv_events(
+        self, observability: ObservabilityOptions, parallel: ParallelOptions
+    ) -> KVEventPublisher | None:
         """The KV events' publisher, with the block pool telling the log it drains every step
         (None without --kv-events-config, or without a prefix cache to report on)."""
-        events = config.kv_events
+        events = observability.kv_events
         kv = self.scheduler.kv_cache_manager
         if events is None:
             return None
         if not kv.enable_prefix_caching:  # encoder-decoder and embedding models have none
             logger.warning("KV events: this model runs without a prefix cache; none are sent")
             return None
-        kv.block_pool.event_log = KVEventLog(config.block_size)
+        kv.block_pool.event_log = KVEventLog(kv.block_size)
         medium = "GPU" if self.worker.device.type == "cuda" else "CPU"
         publisher = KVEventPublisher(
-            events, config.data_parallel_rank, medium, self.worker.kv_plan.windows
+            events, parallel.data_parallel_rank, medium, self.worker.kv_plan.windows
         )
         logger.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
         # Batch 0: a router that knew this rank before (a restarted pod) forgets its blocks.
@@ -458,7 +450,7 @@ class EngineCore:
         kv_map = self.scheduler.kv_map()
         kv_map.update(
             time=time.time(),
-            model=self.config.model,
+            model=self.config.model.model,
             kv_cache_dtype=dtype_name(self.worker.kv_cache_dtype),
             bytes_per_block=self.worker.kv_plan.bytes_per_block,
             max_model_len=self.max_model_len,

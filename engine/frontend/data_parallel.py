@@ -211,13 +211,13 @@ def core_configs(config: EngineConfig, num_cores: int) -> list[EngineConfig]:
     say so, on ports + i); on CUDA it gets GPUs i*N .. i*N + N-1 (N: the tensor-parallel size;
     its ranks count from the first); ValueError when there are not that many."""
     ranked = [
-        dataclasses.replace(config, data_parallel_rank=config.data_parallel_rank + i)
+        dataclasses.replace(config, data_parallel_rank=config.parallel.data_parallel_rank + i)
         for i in range(num_cores)
     ]
-    device = config.torch_device()
+    device = config.model.torch_device()
     if num_cores == 1 or device.type != "cuda":
         return ranked
-    per_core = config.tensor_parallel_size
+    per_core = config.parallel.tensor_parallel_size
     first = device.index or 0
     need = first + num_cores * per_core
     if need > torch.cuda.device_count():
@@ -282,7 +282,7 @@ class DataParallelEngine(EngineClient):
             _Core(self, i, config, threads)
             for i, config in enumerate(core_configs(config, data_parallel_size))
         ]
-        self.router = PrefixRouter(data_parallel_size, config.block_size)
+        self.router = PrefixRouter(data_parallel_size, config.cache.block_size)
         self._routes: dict[str, tuple[int, int]] = {}  # request id -> (core, cost); by _lock
 
     # ---- what handlers may read ------------------------------------------------------------------
@@ -331,7 +331,9 @@ class DataParallelEngine(EngineClient):
             for core in self.cores:
                 core.launch()
                 launched.append(core)
-            self._use_inputs(front_end_inputs(self.config))  # while the cores load the model
+            self._use_inputs(
+                front_end_inputs(self.config.model, self.config.lora)
+            )  # while the cores load the model
         except BaseException:
             for core in launched:
                 core.abandon(timeout=0)
@@ -377,7 +379,7 @@ class DataParallelEngine(EngineClient):
             core.use_inputs(inputs)
         # An encoder-decoder's cores cache no prefixes (its KV depends on the audio): only the
         # load routes its requests.
-        self.router.prefix_caching = self.config.enable_prefix_caching and not (
+        self.router.prefix_caching = self.config.cache.enable_prefix_caching and not (
             inputs.max_audio_samples
         )
 

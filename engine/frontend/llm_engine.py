@@ -30,7 +30,7 @@ class LLMEngine:
         self.core = EngineCore(config, endpoint)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
-        lora_rank = config.max_lora_rank if config.enable_lora else None
+        lora_rank = config.lora.max_lora_rank if config.lora.enable_lora else None
         self.inputs = InputProcessor.for_model(
             self.tokenizer, self.max_model_len, self.core.model_config, self.core.pooling, lora_rank
         )

@@ -36,7 +36,7 @@ import msgspec
 import zmq
 
 from pagedserve.engine.core.process import run_engine_core
-from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.engine_config import EngineConfig, LoRAOptions, ModelOptions
 from pagedserve.engine.frontend.client import (
     EngineClient,
     EngineDeadError,
@@ -65,22 +65,22 @@ logger = logging.getLogger("pagedserve")
 _POLL_MS = 100  # how often the receiver looks at the core process while no output arrives
 
 
-def front_end_inputs(config: EngineConfig) -> InputProcessor:
-    """The API server's InputProcessor for `config`: the tokenizer and the limits, from the
-    model's config (not its weights)."""
+def front_end_inputs(model: ModelOptions, lora: LoRAOptions) -> InputProcessor:
+    """The API server's InputProcessor for the model and LoRA options: the tokenizer and the
+    limits, from the model's config (not its weights)."""
     # Here, not at the top: transformers takes a second to import, and a server launches its
     # core process before that (ProcessEngine.wait_started).
     from pagedserve.engine.models.tokenizer import load_tokenizer
 
-    source = resolve_model(config.model)
+    source = resolve_model(model.model)
     model_config = source.config
-    pooling = embedding_pooling(source, config.task)
+    pooling = embedding_pooling(source, model.task)
     return InputProcessor.for_model(
-        load_tokenizer(source, config.tokenizer),
-        config.model_len(context_length(model_config, pooling)),
+        load_tokenizer(source, model.tokenizer),
+        model.model_len(context_length(model_config, pooling)),
         model_config,
         pooling,
-        config.max_lora_rank if config.enable_lora else None,
+        lora.max_lora_rank if lora.enable_lora else None,
     )
 
 
@@ -174,7 +174,7 @@ class ProcessEngine(EngineClient):
         `start` does (the core is stopped first)."""
         if self.inputs is None:
             try:
-                self.use_inputs(front_end_inputs(self.config))
+                self.use_inputs(front_end_inputs(self.config.model, self.config.lora))
             except BaseException:  # the core may load for minutes yet: no waiting for it
                 self.abandon(timeout=0)
                 raise

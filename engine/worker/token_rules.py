@@ -75,26 +75,18 @@ class TokenRules:
                 allowed_pos += [len(allowed_rows)] * len(p.allowed_token_ids)
                 allowed_ids += p.allowed_token_ids
                 allowed_rows.append(i)
+
+        def columns(*parts: tuple[list, torch.dtype]) -> tuple[torch.Tensor, ...] | None:
+            # A rule's columns on the device, or None when no row has it (its rows are empty).
+            if not parts[0][0]:
+                return None
+            return tuple(_to_device(values, dtype, device) for values, dtype in parts)
+
+        long = torch.long
         return TokenRules(
-            banned=(
-                (_to_device(ban_rows, torch.long, device), _to_device(ban_ids, torch.long, device))
-                if ban_rows
-                else None
-            ),
-            bias=(
-                _to_device(bias_rows, torch.long, device),
-                _to_device(bias_ids, torch.long, device),
-                _to_device(bias_values, torch.float32, device),
-            )
-            if bias_rows
-            else None,
-            allowed=(
-                _to_device(allowed_rows, torch.long, device),
-                _to_device(allowed_pos, torch.long, device),
-                _to_device(allowed_ids, torch.long, device),
-            )
-            if allowed_rows
-            else None,
+            banned=columns((ban_rows, long), (ban_ids, long)),
+            bias=columns((bias_rows, long), (bias_ids, long), (bias_values, torch.float32)),
+            allowed=columns((allowed_rows, long), (allowed_pos, long), (allowed_ids, long)),
         )
 
     def apply(self, logits: torch.Tensor) -> None:

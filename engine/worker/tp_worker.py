@@ -144,8 +144,8 @@ def run_worker(config: EngineConfig, endpoint: TPEndpoint) -> None:
     from pagedserve.engine.models.model_source import resolve_model
     from pagedserve.engine.worker.worker import Worker
 
-    source = resolve_model(config.model)
-    max_model_len = config.model_len(source.config.max_position_embeddings)
+    source = resolve_model(config.model.model)
+    max_model_len = config.model.model_len(source.config.max_position_embeddings)
     Worker(config, source, max_model_len, endpoint).serve()
     # Skip the interpreter's teardown: destroying the process groups while other ranks are still
     # connected aborts (std::terminate in gloo's threads), and there is nothing left to save.

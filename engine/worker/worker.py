@@ -18,19 +18,14 @@ import time
 import torch
 
 from pagedserve import kernels
-from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.engine_config import EngineConfig, LoRAOptions
 from pagedserve.engine.lora.slots import LoRAManager
-from pagedserve.engine.models.bert import BertModel, load_bert_model
 from pagedserve.engine.models.bert_config import embedding_pooling
-from pagedserve.engine.models.compiled_step import CompiledStep, unsupported
-from pagedserve.engine.models.cpu_linear import can_pack
 from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import ModelSource
 from pagedserve.engine.models.parallel import TPGroup, describe_shards, plan_shards
-from pagedserve.engine.models.quantized_linear import describe, keep_quantized, quantized
-from pagedserve.engine.models.weights import load_weights
-from pagedserve.engine.models.whisper import WhisperModel, load_whisper_model
+from pagedserve.engine.models.quantized_linear import quantized
 from pagedserve.engine.models.whisper_config import WhisperDecoding
 from pagedserve.engine.structured_output import StructuredOutputManager
 from pagedserve.engine.tp_endpoint import TPEndpoint, free_port
@@ -43,6 +38,7 @@ from pagedserve.engine.worker.kv_cache import (
     gpu_kv_cache_budget,
     plan_kv_cache,
 )
+from pagedserve.engine.worker.model_loader import load_model
 from pagedserve.engine.worker.model_runner import ModelRunner, StepHandle, profile_step
 from pagedserve.scheduler import SchedulerOutput
 from pagedserve.scheduler.utils import cdiv
@@ -68,18 +64,16 @@ class Worker:
         self._stop_ranks = False  # whether close() has other ranks to tell
         self.shard = None
         self.kv_config = mc  # the KV heads this rank holds: all of them without a shard
-        size = config.tensor_parallel_size
+        size = config.parallel.tensor_parallel_size
         # An endpoint of one rank takes the distributed path alone (its cost, measured).
         distributed = size > 1 or endpoint is not None
         if distributed:
             self.shard = plan_shards(mc, size)[0 if endpoint is None else endpoint.rank]
             self.kv_config = self.shard.local_config(mc)
-        self.device = config.torch_device()
-        if mc.is_encoder_decoder:
-            check_encoder_decoder_options(config)
-        self.pooling = embedding_pooling(source, config.task)
-        if mc.is_encoder_only:
-            check_encoder_only_options(config)
+        self.device = config.model.torch_device()
+        if mc.is_encoder_decoder or mc.is_encoder_only:
+            config.check_encoder_model("Whisper" if mc.is_encoder_decoder else "BERT")
+        self.pooling = embedding_pooling(source, config.model.task)
         try:
             if distributed:
                 self.tp = self._join_ranks(endpoint)
@@ -97,7 +91,7 @@ class Worker:
     def _join_ranks(self, endpoint: TPEndpoint | None) -> TPGroup:
         """Find the other ranks (starting them when this is rank 0 on its own), set this rank's
         device and CPU share, and connect."""
-        config, size = self.config, self.config.tensor_parallel_size
+        config, size = self.config, self.config.parallel.tensor_parallel_size
         if endpoint is None:
             endpoint = TPEndpoint.from_torchrun()
             if endpoint is not None and endpoint.rank != 0:
@@ -127,15 +121,28 @@ class Worker:
         return tp
 
     def _build(self, config: EngineConfig, mc: ModelConfig) -> None:
-        self.dtype = config.torch_dtype(self.device)
-        self.kv_cache_dtype = config.torch_kv_cache_dtype(self.dtype)
-        self.attention_backend = kernels.resolve_backend(config.attention_backend, self.device)
+        self.dtype = config.model.torch_dtype(self.device)
+        self.kv_cache_dtype = config.cache.torch_kv_cache_dtype(self.dtype)
+        self.attention_backend = kernels.resolve_backend(
+            config.model.attention_backend, self.device
+        )
         self.attention_ops = kernels.get_backend(self.attention_backend)
         if self.attention_backend == "triton":  # refuse now, not at the first step after loading
             self.attention_ops.check_runnable(self.device)
 
         start = time.perf_counter()
-        self.model = self._build_model()
+        self.model = load_model(
+            config.model,
+            self.source,
+            self.device,
+            self.dtype,
+            self.kv_cache_dtype,
+            self.attention_ops,
+            self.max_model_len,
+            shard=self.shard,
+            tp=self.tp,
+            log=self.is_driver,
+        )
         # A weight kept quantized holds no dense elements: count its shape.
         self.num_params = sum(
             kept.out_features * kept.in_features if (kept := quantized(p)) else p.numel()
@@ -143,7 +150,7 @@ class Worker:
         )
         logger.info(
             "model %s (%s): %.1fM parameters, %s on %s, %s attention, loaded in %.1f s",
-            config.model,
+            config.model.model,
             mc.architecture,
             self.num_params / 1e6,
             dtype_name(self.dtype),
@@ -151,30 +158,32 @@ class Worker:
             self.attention_backend,
             time.perf_counter() - start,
         )
-        self.lora = self._build_lora(config)
+        self.lora = self._build_lora(config.lora, config.scheduler.step_token_budget)
 
-        kv_memory = config.kv_cache_memory
-        num_kv_blocks = config.num_kv_blocks
+        kv_memory = config.cache.kv_cache_memory
+        num_kv_blocks = config.cache.num_kv_blocks
         if mc.is_encoder_only and num_kv_blocks is None:
             # It keeps no KV: the blocks only count what the scheduler admits (every sequence
             # at its longest), and no memory backs them.
-            num_kv_blocks = config.max_num_seqs * cdiv(self.max_model_len, config.block_size)
+            num_kv_blocks = config.scheduler.max_num_seqs * cdiv(
+                self.max_model_len, config.cache.block_size
+            )
         if self.device.type == "cuda" and kv_memory is None and num_kv_blocks is None:
             if mc.is_encoder_decoder:  # (its profile step would need encoder inputs)
                 free, _ = torch.cuda.mem_get_info(self.device)
-                kv_memory = int(free * config.gpu_memory_utilization)
+                kv_memory = int(free * config.cache.gpu_memory_utilization)
             else:
                 kv_memory = self._profile_kv_cache_budget()
         self.kv_plan: KVCachePlan = plan_kv_cache(
             self.kv_config,
             self.kv_cache_dtype,
-            config.block_size,
+            config.cache.block_size,
             self.max_model_len,
             memory_bytes=kv_memory,
             num_blocks=num_kv_blocks,
-            max_chunk=config.step_token_budget,
+            max_chunk=config.scheduler.step_token_budget,
             encoder_blocks=(
-                cdiv(mc.whisper.max_source_positions, config.block_size)
+                cdiv(mc.whisper.max_source_positions, config.cache.block_size)
                 if mc.is_encoder_decoder
                 else 0
             ),
@@ -187,8 +196,8 @@ class Worker:
         if self.is_driver:
             logger.info(self.kv_plan.describe())
         self.num_host_blocks = 0
-        if config.preemption_mode == "swap":
-            self.num_host_blocks = config.swap_space // self.kv_plan.bytes_per_block
+        if config.cache.preemption_mode == "swap":
+            self.num_host_blocks = config.cache.swap_space // self.kv_plan.bytes_per_block
             logger.info(
                 "swap preemption: %d host blocks (%.2f GiB%s)",
                 self.num_host_blocks,
@@ -203,11 +212,11 @@ class Worker:
         self.runner = ModelRunner(
             self.model,
             kv_caches,
-            config.block_size,
+            config.cache.block_size,
             self.device,
-            config.max_num_seqs,
+            config.scheduler.max_num_seqs,
             self.max_model_len,
-            config.seed,
+            config.model.seed,
             graphs=self._capture_with_lora(kv_caches),
             ops=self.attention_ops,
             windows=self.kv_plan.windows,
@@ -224,17 +233,17 @@ class Worker:
         # step accepted, so it cannot be scheduled before those are back.
         # Off for embeddings too: a request ends with the step that pools it.
         self.async_scheduling = self.pooling is None and (
-            config.async_scheduling
-            if config.async_scheduling is not None
-            else self.device.type == "cuda" and not config.speculative_ngram
+            config.scheduler.async_scheduling
+            if config.scheduler.async_scheduling is not None
+            else self.device.type == "cuda" and not config.speculative.speculative_ngram
         )
-        if config.calculate_kv_scales:  # now: start-up's own forward passes are not data
+        if config.cache.calculate_kv_scales:  # now: start-up's own forward passes are not data
             self.model.calibrate_kv_scales(self.kv_cache_dtype)
 
-    def _build_lora(self, config: EngineConfig) -> LoRAManager | None:
+    def _build_lora(self, options: LoRAOptions, step_token_budget: int) -> LoRAManager | None:
         """The adapters' slots on the device, attached to the model's projections, when the
         engine serves LoRA adapters."""
-        if not config.enable_lora:
+        if not options.enable_lora:
             return None
         if not isinstance(self.model, CausalLM):
             raise ValueError(
@@ -243,21 +252,21 @@ class Worker:
             )
         lora = LoRAManager(
             self.model,
-            config.max_loras,
-            config.max_lora_rank,
-            config.num_cpu_loras,
-            config.step_token_budget,
+            options.max_loras,
+            options.max_lora_rank,
+            options.num_cpu_loras,
+            step_token_budget,
             self.dtype,
             self.device,
             base_config=self.model_config,
         )
         logger.info(
             "LoRA: %d adapter slots up to rank %d, %.1f MiB on %s; %d adapters kept in host memory",
-            config.max_loras,
-            config.max_lora_rank,
+            options.max_loras,
+            options.max_lora_rank,
             lora.num_bytes / 2**20,
             self.device,
-            config.num_cpu_loras,
+            options.num_cpu_loras,
         )
         return lora
 
@@ -272,65 +281,17 @@ class Worker:
         finally:
             self.lora.step.clear()
 
-    def _build_model(self) -> CausalLM | WhisperModel | BertModel:
-        if self.model_config.is_encoder_only:
-            torch.manual_seed(self.config.seed)  # (random weights: the same for a seed)
-            return load_bert_model(self.source, self.config.load_format, self.device, self.dtype)
-        if self.model_config.is_encoder_decoder:
-            torch.manual_seed(self.config.seed)  # (random weights: the same for a seed)
-            return load_whisper_model(
-                self.source, self.config.load_format, self.device, self.dtype, self.attention_ops
-            )
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = CausalLM(
-                    self.model_config,
-                    self.max_model_len,
-                    attention_ops=self.attention_ops,
-                    shard=self.shard,
-                    tp=self.tp,
-                )
-        finally:
-            torch.set_default_dtype(previous)
-        keep = keep_quantized(
-            self.config.quantization,
-            self.source.kind,
-            self.device,
-            self.dtype,
-            sharded=self.shard is not None,
-        )
-        weights = load_weights(self.source, self.config.load_format, keep_quantized=keep)
-        if self.shard is not None:
-            weights = self.shard.slice_weights(weights, self.model_config)
-        model.load_weights(weights)
-        model.use_kv_cache_dtype(self.kv_cache_dtype)
-        kept = model.prepare_matmul_weights(pack_dense=can_pack(self.device, self.dtype))
-        if kept:
-            why_not = "--enforce-eager" if self.config.enforce_eager else unsupported(model)
-            model.compiled_step = CompiledStep(model) if why_not is None else None
-            if self.is_driver:
-                logger.info(describe(kept, self.dtype))
-                logger.info(
-                    "decode steps run %s",
-                    "as one compiled call (kernels/csrc/cpu_decoder.cpp)"
-                    if why_not is None
-                    else f"layer by layer ({why_not})",
-                )
-        return model.eval()
-
     def _profile_kv_cache_budget(self) -> int:
         """GPU bytes for the KV cache: run the largest possible step once (all of the step's
         token budget, sampled by as many sequences as may run) on a scratch cache, measure its
         activation peak, and give the KV cache what the --gpu-memory-utilization share leaves
         after that peak and everything already in use."""
-        device, mc, block_size = self.device, self.model_config, self.config.block_size
-        budget_tokens = self.config.step_token_budget
+        device, mc, block_size = self.device, self.model_config, self.config.cache.block_size
+        budget_tokens = self.config.scheduler.step_token_budget
         groups = mc.kv_cache_groups()
         step = profile_step(
             budget_tokens,
-            self.config.max_num_seqs,
+            self.config.scheduler.max_num_seqs,
             block_size,
             self.max_model_len,
             mc.vocab_size,
@@ -357,7 +318,7 @@ class Worker:
             device,
             len(step.new_requests),
             self.max_model_len,
-            self.config.seed,
+            self.config.model.seed,
             windows=scratch.windows,
             tp=self.tp,
         )
@@ -367,7 +328,7 @@ class Worker:
         del caches
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        utilization = self.config.gpu_memory_utilization
+        utilization = self.config.cache.gpu_memory_utilization
         budget = gpu_kv_cache_budget(total, utilization, total - free, peak)
         logger.info(
             "GPU memory: %.1f GiB total, %.2f GiB in use (weights %.2f GiB), %.2f GiB activation "
@@ -397,7 +358,11 @@ class Worker:
         """CUDA graphs for decode steps, unless on CPU, --enforce-eager, an attention backend
         that synchronises with the host (the torch reference cannot be captured), or an
         encoder-decoder (its steps read cross-attention tables the graphs do not hold)."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.pooling is not None:
+        if (
+            self.device.type != "cuda"
+            or self.config.model.enforce_eager
+            or self.pooling is not None
+        ):
             return None  # (an embedding step is a whole prompt, never a decode step)
         if self.model_config.is_encoder_decoder:
             logger.info("CUDA graphs off: Whisper's decoder steps run eagerly")
@@ -409,15 +374,15 @@ class Worker:
             )
             return None
         max_batch = min(
-            self.config.max_cuda_graph_batch_size or self.config.max_num_seqs,
-            self.config.max_num_seqs,
+            self.config.model.max_cuda_graph_batch_size or self.config.scheduler.max_num_seqs,
+            self.config.scheduler.max_num_seqs,
             MAX_CAPTURE_BATCH_SIZE,
         )
         graphs = DecodeGraphs(
             self.model,
             kv_caches,
             max_batch,
-            cdiv(self.max_model_len, self.config.block_size),
+            cdiv(self.max_model_len, self.config.cache.block_size),
             self.device,
             num_groups=len(self.model_config.kv_cache_groups()),
         )
@@ -498,34 +463,6 @@ class Worker:
         workers, self._workers = self._workers, None
         if workers is not None:
             workers.stop(timeout=10.0 if told else 0.0)
-
-
-def check_encoder_decoder_options(config: EngineConfig) -> None:
-    """ValueError, naming the option to drop, for what an encoder-decoder model (Whisper) does
-    not do here."""
-    refused = {
-        "--tensor-parallel-size > 1": config.tensor_parallel_size > 1,
-        "--speculative-ngram": bool(config.speculative_ngram),
-        "--quantization gguf": config.quantization == "gguf",
-        "an fp8 --kv-cache-dtype": config.kv_cache_dtype != "auto",
-    }
-    named = [option for option, given in refused.items() if given]
-    if named:
-        raise ValueError(f"a Whisper model is served without {', '.join(named)}: drop them")
-
-
-def check_encoder_only_options(config: EngineConfig) -> None:
-    """ValueError, naming the option to drop, for what an encoder-only model (BERT) does not
-    do here."""
-    refused = {
-        "--tensor-parallel-size > 1": config.tensor_parallel_size > 1,
-        "--speculative-ngram": bool(config.speculative_ngram),
-        "--quantization gguf": config.quantization == "gguf",
-        "--preemption-mode swap": config.preemption_mode == "swap",
-    }
-    named = [option for option, given in refused.items() if given]
-    if named:
-        raise ValueError(f"a BERT model is served without {', '.join(named)}: drop them")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -162,13 +162,13 @@ class _Replica:
         # Off the event loop: loading takes seconds to minutes.
         self.client, description, _ = await asyncio.to_thread(start_client, config, server)
         try:
-            self.fastapi_app = server_app(self.client, config, server)
+            self.fastapi_app = server_app(self.client, config.model, server)
         except BaseException:
             self.client.shutdown()
             raise
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._header = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
-        logger.info("replica %s serves %s (%s)", self.replica_id, config.model, description)
+        logger.info("replica %s serves %s (%s)", self.replica_id, config.model.model, description)
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[list[dict[str, Any]]]:
         """An HTTP request from the ingress, through this replica's app; yields its ASGI
@@ -312,12 +312,12 @@ def replica_options(config: EngineConfig, server: ServerConfig, ray: dict[str, A
     """PagedServeReplica's deployment options for `ray` (build_app's Ray keys, parsed)."""
     gpus = ray.get("gpus_per_rank")
     if gpus is None:  # a GPU per rank when the engine runs on CUDA ("auto": as torch sees here)
-        cuda = config.device.startswith("cuda")
-        gpus = float(cuda or (config.device == "auto" and torch.cuda.is_available()))
-    if gpus and config.device.startswith("cuda:"):
+        cuda = config.model.device.startswith("cuda")
+        gpus = float(cuda or (config.model.device == "auto" and torch.cuda.is_available()))
+    if gpus and config.model.device.startswith("cuda:"):
         raise ValueError("Ray picks a replica's GPUs: use --device cuda (or auto), not cuda:N")
     bundles = replica_bundles(
-        config.tensor_parallel_size,
+        config.parallel.tensor_parallel_size,
         server.data_parallel_size,
         ray.get("cpus_per_rank", 1.0),
         gpus,
@@ -328,7 +328,7 @@ def replica_options(config: EngineConfig, server: ServerConfig, ray: dict[str, A
         "placement_group_strategy": "STRICT_PACK",
         # Beyond a batch, requests wait at the handle, where the autoscaler counts them, rather
         # than in the engine's queue.
-        "max_ongoing_requests": ray.get("max_ongoing_requests") or config.max_num_seqs,
+        "max_ongoing_requests": ray.get("max_ongoing_requests") or config.scheduler.max_num_seqs,
         "health_check_period_s": ray.get("health_check_period_s", 10.0),
         "graceful_shutdown_timeout_s": server.shutdown_timeout + ENGINE_STOP_S,
         "graceful_shutdown_wait_loop_s": 0.5,

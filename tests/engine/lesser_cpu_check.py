@@ -42,7 +42,7 @@ def test_the_process_decides_as_the_lesser_cpu():
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_bf16_torch": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "packs_bf16": can_pack(torch.device("cpu"), torch.bfloat16),
-        "default_dtype": str(EngineConfig().torch_dtype(torch.device("cpu"))),
+        "default_dtype": str(EngineConfig().model.torch_dtype(torch.device("cpu"))),
     }
     with open(os.environ[REPORT_ENV], "w") as f:
         json.dump(report, f)

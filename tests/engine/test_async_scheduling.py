@@ -93,7 +93,8 @@ def run(tiny_llama_dir, arrivals: list[Arrival], async_scheduling: bool):
         step += 1
     assert not engine.has_unfinished_requests()
     assert engine.core.scheduler.kv_cache_manager.num_used_blocks == 0
-    assert engine.core.worker.runner.input_batch.num_reqs <= engine.core.config.max_num_seqs
+    max_num_seqs = engine.core.config.scheduler.max_num_seqs
+    assert engine.core.worker.runner.input_batch.num_reqs <= max_num_seqs
     return finals, aborted, engine
 
 

@@ -642,17 +642,17 @@ def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():
     # Which CPUs compute bf16 natively: tests/kernels/test_cpu_features.py.
     cpu = torch.device("cpu")
     want = torch.bfloat16 if cpu_features.bf16_is_native() else torch.float32  # this machine's
-    assert EngineConfig().torch_dtype(cpu) == want
-    assert EngineConfig(dtype="float32").torch_dtype(cpu) == torch.float32
+    assert EngineConfig().model.torch_dtype(cpu) == want
+    assert EngineConfig(dtype="float32").model.torch_dtype(cpu) == torch.float32
 
 
 def test_prefill_while_decoding_is_capped_only_when_told():
     # No cap by default, offline and served: on CPU the cap cost served throughput and TTFT more
     # than it bought in inter-token latency (BENCHMARKS.md, "Online serving").
     cpu = EngineConfig(device="cpu")
-    assert cpu.max_prefill_tokens_while_decoding is None
-    assert cpu.step_token_budget == 2048
+    assert cpu.scheduler.max_prefill_tokens_while_decoding is None
+    assert cpu.scheduler.step_token_budget == 2048
     told = EngineConfig(device="cpu", max_prefill_tokens_while_decoding=1024)
-    assert told.max_prefill_tokens_while_decoding == 1024
+    assert told.scheduler.max_prefill_tokens_while_decoding == 1024
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be a positive"):
         EngineConfig(max_prefill_tokens_while_decoding=0)

@@ -40,7 +40,7 @@ def _with_buffers(llm: LLM, max_batch_size: int) -> tuple[DecodeGraphs, list[int
         engine.core.worker.model,
         engine.core.worker.runner.kv_caches,
         max_batch_size,
-        cdiv(engine.max_model_len, engine.core.config.block_size),
+        cdiv(engine.max_model_len, engine.core.config.cache.block_size),
         engine.core.worker.device,
         capture=False,
     )

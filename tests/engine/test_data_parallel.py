@@ -26,16 +26,8 @@ from pagedserve.engine.frontend.data_parallel import (
 from pagedserve.engine.frontend.inputs import Prompt
 from pagedserve.engine.messages import EngineStats
 from pagedserve.scheduler.block_hash import hash_block_tokens
+from tests import kv_events_wire as wire
 from tests.helpers import process_alive, stream_with_rewind
-from tests.kv_events_wire import (
-    BlockStored,
-    KVEventBatch,
-    apply,
-    events_config,
-    free_ports,
-    kv_map_hashes,
-    replay,
-)
 from tests.lora_adapters import ALL_TARGETS, save_random_peft_adapter
 
 BLOCK = 4
@@ -161,7 +153,7 @@ def _config(tiny_llama_dir, **kwargs) -> EngineConfig:
 @pytest.fixture(scope="module")
 def event_ports() -> list[int]:
     """The cores' KV events: publisher and replay ports, each + the core's index."""
-    return free_ports(2, run=2)
+    return wire.free_ports(2, run=2)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +161,9 @@ def dp_engine(tiny_llama_dir, event_ports):
     # LoRA on: test_a_lora_adapter_reaches_every_core sends adapters through (the other tests ask
     # the base model, which an engine with adapters serves as before).
     # KV events on: test_every_core_publishes_its_own_kv_events reads them.
-    config = _config(tiny_llama_dir, enable_lora=True, kv_events_config=events_config(*event_ports))
+    config = _config(
+        tiny_llama_dir, enable_lora=True, kv_events_config=wire.events_config(*event_ports)
+    )
     engine = DataParallelEngine(config, 2)
     engine.start()
     pids = engine.core_pids
@@ -276,19 +270,19 @@ def test_a_rewind_and_an_abort_reach_the_owning_core(dp_engine):
 def test_every_core_publishes_its_own_kv_events(dp_engine, event_ports):
     # After the requests above: each core's events, asked again from its replay socket (port +
     # core index) and replayed, are its block map's prefix cache, tagged with its rank.
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(wire.KVEventBatch)
     for core in (0, 1):
         batches = [
             decoder.decode(payload)
-            for _, payload in replay(f"tcp://127.0.0.1:{event_ports[1] + core}", 0)
+            for _, payload in wire.replay(f"tcp://127.0.0.1:{event_ports[1] + core}", 0)
         ]
         assert {b.data_parallel_rank for b in batches} == {core}
         blocks: set[int] = set()
-        apply(blocks, [e for b in batches for e in b.events])
-        cached = kv_map_hashes(asyncio.run(dp_engine.kv_map(engine=core)))
+        wire.apply(blocks, [e for b in batches for e in b.events])
+        cached = wire.kv_map_hashes(asyncio.run(dp_engine.kv_map(engine=core)))
         assert blocks == cached and len(cached) >= 4  # every core served prompts of full blocks
         # Both cores served adapter "a" (id 1) and the base model: their blocks say which.
-        stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+        stored = [e for b in batches for e in b.events if isinstance(e, wire.BlockStored)]
         assert {(e.lora_id, e.lora_name) for e in stored} == {(None, None), (1, "a")}
 
 
@@ -310,11 +304,11 @@ def test_each_core_gets_its_own_gpus(monkeypatch):
     assert cpu == [EngineConfig(device="cpu", data_parallel_rank=r) for r in (4, 5)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    devices = [c.device for c in core_configs(EngineConfig(device="cuda"), 4)]
+    devices = [c.model.device for c in core_configs(EngineConfig(device="cuda"), 4)]
     assert devices == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     tp = EngineConfig(device="cuda:1", tensor_parallel_size=1)
-    assert [c.device for c in core_configs(tp, 3)] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert [c.model.device for c in core_configs(tp, 3)] == ["cuda:1", "cuda:2", "cuda:3"]
     two = EngineConfig(device="cuda", tensor_parallel_size=2)
-    assert [c.device for c in core_configs(two, 2)] == ["cuda:0", "cuda:2"]
+    assert [c.model.device for c in core_configs(two, 2)] == ["cuda:0", "cuda:2"]
     with pytest.raises(ValueError, match="x --tensor-parallel-size 2 from cuda:0 needs 6 GPUs"):
         core_configs(two, 3)

@@ -344,7 +344,7 @@ def test_one_rank_through_the_distributed_path_equals_the_plain_engine(tiny_llam
     """What the H200 check measures at one rank (benchmarks/gpu_engine.sh ONLY=tp): the same engine
     with its collectives, the logits' gather and the ids' broadcast over a group of one."""
     config = EngineConfig(
-        str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256
+        model=str(tiny_llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256
     )
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = _prompts(512)

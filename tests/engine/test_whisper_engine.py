@@ -18,7 +18,6 @@ from pagedserve.engine.frontend.inputs import AudioPrompt, InputProcessor
 from pagedserve.engine.frontend.llm_engine import LLMEngine
 from pagedserve.engine.models.whisper import WhisperModel, greedy
 from pagedserve.engine.models.whisper_features import log_mel
-from pagedserve.engine.worker.worker import check_encoder_decoder_options
 from pagedserve.scheduler import SamplingParams
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from tests.helpers import whisper_audio
@@ -174,9 +173,9 @@ def test_bad_requests_are_refused_with_what_to_change(tiny_whisper):
         text_model.process_prompt(AudioPrompt([3], window))
     with pytest.raises(ValueError, match=r"served without --tensor-parallel-size > 1, "
                        "--speculative-ngram: drop them"):  # fmt: skip
-        check_encoder_decoder_options(
-            EngineConfig(model=str(folder), tensor_parallel_size=2, speculative_ngram=3)
-        )
+        EngineConfig(
+            model=str(folder), tensor_parallel_size=2, speculative_ngram=3
+        ).check_encoder_model("Whisper")
 
 
 def test_sampling_at_a_temperature_is_seeded(tiny_whisper):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pagedserve.engine.engine_config import EngineConfig
+from pagedserve.engine.engine_config import EngineConfig, ModelOptions, SpeculativeOptions
 from pagedserve.engine.options import GROUPS, option
 from pagedserve.kernels import triton_attention
 from pagedserve.server.cli import build_parser, main
@@ -235,8 +235,8 @@ def test_every_engine_option_is_a_flag_with_the_fields_default(capsys):
     # The flags are generated from EngineConfig: nothing to keep in step by hand.
     assert _serve_config() == EngineConfig()
     help_text = _serve_help(capsys)
-    for f in dataclasses.fields(EngineConfig):
-        assert f"--{f.name.replace('_', '-')}" in help_text
+    for name in EngineConfig().options():
+        assert f"--{name.replace('_', '-')}" in help_text
 
 
 def test_flags_reach_the_engine_config():
@@ -245,13 +245,13 @@ def test_flags_reach_the_engine_config():
         "--kv-cache-memory", "0.25", "--no-prefix-caching", "--num-kv-blocks", "100",
         "--dtype", "bf16", "--max-num-batched-tokens", "512",
     )  # fmt: skip
-    assert (config.enforce_eager, config.gpu_memory_utilization) == (True, 0.5)
-    assert config.max_cuda_graph_batch_size == 64
-    assert config.kv_cache_memory == 1 << 28  # GiB on the command line, bytes in the config
-    assert (config.enable_prefix_caching, config.num_kv_blocks) == (False, 100)
-    assert (config.dtype, config.max_num_batched_tokens) == ("bf16", 512)
-    assert _serve_config("--enable-prefix-caching").enable_prefix_caching is True
-    assert _serve_config("--no-enable-prefix-caching").enable_prefix_caching is False
+    assert (config.model.enforce_eager, config.cache.gpu_memory_utilization) == (True, 0.5)
+    assert config.model.max_cuda_graph_batch_size == 64
+    assert config.cache.kv_cache_memory == 1 << 28  # GiB on the command line, bytes in the config
+    assert (config.cache.enable_prefix_caching, config.cache.num_kv_blocks) == (False, 100)
+    assert (config.model.dtype, config.scheduler.max_num_batched_tokens) == ("bf16", 512)
+    assert _serve_config("--enable-prefix-caching").cache.enable_prefix_caching is True
+    assert _serve_config("--no-enable-prefix-caching").cache.enable_prefix_caching is False
 
 
 def test_the_help_states_each_default_once_and_right(capsys):
@@ -263,8 +263,8 @@ def test_the_help_states_each_default_once_and_right(capsys):
     assert "(default: no cap: every step may take the whole budget, as vLLM's scheduler does)" in (
         help_text
     )
-    assert EngineConfig(max_num_seqs=4096).step_token_budget == 4096
-    assert EngineConfig().step_token_budget == 2048
+    assert EngineConfig(max_num_seqs=4096).scheduler.step_token_budget == 4096
+    assert EngineConfig().scheduler.step_token_budget == 2048
     assert "one compiled call per step (GGUF weights kept quantized) (default: False)" in help_text
 
 
@@ -291,16 +291,24 @@ def test_the_server_options_are_flags_in_their_groups(capsys):
         ServerConfig(data_parallel_size=2, core_process=False)
 
 
-def test_a_new_engine_config_field_appears_in_serve_help(capsys):
-    @dataclasses.dataclass(frozen=True)
-    class WithNewOption(EngineConfig):
-        num_speculative_tokens: int = option(
-            3, "draft tokens proposed per step", group="speculative"
-        )
-        quantization: str | None = option(
-            None, "weight quantization", choices=("fp8",), group="model"
-        )
+@dataclasses.dataclass(frozen=True)
+class MoreSpeculative(SpeculativeOptions):
+    num_speculative_tokens: int = option(3, "draft tokens proposed per step")
 
+
+@dataclasses.dataclass(frozen=True)
+class OtherModel(ModelOptions):
+    quantization: str | None = option(None, "weight quantization", choices=("fp8",))
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class WithNewOption(EngineConfig):
+    # A new option is one field of its group (here a subclass of the group, and of the config).
+    model: OtherModel
+    speculative: MoreSpeculative
+
+
+def test_a_new_engine_config_field_appears_in_serve_help(capsys):
     help_text = _serve_help(capsys, WithNewOption)
     assert (
         "--num-speculative-tokens NUM_SPECULATIVE_TOKENS draft tokens proposed per step "
@@ -308,9 +316,10 @@ def test_a_new_engine_config_field_appears_in_serve_help(capsys):
     )
     assert "--quantization {fp8} weight quantization" in help_text
     config = _serve_config("--num-speculative-tokens", "5", config_cls=WithNewOption)
-    assert isinstance(config, WithNewOption) and config.num_speculative_tokens == 5
-    assert _serve_config(config_cls=WithNewOption).num_speculative_tokens == 3
-    assert _serve_config("--quantization", "fp8", config_cls=WithNewOption).quantization == "fp8"
+    assert isinstance(config, WithNewOption) and config.speculative.num_speculative_tokens == 5
+    assert _serve_config(config_cls=WithNewOption).speculative.num_speculative_tokens == 3
+    fp8 = _serve_config("--quantization", "fp8", config_cls=WithNewOption)
+    assert fp8.model.quantization == "fp8"
     with pytest.raises(ValueError, match=r"quantization must be one of \['fp8'\], got 'int4'"):
         WithNewOption(quantization="int4")
 

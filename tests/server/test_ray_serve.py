@@ -109,7 +109,7 @@ def test_tensor_parallel_replicas_get_their_gpus_packed_on_one_node():
     # The actor itself holds bundle 0 whole: its rank processes inherit its GPUs.
     assert options["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 2.0}
     assert options["num_replicas"] == 3
-    assert options["max_ongoing_requests"] == config.max_num_seqs == 256
+    assert options["max_ongoing_requests"] == config.scheduler.max_num_seqs == 256
     assert options["graceful_shutdown_timeout_s"] == server.shutdown_timeout + ENGINE_STOP_S
     router = options["request_router_config"].request_router_class
     assert router == "pagedserve.server.ray_serve.router.PrefixAffinityRouter"
@@ -131,8 +131,16 @@ def test_app_builder_args_are_serve_flags_and_ray_keys():
             "cpus_per_rank": "2",
         }
     )
-    assert (config.model, config.max_model_len, config.kv_cache_memory) == (MODEL, 1024, 2**26)
-    assert (config.enable_prefix_caching, config.dtype, config.max_num_seqs) == (
+    assert (config.model.model, config.model.max_model_len, config.cache.kv_cache_memory) == (
+        MODEL,
+        1024,
+        2**26,
+    )
+    assert (
+        config.cache.enable_prefix_caching,
+        config.model.dtype,
+        config.scheduler.max_num_seqs,
+    ) == (
         False,
         "float32",
         8,
