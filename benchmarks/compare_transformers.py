@@ -38,6 +38,7 @@ import torch
 from benchmarks.options import add_int_options, flags
 from pagedserve.bench.throughput import measure, random_token_prompts
 from pagedserve.engine.cpu_allocator import keep_large_allocations_in_heap
+from pagedserve.engine.models.hf_config import hf_dict_of
 from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.scheduler.utils import cdiv
 
@@ -82,7 +83,7 @@ def hf_config_for(config) -> Any:
     stop early (our runs ignore EOS), and nothing else in the forward pass reads them."""
     from transformers import AutoConfig
 
-    d = config.to_hf_dict()
+    d = hf_dict_of(config)
     d.update(eos_token_id=None, bos_token_id=None, pad_token_id=None)
     d.pop("architectures", None)
     model_type = d.pop("model_type")

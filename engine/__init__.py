@@ -21,11 +21,11 @@ Inputs are checked once, where they enter; the layers below assert their invaria
 raised while serving a request is a 400 over HTTP (server/errors.py `as_api_error`, raised inside
 the route by `ErrorMappingRoute`, so the connection stays open).
 
-- engine options: each field's type and choices (options.py), then `EngineConfig.__post_init__`
-  (`--kv-events-config` by `parse_kv_events_config` there too); the CLI prints `error: ...` and
-  exits 2;
-- the model's config: `ModelConfig.__post_init__` and its readers (`from_hf_dict`, `from_gguf`):
-  unsupported architectures, activations and rope types;
+- engine options: each field's type and choices (options.py), then each group's `__post_init__`
+  (config_groups.py; `--kv-events-config` by `parse_kv_events_config` there too) and what spans
+  groups in `EngineConfig` (engine_config.py); the CLI prints `error: ...` and exits 2;
+- the model's config: `ModelConfig.__post_init__` and its readers (`hf_config.config_from_hf_dict`,
+  `gguf_config.config_from_gguf`): unsupported architectures, activations and rope types;
 - sampling values: `SamplingParams.__post_init__` (scheduler/sampling_params.py), naming the field;
 - a prompt: `InputProcessor.process_prompt` (frontend/inputs.py): empty, ids outside the
   vocabulary, no room for an output token; in the caller's process, never the core's;

@@ -23,7 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from pagedserve.engine.models.model_config import ModelConfig
+from pagedserve.engine.models.hf_config import config_from_json_file
 from tests.families import FAMILIES, GGUF_CHANGES, build_family
 from tests.gguf_writer import write_gguf_like_llama_cpp
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         model = build_family(name, folder, **GGUF_CHANGES.get(name, {}))
-        config = ModelConfig.from_json_file(folder / "config.json")
+        config = config_from_json_file(folder / "config.json")
         write_gguf_like_llama_cpp(out / f"{name}.pagedserve.gguf", config, model.state_dict())
         # Gemma 3's converter counts the real vocabulary's rows from tokenizer.json.
         vocab = {f"<{i}>": i for i in range(config.vocab_size)}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from benchmarks.gpu_engine import harness
 from benchmarks.gpu_engine.correctness import write_graphs_and_eager_checks
+from pagedserve.engine.models.hf_config import config_from_json_file
 
 # The kernels against the float32 reference on the CPU: fp32 (TF32 off in the engine's fp32
 # runs, summation order only) and bf16 (the deltas are rounded to bf16 twice, as PEFT's are).
@@ -54,7 +55,6 @@ def _kernel_check(device: str, dtype_name: str) -> dict:
 def step_lora(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Sizes) -> None:
     from benchmarks.lora_throughput import write_random_adapter
     from pagedserve.engine import LLM, LoRARequest, SamplingParams
-    from pagedserve.engine.models.model_config import ModelConfig
 
     with rec.part(model="kernels", check="triton_lora"):
         for dtype_name in ("float32", "bfloat16"):
@@ -62,7 +62,7 @@ def step_lora(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Si
 
     with rec.part(model="tiny", check="lora_greedy"):
         tiny, prompts = harness.tiny_llama_prompts(args.scratch, sizes)
-        config = ModelConfig.from_json_file(Path(tiny) / "config.json")
+        config = config_from_json_file(Path(tiny) / "config.json")
         loras = [
             LoRARequest(f"a{i}", i + 1, str(write_random_adapter(
                 args.scratch / f"adapter{i}", config, rank=8 * (i + 1), seed=i)))

@@ -14,6 +14,7 @@ from benchmarks.gpu_engine.correctness import (
     transformers_greedy,
 )
 from benchmarks.options import flags
+from pagedserve.engine.models.hf_config import config_from_hf_dict
 
 # A tiny Qwen3-MoE (8 experts, 2 per token) for the MoE correctness check and its smoke run.
 TINY_QWEN3_MOE: dict[str, Any] = {
@@ -35,13 +36,12 @@ def step_moe(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Siz
     """A tiny Qwen3-MoE's fp32 greedy tokens against transformers' (the fused MoE kernel
     compiled, graphs and eager), then offline throughput of a Qwen3-30B-A3B-shaped model."""
     from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES
-    from pagedserve.engine.models.model_config import ModelConfig
     from pagedserve.server import cli
 
     tiny = args.scratch / "tiny-qwen3-moe"
     tiny.mkdir()
     (tiny / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
-    config = ModelConfig.from_hf_dict(TINY_QWEN3_MOE)
+    config = config_from_hf_dict(TINY_QWEN3_MOE)
     prompts = [
         harness.random_ids(1, n, config.vocab_size, i)[0]
         for i, n in enumerate(sizes.correctness_prompt_lens)
@@ -67,7 +67,7 @@ def step_moe(args: argparse.Namespace, rec: harness.Recorder, sizes: harness.Siz
     folder = args.scratch / "qwen3-moe-shaped"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(shape))
-    moe_config = ModelConfig.from_hf_dict(shape)
+    moe_config = config_from_hf_dict(shape)
     out = args.scratch / "moe.json"
     argv = ["bench", "throughput"] + flags(
         model=folder, load_format="dummy", device=sizes.device, dtype=sizes.dtype,

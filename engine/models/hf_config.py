@@ -157,7 +157,7 @@ def config_from_json_file(path: str | Path) -> ModelConfig:
 
 
 def hf_dict_of(config: ModelConfig) -> dict[str, Any]:
-    """A transformers-compatible config dict (`from_hf_dict` of it gives back this config).
+    """A transformers-compatible config dict (`config_from_hf_dict` of it gives back this config).
 
     Uses the transformers 4 keys (`rope_theta`, `rope_scaling`), which transformers 5 also
     accepts and converts to `rope_parameters`.

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.scheduler.kv_groups import KVCacheGroup, group_layers
 
 if TYPE_CHECKING:
-    import gguf
-
     from pagedserve.engine.models.bert_config import BertConfig
     from pagedserve.engine.models.whisper_config import WhisperConfig
 
@@ -355,34 +352,3 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V cache one token takes across all layers (no sliding-window savings)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
-
-    # ------------------------------------------------------------------ reading and writing
-    # The readers live beside this module and build ModelConfigs (engine/models/hf_config.py,
-    # engine/models/gguf_config.py); these are their names on the class.
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """`hf_config.config_from_hf_dict`: from the contents of a Hugging Face config.json."""
-        from pagedserve.engine.models.hf_config import config_from_hf_dict
-
-        return config_from_hf_dict(d)
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> ModelConfig:
-        """`hf_config.config_from_json_file`: a config.json and its generation_config.json."""
-        from pagedserve.engine.models.hf_config import config_from_json_file
-
-        return config_from_json_file(path)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """`hf_config.hf_dict_of`: a transformers-compatible config dict."""
-        from pagedserve.engine.models.hf_config import hf_dict_of
-
-        return hf_dict_of(self)
-
-    @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> ModelConfig:
-        """`gguf_config.config_from_gguf`: from a GGUF file's metadata and tensor list."""
-        from pagedserve.engine.models.gguf_config import config_from_gguf
-
-        return config_from_gguf(reader)

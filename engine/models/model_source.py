@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 
 from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_config
+from pagedserve.engine.models.gguf_config import config_from_gguf
+from pagedserve.engine.models.hf_config import config_from_hf_dict, config_from_json_file
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.whisper_config import WHISPER_SHAPES, WhisperConfig
 
@@ -213,7 +215,7 @@ def resolve_model(model: str = DEFAULT_MODEL) -> ModelSource:
 
 def _hf_dir_source(name: str, path: Path) -> ModelSource:
     """A Hugging Face folder: config.json, safetensors weights and the tokenizer's files."""
-    config = ModelConfig.from_json_file(path / "config.json")
+    config = config_from_json_file(path / "config.json")
     return ModelSource(name, "hf_dir", path, None, config, tokenizer_source=path)
 
 
@@ -226,7 +228,7 @@ def _gguf_source(name: str, gguf_file: Path) -> ModelSource:
         kind="gguf",
         path=gguf_file.parent,
         gguf_file=gguf_file,
-        config=ModelConfig.from_gguf(reader),
+        config=config_from_gguf(reader),
         tokenizer_source=gguf_file,
         gguf_reader=reader,
     )
@@ -248,7 +250,7 @@ def _config_file_source(name: str, config_file: Path) -> ModelSource:
             "pass a config.json for dummy weights"
         )
     try:
-        config = ModelConfig.from_hf_dict(hf_config)
+        config = config_from_hf_dict(hf_config)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"{what} is not a usable Hugging Face model config: {e}; pass the config.json of a "

@@ -64,7 +64,7 @@ _GGUF_GLOBAL_NAMES = {
 }
 # Tensors llama.cpp writes that are not model parameters: rope_freqs holds llama3 rope scaling,
 # rope_factors_* Phi-3's LongRoPE factors, both already in config.rope_scaling
-# (ModelConfig.from_gguf).
+# (gguf_config.config_from_gguf).
 _GGUF_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 

@@ -14,6 +14,7 @@ import torch
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.models import compiled_step
 from pagedserve.engine.models.compiled_step import CompiledStep
+from pagedserve.engine.models.hf_config import config_from_json_file
 from pagedserve.engine.models.model import CausalLM
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.quantized_linear import route
@@ -40,14 +41,14 @@ def _qwen2(folder) -> tuple[ModelConfig, dict]:
     torch.manual_seed(0)
     hf = transformers.Qwen2ForCausalLM(config).eval()
     hf.save_pretrained(folder)
-    return ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+    return config_from_json_file(folder / "config.json"), hf.state_dict()
 
 
 def _phi3(folder) -> tuple[ModelConfig, dict]:
     """tests/families.py's Phi-3: fused q/k/v and gate/up, longrope, and a sliding window of 8
     tokens, which the 13- and 30-token prompts cross."""
     hf = build_family("phi3", folder)
-    return ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+    return config_from_json_file(folder / "config.json"), hf.state_dict()
 
 
 def _gguf(tmp_path, family: str, tensor_type) -> str:
@@ -63,7 +64,7 @@ def _gguf(tmp_path, family: str, tensor_type) -> str:
         config, weights = _phi3(folder)
     else:  # Gemma 2 and 3, Qwen3: per-head q/k norms, Gemma's four norms a layer, GELU-tanh
         hf = build_family(family, folder, **GGUF_CHANGES.get(family, {}))
-        config, weights = ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+        config, weights = config_from_json_file(folder / "config.json"), hf.state_dict()
     return str(write_gguf_like_llama_cpp(folder / "m.gguf", config, weights,
                                          tensor_type=tensor_type))  # fmt: skip
 
@@ -199,7 +200,7 @@ def test_models_it_does_not_take_say_why(tmp_path, caplog):
 
     folder = tmp_path / "qwen3_moe"
     hf = build_family("qwen3_moe", folder, **GGUF_CHANGES["qwen3"])
-    config = ModelConfig.from_json_file(folder / "config.json")
+    config = config_from_json_file(folder / "config.json")
     path = write_gguf_like_llama_cpp(folder / "m.gguf", config, hf.state_dict(),
                                      tensor_type=Q.Q8_0)  # fmt: skip
     caplog.clear()

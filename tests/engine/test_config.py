@@ -13,6 +13,12 @@ import torch
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.models import model_source
 from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_config
+from pagedserve.engine.models.gguf_config import config_from_gguf
+from pagedserve.engine.models.hf_config import (
+    config_from_hf_dict,
+    config_from_json_file,
+    hf_dict_of,
+)
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 from pagedserve.engine.models.weights import load_weights
@@ -106,7 +112,7 @@ def smollm2_reader() -> gguf.GGUFReader:
 
 
 def test_llama_with_llama3_rope_scaling():
-    c = ModelConfig.from_hf_dict(LLAMA_3_2_1B_INSTRUCT)
+    c = config_from_hf_dict(LLAMA_3_2_1B_INSTRUCT)
     assert c == ModelConfig(
         architecture="llama",
         vocab_size=128256,
@@ -142,16 +148,16 @@ def test_transformers5_rope_parameters_and_dtype_keys():
     d = {k: v for k, v in LLAMA_3_2_1B_INSTRUCT.items() if k not in ("rope_theta", "rope_scaling")}
     d["rope_parameters"] = {**LLAMA_3_2_1B_INSTRUCT["rope_scaling"], "rope_theta": 500000.0}
     d["dtype"] = d.pop("torch_dtype")
-    assert ModelConfig.from_hf_dict(d) == ModelConfig.from_hf_dict(LLAMA_3_2_1B_INSTRUCT)
+    assert config_from_hf_dict(d) == config_from_hf_dict(LLAMA_3_2_1B_INSTRUCT)
     # A "default" rope_type is plain RoPE; the old "type" spelling is read as rope_type.
     plain = {**MISTRAL_7B_V0_1, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
-    assert ModelConfig.from_hf_dict(plain).rope_scaling is None
+    assert config_from_hf_dict(plain).rope_scaling is None
     old = {**MISTRAL_7B_V0_1, "rope_scaling": {"type": "linear", "factor": 2.0}}
-    assert ModelConfig.from_hf_dict(old).rope_scaling == (("factor", 2.0), ("rope_type", "linear"))
+    assert config_from_hf_dict(old).rope_scaling == (("factor", 2.0), ("rope_type", "linear"))
 
 
 def test_qwen2_has_qkv_bias_and_no_sliding_window_when_off():
-    c = ModelConfig.from_hf_dict(QWEN2_5_0_5B_INSTRUCT)
+    c = config_from_hf_dict(QWEN2_5_0_5B_INSTRUCT)
     assert c.architecture == "qwen2"
     assert c.attention_bias is True
     assert c.sliding_window is None
@@ -166,51 +172,49 @@ def test_qwen2_has_qkv_bias_and_no_sliding_window_when_off():
 
 def test_qwen2_sliding_window_on_every_layer_none_or_from_max_window_layers_on():
     on_all = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True, "max_window_layers": 0}
-    assert ModelConfig.from_hf_dict(on_all).layer_types == ("sliding_attention",) * 24
+    assert config_from_hf_dict(on_all).layer_types == ("sliding_attention",) * 24
     on_none = {**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True, "max_window_layers": 24}
-    assert ModelConfig.from_hf_dict(on_none).sliding_window is None
+    assert config_from_hf_dict(on_none).sliding_window is None
     # HF's rule: layer i slides iff i >= max_window_layers (21 here).
-    mixed = ModelConfig.from_hf_dict({**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True})
+    mixed = config_from_hf_dict({**QWEN2_5_0_5B_INSTRUCT, "use_sliding_window": True})
     assert mixed.layer_types == ("full_attention",) * 21 + ("sliding_attention",) * 3
     assert [mixed.layer_window(i) for i in (20, 21)] == [None, 32768]
     # transformers 5 writes layer_types itself; it wins over the rule.
     explicit = {**QWEN2_5_0_5B_INSTRUCT, "layer_types": ["sliding_attention"] * 24}
-    assert ModelConfig.from_hf_dict(explicit).layer_types == ("sliding_attention",) * 24
+    assert config_from_hf_dict(explicit).layer_types == ("sliding_attention",) * 24
 
 
 def test_mistral_sliding_window_and_defaults():
-    c = ModelConfig.from_hf_dict(MISTRAL_7B_V0_1)
+    c = config_from_hf_dict(MISTRAL_7B_V0_1)
     assert c.architecture == "mistral"
     assert c.sliding_window == 4096
     assert c.head_dim == 128  # hidden / heads when the config has no head_dim
     assert c.attention_bias is False and c.tie_word_embeddings is False
     assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
     assert c.num_params() == 7_241_732_096  # the published Mistral-7B count
-    assert (
-        ModelConfig.from_hf_dict({**MISTRAL_7B_V0_1, "sliding_window": None}).sliding_window is None
-    )
+    assert config_from_hf_dict({**MISTRAL_7B_V0_1, "sliding_window": None}).sliding_window is None
     # num_key_value_heads defaults to num_attention_heads (multi-head attention).
     mha = {k: v for k, v in MISTRAL_7B_V0_1.items() if k != "num_key_value_heads"}
-    assert ModelConfig.from_hf_dict(mha).num_key_value_heads == 32
+    assert config_from_hf_dict(mha).num_key_value_heads == 32
 
 
 def test_model_type_is_enough_when_architectures_is_missing():
     d = {k: v for k, v in MISTRAL_7B_V0_1.items() if k != "architectures"}
-    assert ModelConfig.from_hf_dict(d).architecture == "mistral"
+    assert config_from_hf_dict(d).architecture == "mistral"
 
 
 def test_from_json_file(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_0_5B_INSTRUCT))
-    assert ModelConfig.from_json_file(tmp_path / "config.json") == ModelConfig.from_hf_dict(
+    assert config_from_json_file(tmp_path / "config.json") == config_from_hf_dict(
         QWEN2_5_0_5B_INSTRUCT
     )
     # Qwen2.5-Instruct's generation_config.json adds <|endoftext|> to config.json's <|im_end|>.
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [151645, 151643]}')
-    c = ModelConfig.from_json_file(tmp_path / "config.json")
+    c = config_from_json_file(tmp_path / "config.json")
     assert c.eos_token_ids == (151645, 151643)
     (tmp_path / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="generation_config.json' is not a generation config"):
-        ModelConfig.from_json_file(tmp_path / "config.json")
+        config_from_json_file(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize(
@@ -235,13 +239,13 @@ def test_from_json_file(tmp_path: Path):
 )
 def test_validation_errors(change, message):
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_dict({**LLAMA_3_2_1B_INSTRUCT, **change})
+        config_from_hf_dict({**LLAMA_3_2_1B_INSTRUCT, **change})
 
 
 def test_hidden_not_divisible_without_head_dim_is_an_error():
     d = {**MISTRAL_7B_V0_1, "num_attention_heads": 24, "num_key_value_heads": 8}
     with pytest.raises(ValueError, match="not divisible by num_attention_heads \\(24\\)"):
-        ModelConfig.from_hf_dict(d)
+        config_from_hf_dict(d)
 
 
 # ---------------------------------------------------------------------- built-in shapes, to_hf_dict
@@ -270,7 +274,7 @@ def test_builtin_shapes_have_the_published_sizes():
 @pytest.mark.parametrize("name", sorted(BUILTIN_SHAPES))
 def test_to_hf_dict_round_trips(name):
     c = builtin_config(name)
-    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+    assert config_from_hf_dict(hf_dict_of(c)) == c
 
 
 FAMILY_TRAITS = {
@@ -299,8 +303,8 @@ def test_to_hf_dict_builds_a_transformers_model_with_our_shapes(arch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     c = tiny_config(arch, tie_word_embeddings=arch != "mistral", **FAMILY_TRAITS.get(arch, {}))
-    assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
-    d = c.to_hf_dict()
+    assert config_from_hf_dict(hf_dict_of(c)) == c
+    d = hf_dict_of(c)
     hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
@@ -320,7 +324,7 @@ def test_kv_bytes_per_token():
 
 
 def test_from_gguf_on_the_real_smollm2(smollm2_reader):
-    c = ModelConfig.from_gguf(smollm2_reader)
+    c = config_from_gguf(smollm2_reader)
     assert c == ModelConfig(
         architecture="llama",
         vocab_size=49152,
@@ -430,21 +434,21 @@ def test_from_gguf_recovers_llama3_rope_scaling_from_rope_freqs(tmp_path: Path):
     }
     freqs = _hf_rope_divisors(scaling, head_dim=64, theta=500000.0)
     path = _write_metadata_gguf(tmp_path / "llama3.gguf", "llama", freqs)
-    c = ModelConfig.from_gguf(gguf.GGUFReader(path))
+    c = config_from_gguf(gguf.GGUFReader(path))
     assert c.rope_scaling_dict() == scaling
     assert (c.head_dim, c.max_position_embeddings, c.tie_word_embeddings) == (64, 131072, False)
     assert (c.bos_token_id, c.eos_token_ids) == (7, (8, 9))  # eot ends generation too
 
     bad = _write_metadata_gguf(tmp_path / "bad.gguf", "llama", freqs * np.linspace(1, 2, 32))
     with pytest.raises(ValueError, match="does not match llama3 rope scaling"):
-        ModelConfig.from_gguf(gguf.GGUFReader(bad))
+        config_from_gguf(gguf.GGUFReader(bad))
 
 
 def test_from_gguf_qwen2_has_bias_and_unknown_arch_is_rejected(tmp_path: Path):
-    c = ModelConfig.from_gguf(gguf.GGUFReader(_write_metadata_gguf(tmp_path / "q.gguf", "qwen2")))
+    c = config_from_gguf(gguf.GGUFReader(_write_metadata_gguf(tmp_path / "q.gguf", "qwen2")))
     assert (c.architecture, c.attention_bias, c.rope_scaling) == ("qwen2", True, None)
     with pytest.raises(ValueError, match="GGUF architecture 'gemma' is not supported"):
-        ModelConfig.from_gguf(gguf.GGUFReader(_write_metadata_gguf(tmp_path / "g.gguf", "gemma")))
+        config_from_gguf(gguf.GGUFReader(_write_metadata_gguf(tmp_path / "g.gguf", "gemma")))
 
 
 # ---------------------------------------------------------------------- resolve_model
@@ -489,7 +493,7 @@ def test_real_embedded_model_resolves_to_its_gguf_config(smollm2_reader):
         path.parent,
     )
     assert source.tokenizer_source == path
-    assert source.config == ModelConfig.from_gguf(smollm2_reader)
+    assert source.config == config_from_gguf(smollm2_reader)
     assert model_source.DEFAULT_MODEL == "smollm2-135m-instruct"
 
 
@@ -502,7 +506,7 @@ def test_hf_folder(tmp_path: Path):
         None,
         tmp_path,
     )
-    assert source.config == ModelConfig.from_hf_dict(MISTRAL_7B_V0_1)
+    assert source.config == config_from_hf_dict(MISTRAL_7B_V0_1)
 
 
 def test_builtin_shape_name_is_a_dummy_source():
@@ -518,7 +522,7 @@ def test_builtin_shape_name_is_a_dummy_source():
 
 def test_config_json_file_is_a_dummy_source(tmp_path: Path):
     config_file = tmp_path / "config.json"
-    config_file.write_text(json.dumps(tiny_config().to_hf_dict()))
+    config_file.write_text(json.dumps(hf_dict_of(tiny_config())))
     source = resolve_model(str(config_file))
     assert (source.kind, source.name, source.path, source.gguf_file, source.tokenizer_source) == (
         "dummy",
@@ -614,7 +618,7 @@ def test_a_multimodal_gemma3_config_is_read_as_its_language_model():
         },
         "torch_dtype": "bfloat16",
     }
-    c = ModelConfig.from_hf_dict(published)
+    c = config_from_hf_dict(published)
     assert (c.architecture, c.vocab_size, c.hidden_size, c.num_hidden_layers) == (
         "gemma3_text", 262208, 2560, 34
     )  # fmt: skip
@@ -635,7 +639,7 @@ def test_a_multimodal_gemma3_config_is_read_as_its_language_model():
 
     other = {**published, "text_config": {"model_type": "siglip_vision_model"}}
     with pytest.raises(ValueError, match="language model 'siglip_vision_model' is not supported"):
-        ModelConfig.from_hf_dict(other)
+        config_from_hf_dict(other)
 
 
 def test_bf16_is_the_cpu_default_only_where_the_cpu_computes_it():

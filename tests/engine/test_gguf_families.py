@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from pagedserve.engine import SamplingParams
-from pagedserve.engine.models.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from pagedserve.engine.models.gguf_config import config_from_gguf
+from pagedserve.engine.models.hf_config import config_from_json_file
+from pagedserve.engine.models.model_config import FULL_ATTENTION, SLIDING_ATTENTION
 from pagedserve.engine.models.weights import iter_gguf_weights
 from tests.engine.test_model_families import _greedy, _llm, _prompts
 from tests.families import FAMILIES, GGUF_CHANGES, build_family
@@ -33,7 +35,7 @@ def converted(tmp_path_factory):
         if name not in cache:
             folder = tmp_path_factory.mktemp(name)
             hf = build_family(name, folder, **GGUF_CHANGES.get(name, {}))
-            config = ModelConfig.from_json_file(folder / "config.json")
+            config = config_from_json_file(folder / "config.json")
             path = write_gguf_like_llama_cpp(folder / f"{name}.gguf", config, hf.state_dict())
             cache[name] = (path, hf, config)
         return cache[name]
@@ -58,7 +60,7 @@ def _reference_tensors(hf) -> dict[str, torch.Tensor]:
 def test_config_and_tensors_read_back_from_the_gguf_file(name, converted):
     path, hf, config = converted(name)
     reader = gguf.GGUFReader(path)
-    assert ModelConfig.from_gguf(reader) == dataclasses.replace(config, torch_dtype=None)
+    assert config_from_gguf(reader) == dataclasses.replace(config, torch_dtype=None)
     loaded = dict(iter_gguf_weights(reader, config, progress=False))
     reference = _reference_tensors(hf)
     if config.tie_word_embeddings:
@@ -208,7 +210,7 @@ def test_from_gguf_assumes_what_llama_cpp_assumes(tmp_path: Path):
     sliding, full = SLIDING_ATTENTION, FULL_ATTENTION
     # Gemma 2 without a window key: llama.cpp's 4096, every other layer from layer 0, the softcaps
     # llama.cpp defaults to, and head_dim's scale (not a 27B: 26 layers).
-    g2 = ModelConfig.from_gguf(_metadata_file(tmp_path / "g2.gguf", "gemma2", 4))
+    g2 = config_from_gguf(_metadata_file(tmp_path / "g2.gguf", "gemma2", 4))
     assert (g2.architecture, g2.sliding_window, g2.layer_types) == (
         "gemma2", 4096, (sliding, full, sliding, full)
     )  # fmt: skip
@@ -217,16 +219,16 @@ def test_from_gguf_assumes_what_llama_cpp_assumes(tmp_path: Path):
         32.0, "gelu_pytorch_tanh", True
     )  # fmt: skip
     # Gemma 2 27B (46 layers) scales by hidden_size / heads, 32 here as head_dim is 128.
-    g27 = ModelConfig.from_gguf(_metadata_file(tmp_path / "g27.gguf", "gemma2", 46, key_length=128))
+    g27 = config_from_gguf(_metadata_file(tmp_path / "g27.gguf", "gemma2", 46, key_length=128))
     assert (g27.query_pre_attn_scalar, g27.head_dim) == (32.0, 128)
     # Gemma 3: five sliding layers then a global one, local base 10000 unless stored; a stored
     # attention scale wins over the 27B rule; a per-layer pattern wins over the period.
-    g3 = ModelConfig.from_gguf(
+    g3 = config_from_gguf(
         _metadata_file(tmp_path / "g3.gguf", "gemma3", 7, sliding_window=512, rope_freq_base=1e6)
     )
     assert g3.layer_types == (sliding,) * 5 + (full, sliding)
     assert (g3.rope_theta, g3.local_rope_theta, g3.final_logit_softcapping) == (1e6, 1e4, None)
-    scaled = ModelConfig.from_gguf(
+    scaled = config_from_gguf(
         _metadata_file(
             tmp_path / "g3s.gguf", "gemma3", 3, sliding_window=512, attention_scale=0.125,
             sliding_window_pattern=[True, False, True], rope_freq_base_swa=5000.0,
@@ -235,10 +237,10 @@ def test_from_gguf_assumes_what_llama_cpp_assumes(tmp_path: Path):
     assert (scaled.query_pre_attn_scalar, scaled.local_rope_theta) == (64.0, 5000.0)
     assert scaled.layer_types == (sliding, full, sliding)
     # Phi-3 writes 0 for no window (Phi-4); without rope factor tensors there is no scaling.
-    phi = ModelConfig.from_gguf(_metadata_file(tmp_path / "p.gguf", "phi3", 2, sliding_window=0))
+    phi = config_from_gguf(_metadata_file(tmp_path / "p.gguf", "phi3", 2, sliding_window=0))
     assert (phi.sliding_window, phi.layer_types, phi.rope_scaling) == (None, (full, full), None)
     # Qwen3-MoE: layers without a router keep a dense MLP; llama.cpp renormalises the top k.
-    moe = ModelConfig.from_gguf(
+    moe = config_from_gguf(
         _metadata_file(
             tmp_path / "m.gguf", "qwen3moe", 3, expert_count=4, expert_used_count=2,
             expert_feed_forward_length=64, routed=(0, 2),
@@ -247,7 +249,7 @@ def test_from_gguf_assumes_what_llama_cpp_assumes(tmp_path: Path):
     assert (moe.architecture, moe.num_experts, moe.moe_intermediate_size) == ("qwen3_moe", 4, 64)
     assert (moe.dense_layers, moe.norm_topk_prob, moe.intermediate_size) == ((1,), True, 512)
     # A "llama" file with experts is Mixtral.
-    mixtral = ModelConfig.from_gguf(
+    mixtral = config_from_gguf(
         _metadata_file(
             tmp_path / "x.gguf", "llama", 2, expert_count=8, expert_used_count=2, routed=(0, 1)
         )
@@ -256,7 +258,7 @@ def test_from_gguf_assumes_what_llama_cpp_assumes(tmp_path: Path):
         "mixtral", 512, ()
     )  # fmt: skip
     with pytest.raises(ValueError, match="sliding_window_pattern has 2 entries for 3 layers"):
-        ModelConfig.from_gguf(
+        config_from_gguf(
             _metadata_file(
                 tmp_path / "bad.gguf", "gemma3", 3, sliding_window=8,
                 sliding_window_pattern=[True, False],

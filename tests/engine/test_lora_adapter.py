@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedserve.engine.lora.adapter import PROJECTIONS, LoRAAdapter, load_adapter
+from pagedserve.engine.models.hf_config import config_from_hf_dict, config_from_json_file
 from pagedserve.engine.models.model_config import ModelConfig
 from tests.families import build_family
 from tests.lora_adapters import (
@@ -54,7 +55,7 @@ def llama() -> tuple[torch.nn.Module, ModelConfig]:
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
-    return model, ModelConfig.from_hf_dict(model.config.to_dict())
+    return model, config_from_hf_dict(model.config.to_dict())
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def phi3(tmp_path_factory) -> tuple[torch.nn.Module, ModelConfig, Path]:
     """A tiny Phi-3 (fused qkv_proj and gate_up_proj), its config and an adapter on all four."""
     base = tmp_path_factory.mktemp("phi3")
     model = build_family("phi3", base / "model")
-    config = ModelConfig.from_json_file(base / "model" / "config.json")
+    config = config_from_json_file(base / "model" / "config.json")
     adapter = save_random_peft_adapter(model, base / "lora", 4, 8, PHI3_TARGETS, seed=2)
     return model, config, adapter
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import pagedserve.engine.models.quantized_linear as ql
 from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.models.hf_config import config_from_json_file
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.quantized_linear import (
     BlockWeight,
@@ -364,7 +365,7 @@ def _tiny_llama(folder, hidden: int, initializer_range: float) -> tuple[ModelCon
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(folder)
-    return ModelConfig.from_json_file(folder / "config.json"), hf.state_dict()
+    return config_from_json_file(folder / "config.json"), hf.state_dict()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.models.builtin_shapes import builtin_config
+from pagedserve.engine.models.hf_config import config_from_hf_dict
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import resolve_model
 from pagedserve.engine.models.tokenizer import (
@@ -25,7 +26,7 @@ from tests.helpers import TINY_CONFIG_JSON  # 300 ids, bos 1, eos 2; 0 and 3..25
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    return ModelConfig.from_hf_dict({**TINY_CONFIG_JSON, **overrides})
+    return config_from_hf_dict({**TINY_CONFIG_JSON, **overrides})
 
 
 def expected_strings(config: ModelConfig) -> list[str]:

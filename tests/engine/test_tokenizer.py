@@ -9,6 +9,7 @@ import pytest
 
 from pagedserve.engine.models import tokenizer as tokenizer_module
 from pagedserve.engine.models.builtin_shapes import builtin_config
+from pagedserve.engine.models.hf_config import hf_dict_of
 from pagedserve.engine.models.model_source import embedded_model_path, resolve_model
 from pagedserve.engine.models.tokenizer import (
     apply_chat_template,
@@ -143,7 +144,7 @@ def test_where_tokenizers_come_from(monkeypatch, tmp_path: Path):
     assert load_tokenizer(shape, "smollm2-135m-instruct") == "tokenizer"  # --tokenizer override
     weights_only = tmp_path / "weights-only"
     weights_only.mkdir()
-    (weights_only / "config.json").write_text(json.dumps(shape.config.to_hf_dict()))
+    (weights_only / "config.json").write_text(json.dumps(hf_dict_of(shape.config)))
     assert is_synthetic_tokenizer(load_tokenizer(resolve_model(str(weights_only))))
     local = {"local_files_only": True, "trust_remote_code": False}
     gguf_call = (gguf_path.parent, {"gguf_file": gguf_path.name, **local})

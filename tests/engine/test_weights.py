@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pagedserve.engine.models.gguf_config import config_from_gguf
+from pagedserve.engine.models.hf_config import hf_dict_of
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.model_source import GGUFFile, embedded_model_path, resolve_model
 from pagedserve.engine.models.weights import (
@@ -54,7 +56,7 @@ def test_tiny_gguf_round_trips_to_the_hf_tensors(tmp_path: Path, arch: str, perm
         assert tensor.dtype == torch.float32 and tensor.is_contiguous()
         assert torch.equal(tensor, hf[name]), name
     # The config read back from the file is the one that wrote it (bar the dtype note).
-    assert ModelConfig.from_gguf(reader) == config
+    assert config_from_gguf(reader) == config
 
 
 def test_unpermute_inverts_the_converter_for_weights_and_biases():
@@ -89,7 +91,7 @@ def test_gguf_that_does_not_fit_the_config_is_rejected(tmp_path: Path):
 def smollm2():
     path = embedded_model_path("smollm2-135m-instruct")
     reader = gguf.GGUFReader(path)
-    return path, reader, ModelConfig.from_gguf(reader)
+    return path, reader, config_from_gguf(reader)
 
 
 def test_real_smollm2_yields_the_hf_names_and_shapes(smollm2):
@@ -112,7 +114,7 @@ def test_real_smollm2_equals_transformers_gguf_loader(smollm2):
 
     _, reader, config = smollm2
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    processor = LlamaTensorProcessor(config=config.to_hf_dict())
+    processor = LlamaTensorProcessor(config=hf_dict_of(config))
     tensors = {t.name: t for t in reader.tensors}
     for name, tensor in iter_gguf_weights(reader, config, progress=False):
         module, suffix = name.rsplit(".", 1)
@@ -206,7 +208,7 @@ def test_load_weights_dispatches_on_the_source(tmp_path: Path):
     hf = random_hf_weights(config)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    (hf_dir / "config.json").write_text(json.dumps(hf_dict_of(config)))
     save_file(hf, hf_dir / "model.safetensors")
     gguf_path = write_gguf_like_llama_cpp(tmp_path / "tiny.gguf", config, hf)
 
