@@ -166,7 +166,7 @@ def test_the_container_args_parse_with_pagedserve_serve() -> None:
     engine, server = _serve()
     assert (server.host, server.port) == ("0.0.0.0", PORTS["http"])
     mounts = {m["mountPath"]: m["name"] for m in CONTAINER["volumeMounts"]}
-    assert mounts.get("/models") == "models" and engine.model.startswith("/models/")
+    assert mounts.get("/models") == "models" and engine.model.model.startswith("/models/")
     assert server.served_model_name == ("meta-llama/Llama-3.1-8B-Instruct",)
 
 
@@ -226,7 +226,8 @@ def test_the_selectors_pick_the_pod_template() -> None:
 
 def test_kv_events_publish_on_the_containers_kv_ports() -> None:
     engine, server = _serve()
-    events = engine.kv_events  # the engine's own reading of the JSON; None: events off
+    # The engine's own reading of the JSON; None: events off.
+    events = engine.observability.kv_events
     assert events is not None and events.publisher == "zmq"
     # Bound on every interface (a wildcard address binds, others connect).
     assert events.endpoint == f"tcp://*:{PORTS['kv-events']}" == "tcp://*:5557"

@@ -17,7 +17,6 @@ import gguf
 import numpy as np
 
 from pagedserve.engine.models.builtin_shapes import BUILTIN_SHAPES, builtin_config
-from pagedserve.engine.models.gguf_config import config_from_gguf
 from pagedserve.engine.models.hf_config import config_from_hf_dict, config_from_json_file
 from pagedserve.engine.models.model_config import ModelConfig
 from pagedserve.engine.models.whisper_config import WHISPER_SHAPES, WhisperConfig
@@ -220,6 +219,10 @@ def _hf_dir_source(name: str, path: Path) -> ModelSource:
 
 
 def _gguf_source(name: str, gguf_file: Path) -> ModelSource:
+    # Here, not at the top: the GGUF reader's rope arithmetic (engine/models/rotary.py) is not
+    # for the API server's process to load unless it serves a GGUF file.
+    from pagedserve.engine.models.gguf_config import config_from_gguf
+
     # Parsing the metadata reads every tokenizer string, which is slow for large vocabularies:
     # the reader is kept so that loading the weights does not parse the file again.
     reader = GGUFFile(gguf_file)

@@ -359,9 +359,9 @@ def parse_args(args: dict[str, Any]) -> tuple[EngineConfig, ServerConfig, dict[s
     ValueError for unknown flags or invalid values."""
     ray = _ray_keys(args)
     bools = {
-        name
+        f.name
         for cls in (EngineConfig, ServerConfig)
-        for name, hint in typing.get_type_hints(cls).items()
+        for _, f, hint in cls.option_fields()
         if hint in (bool, bool | None)
     }
     argv: list[str] = []

@@ -83,7 +83,11 @@ def test_the_readmes_config_file_is_a_serve_config_of_pagedserve_flags():
     (app,) = ServeDeploySchema.model_validate(config).applications
     assert app.import_path == "pagedserve.server.ray_serve:build_app"
     engine, server, ray_keys = parse_args(app.args)
-    assert (engine.device, engine.tensor_parallel_size, engine.max_model_len) == ("cuda", 2, 8192)
+    assert (
+        engine.model.device,
+        engine.parallel.tensor_parallel_size,
+        engine.model.max_model_len,
+    ) == ("cuda", 2, 8192)
     assert server.shutdown_timeout == 30
     assert ray_keys["autoscaling_config"]["max_replicas"] == 8
 
