@@ -92,11 +92,15 @@ def summarise(calls: list[tuple[str, str]]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.option_walk", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--walk", action="store_true", help="print the files of the walk too")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result = summarise(walk(args.model))
     if not args.walk:
         del result["walk"]
