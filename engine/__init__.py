@@ -69,7 +69,7 @@ core, scheduler and worker as a decoder: no second engine.
   off. Refused for BERT (`check_encoder_only_options`): tensor parallelism, n-gram drafts, GGUF
   quantization, swap preemption.
 - LoRA adapters apply to decoder models that generate: an engine of another kind refuses
-  `--enable-lora` (`Worker._build_lora`, and `EngineConfig.__post_init__` for `--task embed`).
+  `--enable-lora` (`Worker._build_lora`; with `--task embed`, EngineConfig's checks across groups).
 """
 
 from __future__ import annotations
